@@ -1,0 +1,329 @@
+"""Stage configs as data: one pydantic model per stage, flags generated from its fields.
+
+Precedence: field default < profile (`--profile NAME`, a JSON file under
+`eagle3-train/profiles/` or a path) < explicit flag. Unknown keys in a profile are errors.
+`--print-config` prints every resolved value with where it came from and exits 0.
+Only `resolve_stage_config` touches argv; config errors exit 2 with one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any, ClassVar, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import ConfigError
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+SCRIPTS_DIR = PACKAGE_DIR.parent
+REPO_DIR = SCRIPTS_DIR.parent
+PROFILES_DIR = SCRIPTS_DIR / "profiles"
+DEFAULT_DRAFT_CONFIG = REPO_DIR / "draft_config.json"
+
+
+class StageConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    STAGE: ClassVar[str] = ""
+    DESCRIPTION: ClassVar[str] = ""
+    EXAMPLE: ClassVar[str] = ""
+
+
+def _field(default: Any, help: str, **extra: Any) -> Any:
+    return Field(default, description=help, **extra)
+
+
+class PrepareConfig(StageConfig):
+    STAGE: ClassVar[str] = "prepare"
+    DESCRIPTION: ClassVar[str] = (
+        "Stage 01: conversations -> the target's chat template -> input_ids + assistant-only loss_mask, "
+        "saved in speculators' layout (datasets.save_to_disk + token_freq.pt)."
+    )
+    EXAMPLE: ClassVar[str] = (
+        "python eagle3-train/01_prepare_dataset.py --target /models/Kimi-K2.5 --trust-remote-code \\\n"
+        "    --data mlabonne/open-perfectblend --max-samples 10 --output work/data"
+    )
+    target: str = _field(..., "target model directory (its tokenizer + chat template are used)")
+    tokenizer: Optional[str] = _field(None, "tokenizer directory if not the target's")
+    data: str = _field(..., "conversations: a HF datasets name or a local .jsonl/.json/.parquet file")
+    data_split: str = _field("train", "split to read when --data is a HF datasets name")
+    data_subset: Optional[str] = _field(None, "HF datasets config/subset name")
+    output: str = _field(..., "output directory (the prepared dataset; stage 02 adds hidden_states/ inside it)")
+    max_samples: Optional[int] = _field(None, "use only the first N conversations (the 10-sample smoke)")
+    max_seq_len: int = _field(2048, "longest row in tokens")
+    on_too_long: Literal["drop", "truncate"] = _field(
+        "drop", "rows longer than --max-seq-len: drop them (counted in the manifest) or truncate them")
+    rows_per: Literal["turn", "conversation"] = _field(
+        "turn", "'turn': one row per assistant turn, rendered exactly as the model sees it at inference "
+        "(safe for thinking models whose template drops earlier reasoning); 'conversation': one row, "
+        "every assistant turn trained (needs a prefix-stable template)")
+    val_ratio: float = _field(0.1, "fraction of conversations held out for validation (the last rows)", gt=0, lt=1)
+    seed: int = _field(0, "shuffle seed for the train/val split")
+    trust_remote_code: bool = _field(False, "allow the target's own tokenizer code (Kimi-K2.5 needs it)")
+    overwrite: bool = _field(False, "replace a finished output made with other settings")
+
+
+class ExtractConfig(StageConfig):
+    STAGE: ClassVar[str] = "extract"
+    DESCRIPTION: ClassVar[str] = (
+        "Stage 02: run the target and save aux-layer + final (pre-norm) hidden states per row as "
+        "hidden_states/hs_{i}.safetensors (speculators' layout), validated as they land."
+    )
+    EXAMPLE: ClassVar[str] = (
+        "python eagle3-train/02_extract_hidden_states.py --profile rtx-pro-6000-8x \\\n"
+        "    --target /models/Kimi-K2.5 --trust-remote-code --data work/data"
+    )
+    target: str = _field(..., "target model directory")
+    data: str = _field(..., "stage 01's output directory; hidden_states/ is written inside it")
+    backend: Literal["vllm", "hf"] = _field("vllm", "'vllm' for real targets (tensor parallel), 'hf' for small targets and debugging")
+    layer_ids: Optional[list[int]] = _field(None, "the 3 aux layer ids (default 2, L//2, L-3); the final layer L is always added")
+    dtype: Literal["bfloat16", "float16", "float32"] = _field("bfloat16", "dtype of the saved hidden states (and of the HF backend's compute)")
+    device: str = _field("auto", "HF backend device: auto (cuda if present), cpu, cuda, cuda:N")
+    max_samples: Optional[int] = _field(None, "extract only the first N rows")
+    world_size: int = _field(1, "number of extraction replicas/nodes sharing the rows", ge=1)
+    rank: int = _field(0, "this replica's index in [0, world-size)", ge=0)
+    retries: int = _field(2, "re-extract a row whose file fails validation this many times before giving up", ge=0)
+    validate: bool = _field(False, "only validate existing files and list the rows to redo (a rerun redoes them)")
+    validate_sample: int = _field(16, "after extraction, re-read this many landed files end to end (0 = none, -1 = all)")
+    check: bool = _field(False, "preflight only: print the disk/GPU/version estimate and exit")
+    trust_remote_code: bool = _field(False, "allow the target's own code (Kimi-K2.5 needs it)")
+    # vLLM backend
+    tensor_parallel_size: int = _field(1, "vLLM tensor parallel size (8 for Kimi-K2.5 on one 8-GPU box)", ge=1)
+    gpu_memory_utilization: float = _field(0.9, "vLLM GPU memory fraction", gt=0, le=1)
+    max_model_len: Optional[int] = _field(None, "vLLM max model length (default: the prepared data's --max-seq-len + 1)")
+    max_num_seqs: int = _field(64, "vLLM concurrent sequences (requests in flight)", ge=1)
+    language_model_only: Optional[bool] = _field(None, "skip the vision tower of a multimodal wrapper (default: on for wrappers)")
+    attention_backend: Optional[str] = _field(None, "vLLM attention backend (e.g. TRITON_MLA on SM120); default: vLLM's choice")
+    kv_cache_dtype: str = _field("auto", "vLLM KV-cache dtype")
+    enforce_eager: bool = _field(False, "disable CUDA graphs in vLLM")
+    staging_dir: Optional[str] = _field(None, "where vLLM writes files before they are validated and moved (fast local disk; same filesystem as --data avoids a copy)")
+    endpoint: Optional[str] = _field(None, "URL of a running vLLM server started with --print-server-cmd's flags; default: run vLLM in-process")
+    print_server_cmd: bool = _field(False, "print the vLLM server command for this target and exit")
+    server_port: int = _field(8000, "port used in --print-server-cmd")
+
+
+class VocabConfig(StageConfig):
+    STAGE: ClassVar[str] = "vocab"
+    DESCRIPTION: ClassVar[str] = (
+        "Stage 03: the draft vocabulary (d2t/t2d) from loss-masked token frequencies of the training rows, "
+        "built with speculators' own functions, plus a coverage report."
+    )
+    EXAMPLE: ClassVar[str] = "python eagle3-train/03_build_vocab_mapping.py --data work/data --output work/vocab"
+    data: str = _field(..., "stage 01's output directory (its token_freq.pt)")
+    output: str = _field(..., "output directory for d2t.npy, t2d.npy, coverage.json")
+    draft_config: str = _field(str(DEFAULT_DRAFT_CONFIG), "draft_config.json (its draft_vocab_size is the default)")
+    draft_vocab_size: Optional[int] = _field(None, "draft vocabulary size (default: draft_config.json's, clipped to the target vocab)", gt=0)
+    overwrite: bool = _field(False, "replace a finished output made with other settings")
+
+
+class TrainConfig(StageConfig):
+    STAGE: ClassVar[str] = "train"
+    DESCRIPTION: ClassVar[str] = (
+        "Stage 04: train the EAGLE-3 draft with speculators' own trainer (flex_attention + fused loss on GPU; "
+        "a CPU compatibility layer only when no accelerator exists). Resumes from the last checkpoint."
+    )
+    EXAMPLE: ClassVar[str] = (
+        "python eagle3-train/04_train.py --profile rtx-pro-6000-8x --target /models/Kimi-K2.5 \\\n"
+        "    --data work/data --vocab work/vocab --output work/checkpoints"
+    )
+    target: str = _field(..., "target (verifier) model directory")
+    data: str = _field(..., "stage 01+02 output directory")
+    vocab: str = _field(..., "stage 03 output directory")
+    output: str = _field(..., "checkpoint directory (speculators' <epoch>/ folders, resumed automatically)")
+    draft_config: str = _field(str(DEFAULT_DRAFT_CONFIG), "draft architecture file")
+    epochs: int = _field(10, "training epochs", ge=1)
+    max_steps: Optional[int] = _field(None, "stop after this many optimizer steps")
+    total_seq_len: int = _field(8192, "tokens packed per step per GPU", ge=16)
+    lr: float = _field(1e-3, "learning rate")
+    optimizer: Literal["muon", "adamw"] = _field("muon", "optimizer")
+    ttt_steps: Optional[int] = _field(None, "test-time-training steps (default: draft_config.json's)", ge=1)
+    attn_impl: Literal["auto", "simple_flex_attention", "sdpa", "eager"] = _field("auto", "draft attention; auto = flex_attention on GPU, sdpa on CPU")
+    loss_impl: Literal["auto", "fused", "eager"] = _field("auto", "loss kernel; auto = fused (Triton) on GPU, eager on CPU")
+    hidden_states_dtype: Literal["bfloat16", "float32"] = _field("bfloat16", "dtype hidden states are trained in")
+    num_workers: int = _field(8, "dataloader workers per GPU", ge=0)
+    prefetch_factor: int = _field(4, "dataloader prefetch per worker", ge=1)
+    nproc: int = _field(1, "GPUs (torchrun processes) on this node", ge=1)
+    nnodes: int = _field(1, "nodes (torchrun --nnodes)", ge=1)
+    node_rank: int = _field(0, "this node's rank (torchrun --node-rank)", ge=0)
+    rdzv_endpoint: Optional[str] = _field(None, "torchrun rendezvous HOST:PORT for multi-node")
+    launcher: Literal["torchrun", "deepspeed"] = _field("torchrun", "multi-process launcher (deepspeed reads --hostfile)")
+    hostfile: Optional[str] = _field(None, "deepspeed hostfile (with --launcher deepspeed)")
+    fsdp: bool = _field(False, "shard the draft with FSDP2 instead of DDP (multi-GPU)")
+    checkpoint_freq: float = _field(1.0, "save every N epochs (<1 for sub-epoch checkpoints)", gt=0)
+    log_freq: int = _field(1, "log metrics every N steps", ge=1)
+    logger: str = _field("tensorboard", "speculators metric loggers: tensorboard, wandb, trackio, mlflow or '' for none")
+    seed: int = _field(0, "training seed")
+    trust_remote_code: bool = _field(False, "allow the target's own code when reading its config/tokenizer")
+    dry_run: bool = _field(False, "write an initialised draft and exit (speculators --dry-run)")
+    extra_args: list[str] = _field([], "further speculators train flags, passed through verbatim (e.g. --extra-args=--muon-lr --extra-args=0.02)")
+    overwrite: bool = _field(False, "discard checkpoints made from other inputs")
+
+
+class ExportConfig(StageConfig):
+    STAGE: ClassVar[str] = "export"
+    DESCRIPTION: ClassVar[str] = (
+        "Stage 05: copy the chosen checkpoint into a self-contained speculators-format draft directory that vLLM "
+        "loads with --speculative-config, verify it loads back, and print the serving command."
+    )
+    EXAMPLE: ClassVar[str] = "python eagle3-train/05_export.py --checkpoints work/checkpoints --output work/draft"
+    checkpoints: str = _field(..., "stage 04 output directory")
+    output: str = _field(..., "draft directory to write")
+    checkpoint: str = _field("best", "which checkpoint: best, latest, or an epoch folder name")
+    verifier_name: Optional[str] = _field(None, "verifier path/name written into the draft config (default: the target path used in training)")
+    num_speculative_tokens: Optional[int] = _field(None, "draft tokens per step in the printed command (default: draft_config.json's)", ge=1)
+    tensor_parallel_size: int = _field(8, "tensor parallel size in the printed vLLM command", ge=1)
+    overwrite: bool = _field(False, "replace an existing export")
+
+
+STAGE_CONFIGS: dict[str, type[StageConfig]] = {
+    cls.STAGE: cls for cls in (PrepareConfig, ExtractConfig, VocabConfig, TrainConfig, ExportConfig)
+}
+
+
+# --- profiles -----------------------------------------------------------------------------
+
+def profile_path(name: str) -> Path:
+    candidate = Path(name)
+    if candidate.suffix == ".json" and candidate.is_file():
+        return candidate
+    path = PROFILES_DIR / f"{name}.json"
+    if not path.is_file():
+        known = sorted(p.stem for p in PROFILES_DIR.glob("*.json"))
+        raise ConfigError(f"--profile {name}: no such profile (known: {', '.join(known) or 'none'})")
+    return path
+
+
+def load_profile(name: str) -> dict[str, dict[str, Any]]:
+    """A profile is {"description": ..., "<stage>": {field: value}}; unknown stages/fields are errors."""
+    path = profile_path(name)
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc})") from None
+    sections = {}
+    for key, values in data.items():
+        if key.startswith("_") or key == "description":
+            continue
+        if key not in STAGE_CONFIGS:
+            raise ConfigError(f"{path}: unknown section {key!r} (stages: {', '.join(STAGE_CONFIGS)})")
+        unknown = set(values) - set(STAGE_CONFIGS[key].model_fields)
+        if unknown:
+            raise ConfigError(f"{path}: section {key!r} has unknown keys {sorted(unknown)}")
+        sections[key] = values
+    return sections
+
+
+# --- argv -> config -----------------------------------------------------------------------
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _unwrap_optional(annotation: Any) -> Any:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return annotation
+
+
+def build_parser(cls: type[StageConfig]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=cls.DESCRIPTION,
+        epilog=f"example:\n  {cls.EXAMPLE}\n\nprecedence: default < --profile < flag; --print-config shows each value's source",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        argument_default=argparse.SUPPRESS,  # only flags actually given override the profile
+    )
+    parser.add_argument("--profile", help="machine profile: a name under eagle3-train/profiles/ or a .json path")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config with sources and exit")
+    for name, info in cls.model_fields.items():
+        annotation = _unwrap_optional(info.annotation)
+        required = info.is_required()
+        help_text = (info.description or "") + ("" if required else f" (default: {info.default!r})")
+        kwargs: dict[str, Any] = {"help": help_text, "dest": name}
+        origin = typing.get_origin(annotation)
+        if annotation is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif origin is list:
+            item_type = typing.get_args(annotation)[0]
+            kwargs.update(nargs="*", type=item_type) if item_type is int else kwargs.update(action="append")
+        elif origin is Literal:
+            kwargs.update(choices=list(typing.get_args(annotation)))
+        else:
+            kwargs["type"] = annotation if annotation in (int, float) else str
+        if required:
+            kwargs["help"] += " [required]"
+        parser.add_argument(_flag(name), **kwargs)
+    return parser
+
+
+def resolve_stage_config(cls: type[StageConfig], argv: list[str] | None = None):
+    """Parse argv for one stage; returns (config, sources). Exits 0 after --print-config."""
+    parser = build_parser(cls)
+    args = vars(parser.parse_args(argv))
+    profile_name = args.pop("profile", None)
+    print_config = args.pop("print_config", False)
+    try:
+        cfg, sources = build_config(cls, args, profile_name)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if print_config:
+        print(format_config(cfg, sources))
+        raise SystemExit(0)
+    return cfg, sources
+
+
+def build_config(cls: type[StageConfig], flags: dict[str, Any], profile_name: str | None = None):
+    """Layer default < profile < flags and validate; the argv-free seam tests use."""
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    if profile_name:
+        for key, value in load_profile(profile_name).get(cls.STAGE, {}).items():
+            values[key] = value
+            sources[key] = f"profile:{profile_name}"
+    for key, value in flags.items():
+        values[key] = value
+        sources[key] = "flag"
+    missing = [name for name, info in cls.model_fields.items() if info.is_required() and name not in values]
+    if missing:
+        raise ConfigError(f"missing required {', '.join(_flag(m) for m in missing)}")
+    try:
+        cfg = cls(**values)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = first["loc"][0] if first["loc"] else "?"
+        where = sources.get(str(field), "default")
+        raise ConfigError(f"{_flag(str(field))} ({where}): {first['msg']}") from None
+    for name in cls.model_fields:
+        sources.setdefault(name, "default")
+    return cfg, sources
+
+
+def format_config(cfg: StageConfig, sources: dict[str, str]) -> str:
+    lines = [f"# {cfg.STAGE} config (value  # source)"]
+    for name in type(cfg).model_fields:
+        lines.append(f"{name} = {json.dumps(getattr(cfg, name))}  # {sources.get(name, 'default')}")
+    return "\n".join(lines)
+
+
+def load_draft_config(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: draft config not found (--draft-config)")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc})") from None
+    allowed = {"description", "draft_arch", "num_layers", "hidden_size", "target_vocab_size",
+               "draft_vocab_size", "ttt_steps", "sliding_window", "full_attention_indices",
+               "num_speculative_tokens", "norm_before_residual"}
+    unknown = {k for k in data if not k.startswith("_")} - allowed
+    if unknown:
+        raise ConfigError(f"{path}: unknown keys {sorted(unknown)}")
+    return data

@@ -1,0 +1,31 @@
+"""Typed errors. Scripts turn them into one line on stderr and a non-zero exit."""
+
+
+class StageError(Exception):
+    """A problem a person must fix (bad input, wrong flag). The message is one line."""
+
+    exit_code = 1
+
+
+class ConfigError(StageError):
+    """Bad flags, profile or config file; exits 2 like argparse."""
+
+    exit_code = 2
+
+
+class ContractError(StageError):
+    """An upstream stage's outputs are missing or do not match what this stage needs."""
+
+    exit_code = 3
+
+
+class InputError(StageError):
+    """A bad input file or row; the message names the file and the row."""
+
+    exit_code = 4
+
+
+class PreflightError(StageError):
+    """The run would not fit (disk, GPUs, memory, versions); refused before heavy work."""
+
+    exit_code = 5

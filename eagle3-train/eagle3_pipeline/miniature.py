@@ -1,0 +1,316 @@
+"""The miniature: tiny random targets shaped like Kimi-K2.5, built locally and deterministically.
+
+`build_miniature(cache_dir)` writes (once; later calls reuse the cache):
+- `kimi-k25-mini/`: top-level `kimi_k25` config (`KimiK25ForConditionalGeneration`) with a
+  deepseek_v3 `text_config` (MLA with kv_lora_rank + qk_rope_head_dim = 576, the only
+  size vLLM's CPU MLA kernel takes; `topk_method: noaux_tc`; a few routed experts + one
+  shared; first layer dense), weights under `language_model.` in two safetensors shards
+  with an index (like the real 64-shard checkpoint), a small `vision_config` and a
+  `preprocessor_config.json` so vLLM can load it text-only, and the tokenizer.
+- `llama-mini/`: a tiny plain Llama with the same tokenizer (vLLM's CPU backend can
+  spec-decode a Llama target, not an MLA one).
+- the tokenizer: byte-level BPE trained on the bundled sample conversations, carrying
+  Kimi's special tokens and a chat template that renders Kimi's chat format (thinking on
+  by default; earlier turns' reasoning dropped as Kimi's template does).
+Weights are random (seeded): the miniature tests plumbing and shapes, not quality.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .files import atomic_path, sha256_json
+
+SAMPLES_DIR = Path(__file__).resolve().parent.parent / "samples"
+SAMPLE_CONVERSATIONS = SAMPLES_DIR / "conversations.jsonl"
+SAMPLE_SHAREGPT = SAMPLES_DIR / "sharegpt.jsonl"
+
+SEED = 1234
+VOCAB_SIZE = 1024  # config vocab; the trained tokenizer is smaller, like Kimi's padded 163840
+BPE_VOCAB_SIZE = 700
+NUM_LAYERS = 6
+
+KIMI_SPECIAL_TOKENS = [
+    "[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>",
+    "<|im_middle|>", "<think>", "</think>", "<|tool_calls_section_begin|>",
+    "<|tool_calls_section_end|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>", "[UNK]", "[PAD]",
+]
+DEFAULT_SYSTEM_PROMPT = "You are Kimi, an AI assistant created by Moonshot AI."
+
+# Kimi-K2.5's chat format: turns are concatenated with no separators; an assistant turn is
+# `<|im_assistant|>assistant<|im_middle|><think>REASONING</think>ANSWER<|im_end|>`. Reasoning
+# is kept only for assistant turns after the last user message (earlier ones render
+# `<think></think>`), so re-rendered history differs from what the model generated: the
+# reason stage 01 makes one row per assistant turn by default. The generation prompt ends
+# with `<think>` (thinking on) or `<think></think>` when called with thinking=false.
+KIMI_CHAT_TEMPLATE = (
+    "{%- set ns = namespace(last_user=-1) -%}"
+    "{%- for m in messages -%}{%- if m['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}"
+    "{%- if messages|length == 0 or messages[0]['role'] != 'system' -%}"
+    "<|im_system|>system<|im_middle|>" + DEFAULT_SYSTEM_PROMPT + "<|im_end|>"
+    "{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'system' -%}<|im_system|>system<|im_middle|>{{ m['content'] }}<|im_end|>"
+    "{%- elif m['role'] == 'user' -%}<|im_user|>user<|im_middle|>{{ m['content'] }}<|im_end|>"
+    "{%- elif m['role'] == 'tool' -%}<|im_system|>tool<|im_middle|>{{ m['content'] }}<|im_end|>"
+    "{%- elif m['role'] == 'assistant' -%}<|im_assistant|>assistant<|im_middle|><think>"
+    "{%- if loop.index0 > ns.last_user and m.get('reasoning_content') -%}{{ m['reasoning_content'] }}{%- endif -%}"
+    "</think>{{ m['content'] }}<|im_end|>"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>"
+    "{%- if thinking is defined and thinking is false -%}<think></think>{%- else -%}<think>{%- endif -%}"
+    "{%- endif -%}"
+)
+
+
+def kimi_text_config(vocab_size: int, special_ids: dict[str, int]) -> dict:
+    """DeepSeek-V3 text config with Kimi-K2.5's structure at toy sizes."""
+    return {
+        "model_type": "deepseek_v3",
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "vocab_size": vocab_size,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "moe_intermediate_size": 64,
+        "num_hidden_layers": NUM_LAYERS,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.827,
+        "q_lora_rank": 64,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 32,
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096,
+        "rope_theta": 50000.0,
+        "rms_norm_eps": 1e-5,
+        "initializer_range": 0.02,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "bos_token_id": special_ids["[BOS]"],
+        "eos_token_id": special_ids["[EOS]"],
+        "pad_token_id": special_ids["[PAD]"],
+        "dtype": "float32",
+    }
+
+
+def kimi_wrapper_config(text_config: dict) -> dict:
+    return {
+        "model_type": "kimi_k25",
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "text_config": text_config,
+        # A small vision tower config: vLLM builds its processor from it even text-only.
+        "vision_config": {
+            "model_type": "kimi_k25_vision", "patch_size": 14, "hidden_size": 64,
+            "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 128,
+            "pos_emb_height": 8, "pos_emb_width": 8, "pos_emb_time": 4, "merge_kernel_size": [2, 2],
+        },
+        "projection_hidden_size": 64,
+        "tie_word_embeddings": False,  # the top-level default is True; Kimi-K2.5 unties
+        "bos_token_id": text_config["bos_token_id"],
+        "eos_token_id": text_config["eos_token_id"],
+        "pad_token_id": text_config["pad_token_id"],
+        "dtype": "float32",
+    }
+
+
+# vLLM loads Kimi-K2.5's image processor even for text-only use; it reads `media_proc_cfg`.
+KIMI_PREPROCESSOR_CONFIG = {
+    "media_proc_cfg": {
+        "in_patch_limit": 4096, "patch_size": 14, "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5], "merge_kernel_size": 2, "fixed_output_tokens": None,
+        "patch_limit_on_one_side": 512, "in_patch_limit_each_frame": 4096,
+        "max_num_frames": 8, "temporal_merge_kernel_size": 4, "timestamp_mode": "hh:mm:ss.fff",
+        "config_type": "kimi_k25",
+    },
+}
+
+
+def llama_config(vocab_size: int, special_ids: dict[str, int]) -> dict:
+    return {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": vocab_size,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": NUM_LAYERS,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-5,
+        "initializer_range": 0.02,
+        "tie_word_embeddings": False,
+        "bos_token_id": special_ids["[BOS]"],
+        "eos_token_id": special_ids["<|im_end|>"],
+        "pad_token_id": special_ids["[PAD]"],
+        "dtype": "float32",
+    }
+
+
+def _sample_texts() -> list[str]:
+    texts = []
+    for path in (SAMPLE_CONVERSATIONS, SAMPLE_SHAREGPT):
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            for turn in row.get("messages") or row.get("conversations"):
+                texts.append(turn.get("content") or turn.get("value") or "")
+                if turn.get("reasoning_content"):
+                    texts.append(turn["reasoning_content"])
+    return texts
+
+
+def build_tokenizer(out_dir: Path) -> dict[str, int]:
+    """Train a byte-level BPE on the samples, add Kimi's special tokens, save as HF fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE(unk_token=None))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=BPE_VOCAB_SIZE, min_frequency=1, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(_sample_texts(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="[BOS]", eos_token="[EOS]", unk_token="[UNK]", pad_token="[PAD]",
+        additional_special_tokens=[t for t in KIMI_SPECIAL_TOKENS if t not in ("[BOS]", "[EOS]", "[UNK]", "[PAD]")],
+    )
+    fast.chat_template = KIMI_CHAT_TEMPLATE
+    fast.model_max_length = 4096
+    fast.save_pretrained(out_dir)
+    if len(fast) > VOCAB_SIZE:
+        raise RuntimeError(f"miniature tokenizer has {len(fast)} tokens > config vocab {VOCAB_SIZE}")
+    return {tok: fast.convert_tokens_to_ids(tok) for tok in KIMI_SPECIAL_TOKENS}
+
+
+def _save_sharded(state: dict, out_dir: Path, prefix: str, num_shards: int) -> None:
+    from safetensors.torch import save_file
+
+    names = sorted(state)
+    shards = [names[i::num_shards] for i in range(num_shards)]
+    weight_map = {}
+    for i, shard_names in enumerate(shards):
+        file_name = f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors"
+        save_file({prefix + n: state[n].contiguous() for n in shard_names}, str(out_dir / file_name),
+                  metadata={"format": "pt"})
+        weight_map.update({prefix + n: file_name for n in shard_names})
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    (out_dir / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True)
+    )
+
+
+def _random_model_state(model_type: str, config: dict, seed: int) -> dict:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    hf_config = AutoConfig.for_model(model_type, **{k: v for k, v in config.items() if k != "model_type"})
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    with torch.no_grad():
+        # Kimi's router bias exists in the checkpoint (noaux_tc); give it non-trivial values.
+        for name, param in model.named_parameters():
+            if name.endswith("e_score_correction_bias"):
+                param.uniform_(-0.1, 0.1)
+    for name, buf in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            buf.uniform_(-0.1, 0.1)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def miniature_key() -> str:
+    """Changes whenever anything that shapes the miniature changes; names the cache entry."""
+    return sha256_json({
+        "seed": SEED, "vocab": VOCAB_SIZE, "bpe": BPE_VOCAB_SIZE, "layers": NUM_LAYERS,
+        "template": KIMI_CHAT_TEMPLATE, "kimi": kimi_text_config(VOCAB_SIZE, dict.fromkeys(KIMI_SPECIAL_TOKENS, 0)),
+        "llama": llama_config(VOCAB_SIZE, dict.fromkeys(KIMI_SPECIAL_TOKENS, 0)),
+        "preproc": KIMI_PREPROCESSOR_CONFIG,
+        "samples": [SAMPLE_CONVERSATIONS.read_text(), SAMPLE_SHAREGPT.read_text()],
+    })[:12]
+
+
+def build_miniature(cache_dir: str | Path) -> dict[str, Path]:
+    """Build (or reuse) the miniature targets; returns their paths and the sample data."""
+    root = Path(cache_dir) / f"miniature-{miniature_key()}"
+    paths = {
+        "kimi": root / "kimi-k25-mini",
+        "llama": root / "llama-mini",
+        "conversations": SAMPLE_CONVERSATIONS,
+        "sharegpt": SAMPLE_SHAREGPT,
+    }
+    if (root / "DONE").is_file():
+        return paths
+    with atomic_path(root) as tmp:
+        tmp.mkdir(parents=True)
+        tok_dir = tmp / "tokenizer"
+        special_ids = build_tokenizer(tok_dir)
+
+        kimi_dir = tmp / "kimi-k25-mini"
+        kimi_dir.mkdir()
+        text_config = kimi_text_config(VOCAB_SIZE, special_ids)
+        (kimi_dir / "config.json").write_text(json.dumps(kimi_wrapper_config(text_config), indent=2))
+        (kimi_dir / "preprocessor_config.json").write_text(json.dumps(KIMI_PREPROCESSOR_CONFIG, indent=2))
+        _write_generation_config(kimi_dir, special_ids)
+        _save_sharded(_random_model_state("deepseek_v3", text_config, SEED), kimi_dir, "language_model.", 2)
+
+        llama_dir = tmp / "llama-mini"
+        llama_dir.mkdir()
+        config = llama_config(VOCAB_SIZE, special_ids)
+        (llama_dir / "config.json").write_text(json.dumps(config, indent=2))
+        _write_generation_config(llama_dir, special_ids)
+        _save_sharded(_random_model_state("llama", config, SEED + 1), llama_dir, "", 1)
+
+        for target in (kimi_dir, llama_dir):
+            for item in tok_dir.iterdir():
+                (target / item.name).write_bytes(item.read_bytes())
+        (tmp / "DONE").write_text(miniature_key() + "\n")
+    return paths
+
+
+def _write_generation_config(directory: Path, special_ids: dict[str, int]) -> None:
+    (directory / "generation_config.json").write_text(json.dumps({
+        "bos_token_id": special_ids["[BOS]"],
+        "eos_token_id": [special_ids["[EOS]"], special_ids["<|im_end|>"]],
+        "pad_token_id": special_ids["[PAD]"],
+    }, indent=2))
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Build the miniature targets (tiny Kimi-K2.5-shaped + tiny Llama).")
+    parser.add_argument("--cache-dir", default=".cache", help="where to build (reused when unchanged)")
+    parser.add_argument("--print", choices=["kimi", "llama", "conversations", "sharegpt"],
+                        help="print one path only (for shell scripts)")
+    args = parser.parse_args()
+    paths = build_miniature(args.cache_dir)
+    if args.print:
+        print(paths[args.print])
+    else:
+        for name, path in paths.items():
+            print(f"{name}: {path}")
+
+
+if __name__ == "__main__":
+    main()
