@@ -34,8 +34,9 @@ class StageConfig(BaseModel):
     EXAMPLE: ClassVar[str] = ""
 
 
-def _field(default: Any, help: str, **extra: Any) -> Any:
-    return Field(default, description=help, **extra)
+def _field(default: Any, help: str, flag: str | None = None, **extra: Any) -> Any:
+    """A config field; `flag` overrides the generated --field-name (when the name would clash)."""
+    return Field(default, description=help, json_schema_extra={"flag": flag} if flag else None, **extra)
 
 
 class PrepareConfig(StageConfig):
@@ -88,7 +89,7 @@ class ExtractConfig(StageConfig):
     world_size: int = _field(1, "number of extraction replicas/nodes sharing the rows", ge=1)
     rank: int = _field(0, "this replica's index in [0, world-size)", ge=0)
     retries: int = _field(2, "re-extract a row whose file fails validation this many times before giving up", ge=0)
-    validate: bool = _field(False, "only validate existing files and list the rows to redo (a rerun redoes them)")
+    validate_only: bool = _field(False, flag="--validate", help="only validate existing files and list the rows to redo (a rerun redoes them)")
     validate_sample: int = _field(16, "after extraction, re-read this many landed files end to end (0 = none, -1 = all)")
     check: bool = _field(False, "preflight only: print the disk/GPU/version estimate and exit")
     trust_remote_code: bool = _field(False, "allow the target's own code (Kimi-K2.5 needs it)")
@@ -144,7 +145,7 @@ class TrainConfig(StageConfig):
     ttt_steps: Optional[int] = _field(None, "test-time-training steps (default: draft_config.json's)", ge=1)
     attn_impl: Literal["auto", "simple_flex_attention", "sdpa", "eager"] = _field("auto", "draft attention; auto = flex_attention on GPU, sdpa on CPU")
     loss_impl: Literal["auto", "fused", "eager"] = _field("auto", "loss kernel; auto = fused (Triton) on GPU, eager on CPU")
-    hidden_states_dtype: Literal["bfloat16", "float32"] = _field("bfloat16", "dtype hidden states are trained in")
+    hidden_states_dtype: Literal["auto", "bfloat16", "float32"] = _field("auto", "training compute dtype for hidden states (speculators autocast); auto = bfloat16 on GPU, float32 on CPU")
     num_workers: int = _field(8, "dataloader workers per GPU", ge=0)
     prefetch_factor: int = _field(4, "dataloader prefetch per worker", ge=1)
     nproc: int = _field(1, "GPUs (torchrun processes) on this node", ge=1)
@@ -220,7 +221,10 @@ def load_profile(name: str) -> dict[str, dict[str, Any]]:
 
 # --- argv -> config -----------------------------------------------------------------------
 
-def _flag(name: str) -> str:
+def _flag(name: str, cls: type[StageConfig] | None = None) -> str:
+    extra = cls.model_fields[name].json_schema_extra if cls and name in cls.model_fields else None
+    if isinstance(extra, dict) and extra.get("flag"):
+        return extra["flag"]
     return "--" + name.replace("_", "-")
 
 
@@ -258,7 +262,7 @@ def build_parser(cls: type[StageConfig]) -> argparse.ArgumentParser:
             kwargs["type"] = annotation if annotation in (int, float) else str
         if required:
             kwargs["help"] += " [required]"
-        parser.add_argument(_flag(name), **kwargs)
+        parser.add_argument(_flag(name, cls), **kwargs)
     return parser
 
 
@@ -292,14 +296,14 @@ def build_config(cls: type[StageConfig], flags: dict[str, Any], profile_name: st
         sources[key] = "flag"
     missing = [name for name, info in cls.model_fields.items() if info.is_required() and name not in values]
     if missing:
-        raise ConfigError(f"missing required {', '.join(_flag(m) for m in missing)}")
+        raise ConfigError(f"missing required {', '.join(_flag(m, cls) for m in missing)}")
     try:
         cfg = cls(**values)
     except ValidationError as exc:
         first = exc.errors()[0]
         field = first["loc"][0] if first["loc"] else "?"
         where = sources.get(str(field), "default")
-        raise ConfigError(f"{_flag(str(field))} ({where}): {first['msg']}") from None
+        raise ConfigError(f"{_flag(str(field), cls)} ({where}): {first['msg']}") from None
     for name in cls.model_fields:
         sources.setdefault(name, "default")
     return cfg, sources

@@ -1,0 +1,350 @@
+"""Training tokens/s at Kimi-K2.5 geometry: plain `speculators train` vs our `04_train.py`.
+
+One invocation, on one GPU machine, on the same data:
+  1. measures the bf16 matmul peak (the MFU denominator) and the disk's cold read speed;
+  2. writes a head-only Kimi-K2.5 verifier (real config, random embed/lm_head/norm) and a
+     synthetic prepared dataset (random hidden states [2048, 4, 7168]) under --workdir;
+  3. runs (a) plain `speculators train` with its defaults and (b) ours with the shipped
+     defaults, a fixed number of steps after warm-up each, in subprocesses;
+  4. prints tokens/s, the step split (fetch/fwd/bwd/opt), peak memory, MFU and the FLOP
+     count per token, and writes bench/results/<gpu>-train.json (both runs, ratio, mfu).
+
+    python bench/train_throughput.py                       # plain vs ours, one GPU
+    python bench/train_throughput.py --runs plain ours --ddp 2   # + ours on 2 GPUs (torchrun)
+    python bench/train_throughput.py --variant 'x=--total-seq-len 16384'   # extra flag sets
+
+Random data: the numbers say how fast, never how well (see NOTES-throughput.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "eagle3-train"))
+
+from eagle3_pipeline import throughput  # noqa: E402
+
+ROW_TOKENS = 2048          # tokens per synthetic row (the row is one document)
+DRAFT_VOCAB = 32000        # the draft vocab every run uses (plain's own default is the full vocab)
+# Kimi's pad token: passing a mask token id keeps speculators from loading a tokenizer,
+# which the head-only verifier does not have.
+MASK_TOKEN_ID = throughput.KIMI_K25_TEXT_CONFIG["pad_token_id"]
+
+# Our shipped training defaults as speculators flags, with the reason for each in
+# bench/NOTES-throughput.md. 04_train.py is the real thing; these are used only when it
+# is absent (and to run the same settings under torchrun).
+OURS_FLAGS = ["--total-seq-len", "32768", "--optimizer", "adamw", "--log-freq", "10",
+              "--num-workers", "4", "--prefetch-factor", "2"]
+
+
+def gpu_slug(name: str) -> str:
+    return name.lower().replace("nvidia", "").strip().replace(" ", "-") or "gpu"
+
+
+class GpuMemoryPoller:
+    """Peak `nvidia-smi` memory.used on the given GPUs while a run lasts (any process)."""
+
+    def __init__(self, gpus: list[int], interval: float = 0.5):
+        self.gpus, self.interval, self.peak_mib = gpus, interval, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        query = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
+                 "-i", ",".join(map(str, self.gpus))]
+        while not self._stop.is_set():
+            try:
+                out = subprocess.run(query, capture_output=True, text=True, timeout=10).stdout
+                self.peak_mib = max([self.peak_mib, *(int(x) for x in out.split() if x.isdigit())])
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> GpuMemoryPoller:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def speculators_argv(verifier: Path, data: Path, run_dir: Path, max_steps: int) -> list[str]:
+    """Plain `speculators train` with its defaults, plus only what this setup needs."""
+    return ["--verifier-name-or-path", str(verifier), "--data-path", str(data),
+            "--save-path", str(run_dir / "checkpoints"), "--log-dir", str(run_dir / "logs"),
+            "--draft-vocab-size", str(DRAFT_VOCAB), "--mask-token-id", str(MASK_TOKEN_ID),
+            "--epochs", "1", "--max-steps", str(max_steps)]
+
+
+def run_child(args: argparse.Namespace) -> None:
+    """Inside a run's subprocess: speculators' trainer with the metric sink."""
+    rank = os.environ.get("RANK", "0")
+    metrics = Path(f"{args.metrics}.rank{rank}")
+    throughput.run_speculators_train(args.train_argv, metrics, stop_after_step=args.stop_after,
+                                     device_prefetch=args.device_prefetch)
+
+
+def launch(name: str, command: list[str], *, metrics: Path, gpus: list[int], log: Path,
+           timeout: float) -> dict:
+    print(f"[{name}] {shlex.join(command)}", flush=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))}
+    start = time.perf_counter()
+    with GpuMemoryPoller(gpus) as poller, open(log, "w") as log_file:
+        proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                                cwd=REPO, start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            code = "timeout"
+    return {"exit": code, "wall_s": time.perf_counter() - start,
+            "peak_gpu_memory_used_gib": poller.peak_mib / 1024}
+
+
+def summarize(name: str, outcome: dict, metrics: Path, world: int, warmup: int,
+              flops_per_token: float, peak_tflops: float) -> dict:
+    per_rank = sorted(metrics.parent.glob(metrics.name + ".rank*"))
+    if not per_rank:
+        return {**outcome, "error": "no metrics written (see the run's log)"}
+    summaries = [throughput.summarize_train_metrics(throughput.read_metrics_jsonl(p),
+                                                    warmup_steps=warmup) for p in per_rank]
+    first = summaries[0]
+    tokens_per_s = sum(s["tokens_per_s"] for s in summaries)
+    return {
+        **outcome, **first, "gpus": world, "tokens_per_s": tokens_per_s,
+        "tokens_per_s_per_gpu": tokens_per_s / world,
+        "mfu": tokens_per_s / world * flops_per_token / (peak_tflops * 1e12),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/eagle3-train-bench"))
+    parser.add_argument("--results", type=Path, default=REPO / "bench" / "results")
+    parser.add_argument("--runs", nargs="+", default=["plain", "ours"])
+    parser.add_argument("--variant", action="append", default=[],
+                        help="NAME=FLAGS: an extra run of speculators train with these flags")
+    parser.add_argument("--warmup-steps", type=int, default=3,
+                        help="steps left out of the measurement (compile, autotune, caches)")
+    parser.add_argument("--steps", type=int, default=10, help="measured steps per run (min)")
+    parser.add_argument("--ddp", type=int, default=0, help="also run ours on N GPUs (torchrun)")
+    parser.add_argument("--distinct-files", type=int, default=48,
+                        help="distinct hidden-state files (rows beyond share them by hard link)")
+    parser.add_argument("--skip-disk", action="store_true")
+    parser.add_argument("--run-timeout", type=float, default=420)
+    sub = parser.add_subparsers(dest="child")
+    child = sub.add_parser("_child")
+    child.add_argument("--metrics", required=True)
+    child.add_argument("--stop-after", type=int, required=True)
+    child.add_argument("--device-prefetch", action="store_true")
+    child.add_argument("train_argv", nargs=argparse.REMAINDER)
+    args = parser.parse_args()
+    if args.child == "_child":
+        args.train_argv = [a for a in args.train_argv if a != "--"]
+        return run_child(args)
+
+    import torch
+
+    work = args.workdir
+    work.mkdir(parents=True, exist_ok=True)
+    report: dict = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                    "commit": _git_commit(), "torch": torch.__version__}
+
+    # 1. The bf16 ceiling, measured here and now.
+    peak = throughput.measure_bf16_matmul_peak()
+    report["gpu"] = peak["device_name"]
+    report["bf16_matmul"] = peak
+    print(f"bf16 matmul peak {peak['peak_tflops']:.0f} TFLOP/s on {peak['device_name']}", flush=True)
+
+    # 2. Verifier and data (reused when present).
+    verifier, data = work / "verifier", work / "data"
+    if not (verifier / "model.safetensors").is_file():
+        throughput.write_head_only_verifier(verifier, device="cuda")
+    geometry = throughput.kimi_draft_geometry(verifier, draft_vocab_size=DRAFT_VOCAB)
+    # Each run logs every log_freq steps; size the data for the longest run.
+    plan = _plan_runs(args)
+    rows_needed = max(p["rows"] for p in plan.values())
+    if not (data / "dataset_info.json").is_file() or _dataset_rows(data) < rows_needed:
+        info = throughput.write_synthetic_prepared_dataset(
+            data, num_rows=rows_needed, seq_len=ROW_TOKENS, hidden_size=geometry.hidden_size,
+            vocab_size=throughput.KIMI_K25_TEXT_CONFIG["vocab_size"],
+            distinct_files=args.distinct_files, device="cuda")
+        report["data"] = info
+    bytes_per_token = throughput.HIDDEN_STATE_SLOTS * geometry.hidden_size * 2
+    # The trainer shifts each row by one token: documents of ROW_TOKENS - 1.
+    mean_keys = throughput.mean_attended_keys([ROW_TOKENS - 1], 2048)
+    flops = throughput.train_flops_per_token(geometry, mean_keys)
+    report["flops_per_token"] = flops.as_dict()
+    report["geometry"] = geometry.__dict__
+    report["muon_flops_per_step"] = throughput.muon_step_flops(geometry.muon_matrix_shapes())
+    _print_flops(flops)
+
+    distinct = sorted((data / "hidden_states").glob("hs_*.safetensors"))[: args.distinct_files]
+    if not args.skip_disk:
+        report["disk_direct"] = [throughput.measure_cold_read_bandwidth(distinct, threads=t)
+                                 for t in (1, 8)]
+        for r in report["disk_direct"]:
+            print(f"disk O_DIRECT read, {r['threads']} threads: {r['gb_per_s']:.2f} GB/s", flush=True)
+
+    # 3. The runs.
+    runs: dict = {}
+    report["runs"] = runs
+    for name, spec in plan.items():
+        run_dir = work / "runs" / name
+        metrics = run_dir / "metrics.jsonl"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        for old in run_dir.glob("metrics.jsonl.rank*"):
+            old.unlink()
+        train_argv = speculators_argv(verifier, data, run_dir, spec["stop"] + 2) + spec["flags"]
+        child = [sys.executable, __file__, "_child", "--metrics", str(metrics),
+                 "--stop-after", str(spec["stop"])] + (
+                     ["--device-prefetch"] if spec["prefetch"] else []) + ["--", *train_argv]
+        gpus = list(range(spec["gpus"]))
+        if spec["gpus"] > 1:
+            child = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                     f"--nproc-per-node={spec['gpus']}", *child[1:]]
+        outcome = launch(name, child, metrics=metrics, gpus=gpus, log=run_dir / "log.txt",
+                         timeout=args.run_timeout)
+        runs[name] = summarize(name, outcome, metrics, spec["gpus"], spec["warmup"],
+                               flops.total, peak["peak_tflops"])
+        runs[name]["flags"] = spec["flags"]
+        runs[name]["device_prefetch"] = spec["prefetch"]
+        _print_run(name, runs[name])
+        if "error" in runs[name]:
+            print((run_dir / "log.txt").read_text()[-4000:], flush=True)
+        report["runs"] = runs
+        _write_report(report, args.results)  # after every run: a cut-off bench keeps its runs
+
+    # 4. Ratio, MFU, read bandwidth, table.
+    if "tokens_per_s" in runs.get("plain", {}) and "tokens_per_s" in runs.get("ours", {}):
+        report["ratio"] = runs["ours"]["tokens_per_s"] / runs["plain"]["tokens_per_s"]
+        report["mfu"] = runs["ours"]["mfu"]
+    for run in runs.values():
+        if "tokens_per_s_per_gpu" in run:
+            run["read_gb_per_s_per_gpu"] = throughput.required_read_bandwidth(
+                run["tokens_per_s_per_gpu"], bytes_per_token)
+    if not args.skip_disk and throughput.drop_page_cache():
+        report["disk_buffered_after_drop_caches"] = throughput.measure_cold_read_bandwidth(
+            distinct, threads=8, direct=False)
+    out = _write_report(report, args.results)
+    _print_table(report)
+    print(f"wrote {out}")
+
+
+def _write_report(report: dict, results: Path) -> Path:
+    results.mkdir(parents=True, exist_ok=True)
+    out = results / f"{gpu_slug(report['gpu'])}-train.json"
+    out.write_text(json.dumps(report, indent=2, default=float) + "\n")
+    return out
+
+
+def _plan_runs(args: argparse.Namespace) -> dict[str, dict]:
+    """Flags, GPU count, stop step and data rows of each run.
+
+    Warm-up and window are in logged steps: a run with log_freq L logs steps 0, L, 2L...;
+    the window runs from the first logged step >= warmup to `stop`.
+    """
+    specs = {}
+    ours_via_04 = (REPO / "eagle3-train" / "04_train.py").is_file()
+    for name in args.runs:
+        if name == "plain":
+            specs[name] = {"flags": [], "prefetch": False, "gpus": 1}
+        elif name == "ours":
+            # TODO(lead): run 04_train.py here once it takes the shipped defaults.
+            specs[name] = {"flags": list(OURS_FLAGS), "prefetch": True, "gpus": 1,
+                           "via_04_train": ours_via_04}
+    for item in args.variant:
+        name, _, flags = item.partition("=")
+        prefetch = "+prefetch" in flags
+        specs[name] = {"flags": shlex.split(flags.replace("+prefetch", "")),
+                       "prefetch": prefetch, "gpus": 1}
+    if args.ddp > 1:
+        specs[f"ours-{args.ddp}gpu"] = {**specs.get("ours", {"flags": list(OURS_FLAGS),
+                                                             "prefetch": True}),
+                                        "gpus": args.ddp}
+    for spec in specs.values():
+        flags = spec["flags"]
+        log_freq = int(flags[flags.index("--log-freq") + 1]) if "--log-freq" in flags else 1
+        seq = int(flags[flags.index("--total-seq-len") + 1]) if "--total-seq-len" in flags else 8192
+        warmup = -(-args.warmup_steps // log_freq) * log_freq
+        stop = warmup + max(-(-args.steps // log_freq), 1) * log_freq
+        spec.update(warmup=warmup, stop=stop, log_freq=log_freq,
+                    rows=int((stop + 3) * (seq // ROW_TOKENS) * spec["gpus"] / 0.9) + 2)
+    return specs
+
+
+def _dataset_rows(data: Path) -> int:
+    try:
+        from datasets import load_from_disk
+
+        return len(load_from_disk(str(data)))
+    except Exception:  # noqa: BLE001 - any unreadable dataset is rebuilt
+        return 0
+
+
+def _git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                              capture_output=True, text=True, timeout=5).stdout.strip() or None
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def _print_flops(flops: throughput.FlopCount) -> None:
+    print("FLOP per token (matmuls; backward: decoder 2x, fc 1x weight grad, lm_head 1x input grad)")
+    for term in flops.forward:
+        print(f"  {term:<14} fwd {flops.forward[term] / 1e9:7.3f} G   bwd {flops.backward[term] / 1e9:7.3f} G")
+    print(f"  {'total':<14} fwd {flops.forward_total / 1e9:7.3f} G   bwd {flops.backward_total / 1e9:7.3f} G"
+          f"   = {flops.total / 1e9:.3f} GFLOP/token", flush=True)
+
+
+def _print_run(name: str, run: dict) -> None:
+    if "error" in run or "tokens_per_s" not in run:
+        print(f"[{name}] FAILED: {run}", flush=True)
+        return
+    split = run["step_split_ms"]
+    print(f"[{name}] {run['tokens_per_s']:,.0f} tokens/s  MFU {run['mfu']:.1%}  step "
+          f"{split.get('step_ms', 0):.0f} ms (fetch {split.get('fetch_ms', 0):.0f} fwd "
+          f"{split.get('fwd_ms', 0):.0f} bwd {split.get('bwd_ms', 0):.0f} opt "
+          f"{split.get('opt_ms', 0):.0f})  peak alloc {run['max_memory_allocated_gib']:.1f} GiB "
+          f"(nvidia-smi {run['peak_gpu_memory_used_gib']:.1f})", flush=True)
+
+
+def _print_table(report: dict) -> None:
+    print(f"\n{report['gpu']}  torch {report['torch']}  commit {report['commit']}  {report['date']}")
+    print(f"bf16 peak {report['bf16_matmul']['peak_tflops']:.0f} TFLOP/s; "
+          f"{report['flops_per_token']['total'] / 1e9:.2f} GFLOP/token")
+    print(f"{'run':<14}{'GPUs':>5}{'tok/step':>10}{'tokens/s':>11}{'MFU':>7}{'step ms':>9}"
+          f"{'fetch':>7}{'fwd':>6}{'bwd':>6}{'opt':>6}{'alloc GiB':>10}{'read GB/s':>10}")
+    for name, run in report["runs"].items():
+        if "tokens_per_s" not in run or "step_split_ms" not in run:
+            print(f"{name:<14} failed")
+            continue
+        s = run["step_split_ms"]
+        print(f"{name:<14}{run['gpus']:>5}{run['tokens_per_step']:>10.0f}{run['tokens_per_s']:>11,.0f}"
+              f"{run['mfu']:>7.1%}{s.get('step_ms', 0):>9.0f}{s.get('fetch_ms', 0):>7.0f}"
+              f"{s.get('fwd_ms', 0):>6.0f}{s.get('bwd_ms', 0):>6.0f}{s.get('opt_ms', 0):>6.0f}"
+              f"{run['max_memory_allocated_gib']:>10.1f}{run.get('read_gb_per_s_per_gpu', 0):>10.2f}")
+    if "ratio" in report:
+        print(f"ratio ours/plain {report['ratio']:.2f}   MFU ours {report['mfu']:.1%}")
+    for r in report.get("disk_direct", []):
+        print(f"disk O_DIRECT {r['threads']} thread(s): {r['gb_per_s']:.2f} GB/s")
+    if "disk_buffered_after_drop_caches" in report:
+        print(f"disk buffered after drop_caches, 8 threads: "
+              f"{report['disk_buffered_after_drop_caches']['gb_per_s']:.2f} GB/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+#!/usr/bin/env python3
+"""Stage 01: conversations -> target chat template -> input_ids + assistant-only loss_mask.
+
+Reads a HF datasets name or a local .jsonl/.json/.parquet file of OpenAI `messages` or
+ShareGPT `conversations`, renders each with the target's chat template, and writes the
+dataset speculators' trainer reads (save_to_disk: input_ids, loss_mask, seq_len) plus
+token_freq.pt and manifest.json. Run with --help for flags and an example.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tqdm import tqdm
+
+from eagle3_pipeline.config import PrepareConfig, resolve_stage_config
+from eagle3_pipeline.contract import write_manifest
+from eagle3_pipeline.errors import InputError
+from eagle3_pipeline.conversations import ChatTokenizer, fit_length, read_records, rows_for_conversation, to_messages
+from eagle3_pipeline.files import check_writable_dir, remove_stale_temps
+from eagle3_pipeline.prepared import order_rows, split_conversations, train_data_ratio, write_prepared
+from eagle3_pipeline.stage import config_fingerprint, finished_with_same_inputs, log, stage_main
+from eagle3_pipeline.target import load_target_info
+
+
+@stage_main
+def main(argv: list[str] | None = None) -> int:
+    # 1. Config.
+    cfg, _ = resolve_stage_config(PrepareConfig, argv)
+    out_dir = Path(cfg.output)
+    target = load_target_info(cfg.target, cfg.tokenizer)
+    fingerprint = config_fingerprint(cfg)
+    inputs = {"data": cfg.data, "target_config_sha256": target.config_sha256,
+              "tokenizer_sha256": target.tokenizer_sha256}
+
+    # 2. Contract: nothing upstream but the raw data; skip if this exact result exists.
+    check_writable_dir(out_dir, "--output")
+    if finished_with_same_inputs(out_dir, fingerprint, inputs, cfg.overwrite):
+        log.info("%s: already prepared with these settings; nothing to do", out_dir)
+        return 0
+    remove_stale_temps(out_dir)
+    chat = ChatTokenizer(cfg.tokenizer or cfg.target, cfg.trust_remote_code)
+
+    # 3. Work: read, validate and tokenize every conversation.
+    rows, conversations, dropped_too_long = [], 0, 0
+    records = read_records(cfg.data, cfg.data_split, cfg.data_subset, cfg.trust_remote_code)
+    for where, record in tqdm(records, desc="prepare", unit="conv", total=cfg.max_samples):
+        if cfg.max_samples is not None and conversations >= cfg.max_samples:
+            break
+        messages = to_messages(record, where)
+        for row in rows_for_conversation(chat, messages, conversations, cfg.rows_per, where):
+            fitted = fit_length(row, cfg.max_seq_len, cfg.on_too_long)
+            if fitted is None:
+                dropped_too_long += 1
+            else:
+                rows.append(fitted)
+        conversations += 1
+    if not rows:
+        raise InputError(f"{cfg.data}: no rows left from {conversations} conversation(s) "
+                         f"({dropped_too_long} longer than --max-seq-len {cfg.max_seq_len})")
+    train_convs, val_convs = split_conversations(conversations, cfg.val_ratio, cfg.seed)
+    rows, num_train = order_rows(rows, train_convs, val_convs)
+    if num_train == 0 or num_train == len(rows):
+        raise InputError(f"{cfg.data}: {conversations} conversation(s) cannot be split into train and val "
+                         f"(--val-ratio {cfg.val_ratio}); give at least 2 conversations")
+
+    # 4. Outputs (dataset + token_freq.pt, renamed into place).
+    stats = write_prepared(out_dir, rows, num_train)
+    if dropped_too_long:
+        log.warning("dropped %d row(s) longer than --max-seq-len %d (see manifest counts)", dropped_too_long, cfg.max_seq_len)
+
+    # 5. Contract last: the directory is finished only once manifest.json exists.
+    write_manifest(
+        out_dir, "prepare",
+        config=cfg.model_dump(), config_sha256=fingerprint, inputs=inputs,
+        target=target.summary(),
+        counts={"conversations": conversations, "dropped_too_long": dropped_too_long, **stats},
+        train_data_ratio=train_data_ratio(num_train, len(rows)),
+        max_seq_len=cfg.max_seq_len,
+    )
+    log.info("prepared %d rows (%d train / %d val, %d loss tokens) from %d conversations -> %s",
+             stats["rows"], stats["train_rows"], stats["val_rows"], stats["loss_tokens"], conversations, out_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

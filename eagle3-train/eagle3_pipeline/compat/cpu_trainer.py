@@ -1,0 +1,68 @@
+"""CPU compatibility layer for speculators 0.9.0's trainer (CI, laptops: no accelerator).
+
+speculators' Trainer assumes an accelerator in four places: it moves the model to
+`local_rank` (an int, i.e. cuda:0), autocasts with device_type "cuda" when no accelerator
+is found, its step timer calls `torch.accelerator.synchronize()` (which raises without
+one), and its checkpointer maps loads to `get_current_device()` = "cuda:0". This module
+swaps exactly those for CPU equivalents. Nothing else changes: the same model, loss,
+optimizer, data loader, checkpoints, resume and metrics run.
+
+It is safe because `apply()` refuses to do anything when an accelerator is present (the
+GPU path must run speculators untouched) and checks the speculators version it was
+written against. flex_attention has no CPU backward, so the CPU path also selects
+`sdpa` attention and the eager loss (training.py does that).
+"""
+
+from __future__ import annotations
+
+import time
+from importlib import metadata
+
+import torch
+
+SUPPORTED_SPECULATORS = ("0.9.0",)
+_applied = False
+
+
+def accelerator_present() -> bool:
+    return torch.accelerator.current_accelerator() is not None
+
+
+def apply() -> bool:
+    """Patch speculators' trainer for CPU; returns True if applied, False if an accelerator exists."""
+    global _applied
+    if accelerator_present():
+        return False
+    if _applied:
+        return True
+    version = metadata.version("speculators")
+    if version not in SUPPORTED_SPECULATORS:
+        raise RuntimeError(
+            f"the CPU trainer shim was written for speculators {SUPPORTED_SPECULATORS}, found {version}; "
+            "re-check eagle3_pipeline/compat/cpu_trainer.py against its trainer"
+        )
+    import speculators.train.checkpointer as checkpointer
+    import speculators.train.cli as cli
+    import speculators.train.trainer as trainer
+
+    class CpuTrainer(trainer.Trainer):
+        def setup_trainer(self):
+            # Runs first in Trainer.__init__, before the model is moved or autocast is used.
+            self.local_rank = "cpu"
+            self.device_type = "cpu"
+            super().setup_trainer()
+
+    class CpuStepTimer(trainer._StepTimer):
+        # Same timings, without torch.accelerator.synchronize() (CPU work is synchronous).
+        def mark(self, name: str) -> None:
+            if self.enabled:
+                self._marks[name] = time.perf_counter()
+
+        def now(self) -> float | None:
+            return time.perf_counter() if self.enabled else None
+
+    cli.Trainer = CpuTrainer
+    trainer._StepTimer = CpuStepTimer
+    checkpointer.get_current_device = lambda: "cpu"
+    _applied = True
+    return True

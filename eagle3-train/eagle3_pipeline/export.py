@@ -1,0 +1,75 @@
+"""Stage 05's logic: a self-contained speculators-format draft directory for vLLM.
+
+speculators' checkpoint folder already is the format vLLM reads (`config.json` with
+`speculators_model_type: eagle3`, a llama `transformer_layer_config`, `draft_vocab_size`,
+`eagle_aux_hidden_state_layer_ids`, `speculators_config.verifier.name_or_path`; weights
+with `d2t`/`t2d`). Export copies only what serving needs (not optimizer state), sets the
+verifier name and the proposal's speculative token count, and checks the result.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from .errors import ContractError
+from .training import best_checkpoint, checkpoint_dirs
+
+SERVING_FILES = ("config.json", "model.safetensors", "config.py", "val_metrics.json")
+
+
+def choose_checkpoint(ckpt_dir: Path, which: str) -> Path:
+    if which == "best":
+        chosen = best_checkpoint(ckpt_dir)
+    elif which == "latest":
+        dirs = checkpoint_dirs(ckpt_dir)
+        chosen = dirs[-1] if dirs else None
+    else:
+        chosen = Path(ckpt_dir) / which
+    if chosen is None or not (chosen / "model.safetensors").is_file():
+        raise ContractError(f"{ckpt_dir}: no checkpoint {which!r} with model.safetensors (--checkpoint)")
+    return chosen
+
+
+def write_draft_dir(checkpoint: Path, staging: Path, verifier_name: str, num_speculative_tokens: int) -> dict:
+    staging.mkdir(parents=True)
+    for name in SERVING_FILES:
+        if (checkpoint / name).is_file():
+            shutil.copyfile(checkpoint / name, staging / name)
+    config = json.loads((staging / "config.json").read_text())
+    config["speculators_config"]["verifier"]["name_or_path"] = verifier_name
+    for method in config["speculators_config"].get("proposal_methods", []):
+        method["speculative_tokens"] = num_speculative_tokens
+    (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return config
+
+
+def verify_draft_dir(draft_dir: Path, d2t_expected: np.ndarray, aux_layer_ids: list[int]) -> dict:
+    """Load the export back with speculators and check what vLLM will rely on."""
+    import speculators.models  # noqa: F401  (registers Eagle3DraftModel)
+    from speculators.model import SpeculatorModel
+
+    model = SpeculatorModel.from_pretrained(str(draft_dir))
+    d2t = model.d2t.cpu().numpy()
+    if not np.array_equal(d2t, d2t_expected):
+        raise ContractError(f"{draft_dir}: exported d2t differs from the stage 03 mapping")
+    ids = list(model.config.eagle_aux_hidden_state_layer_ids)
+    if ids != list(aux_layer_ids):
+        raise ContractError(f"{draft_dir}: eagle_aux_hidden_state_layer_ids {ids} != extracted {aux_layer_ids}")
+    return {"class": type(model).__name__, "parameters": sum(p.numel() for p in model.parameters()),
+            "draft_vocab_size": int(d2t.shape[0])}
+
+
+def serve_command(target: str, draft_dir: Path, num_speculative_tokens: int, tensor_parallel_size: int,
+                  multimodal_wrapper: bool) -> str:
+    spec = json.dumps({"model": str(Path(draft_dir).resolve()), "method": "eagle3",
+                       "num_speculative_tokens": num_speculative_tokens})
+    parts = ["vllm", "serve", target, "--tensor-parallel-size", str(tensor_parallel_size), "--trust-remote-code"]
+    if multimodal_wrapper:
+        parts.append("--language-model-only")
+    parts += ["--speculative-config", spec]
+    return " ".join(shlex.quote(p) for p in parts)

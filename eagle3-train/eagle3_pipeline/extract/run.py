@@ -1,0 +1,175 @@
+"""Stage 02's loop: which rows to do, backend calls, landing, retries, resume, preflight."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..config import ExtractConfig
+from ..errors import PreflightError, StageError
+from ..target import TargetInfo
+from .common import BadHiddenStates, ExtractionBackend, hs_file, land_sample, partition_indices, validate_file
+
+log = logging.getLogger("eagle3")
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+BATCH_ROWS = 64  # rows handed to a backend at once (vLLM batches them internally)
+
+
+@dataclass
+class ExtractPlan:
+    rows: dict[int, list[int]]  # this rank's rows: index -> input_ids
+    all_indices: list[int]  # every rank's rows (for "is the whole job done?")
+    todo: list[int]
+    num_slots: int
+    hidden_size: int
+    dtype: torch.dtype
+    counts: dict = field(default_factory=dict)
+
+
+def quick_file_ok(path: Path, expected_ids: list[int], num_slots: int, hidden_size: int) -> bool:
+    """Cheap resume check: header readable, token ids equal, shape right (reads no hidden states)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            if handle.get_slice("hidden_states").get_shape() != [len(expected_ids), num_slots, hidden_size]:
+                return False
+            return handle.get_tensor("token_ids").tolist() == expected_ids
+    except Exception:
+        return False
+
+
+def plan_extraction(cfg: ExtractConfig, rows: list[list[int]], num_slots: int, hidden_size: int, hs_dir: Path) -> ExtractPlan:
+    all_indices = list(range(len(rows)))
+    mine = partition_indices(all_indices, cfg.world_size, cfg.rank)
+    by_index = {i: rows[i] for i in mine}
+    done = [i for i in mine if hs_file(hs_dir, i).is_file() and quick_file_ok(hs_file(hs_dir, i), rows[i], num_slots, hidden_size)]
+    stale = [i for i in mine if hs_file(hs_dir, i).is_file() and i not in set(done)]
+    for i in stale:  # wrong row/shape (e.g. the data was re-prepared): redo it
+        hs_file(hs_dir, i).unlink()
+    todo = [i for i in mine if i not in set(done)]
+    return ExtractPlan(by_index, all_indices, todo, num_slots, hidden_size, DTYPES[cfg.dtype],
+                       {"rows_this_rank": len(mine), "skipped_done": len(done), "stale_removed": len(stale)})
+
+
+def bytes_per_token(num_slots: int, hidden_size: int, dtype: torch.dtype) -> int:
+    return num_slots * hidden_size * torch.tensor([], dtype=dtype).element_size()
+
+
+def preflight(cfg: ExtractConfig, plan: ExtractPlan, target: TargetInfo, hs_dir: Path) -> list[str]:
+    """Estimate what the run needs; raise PreflightError with the numbers when it cannot fit."""
+    lines = []
+    per_token = bytes_per_token(plan.num_slots, plan.hidden_size, plan.dtype)
+    tokens = sum(len(plan.rows[i]) for i in plan.todo)
+    need = tokens * per_token
+    free = shutil.disk_usage(_existing_parent(hs_dir)).free
+    lines.append(f"disk: ~{_human(need)} for {len(plan.todo):,} rows x {tokens / max(len(plan.todo), 1):,.0f} tokens avg "
+                 f"({per_token:,} B/token = {plan.num_slots} layers x {plan.hidden_size} x {plan.dtype}); {_human(free)} free at {hs_dir}")
+    if need > free:
+        raise PreflightError(lines[-1] + ": refusing")
+    if cfg.backend == "vllm" and cfg.endpoint is None:
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if visible:
+            lines.append(f"gpus: {visible} visible, tensor parallel {cfg.tensor_parallel_size}")
+            if visible < cfg.tensor_parallel_size:
+                raise PreflightError(lines[-1] + ": refusing (need at least --tensor-parallel-size GPUs)")
+            weights = sum(p.stat().st_size for p in Path(target.path).glob("*.safetensors"))
+            per_gpu = torch.cuda.get_device_properties(0).total_memory * cfg.gpu_memory_utilization
+            lines.append(f"gpu memory: weights {_human(weights)} over {cfg.tensor_parallel_size} GPU(s) = "
+                         f"{_human(weights / cfg.tensor_parallel_size)} each; {_human(per_gpu)} usable per GPU")
+            if weights / cfg.tensor_parallel_size > per_gpu:
+                raise PreflightError(lines[-1] + ": refusing")
+        else:
+            lines.append("gpus: none visible; vLLM will run on the CPU (miniature/testing only)")
+        from .vllm_backend import vllm_version_problem
+
+        problem = vllm_version_problem(target)
+        if problem:
+            raise PreflightError(problem)
+    return lines
+
+
+def _existing_parent(path: Path) -> Path:
+    path = Path(path).resolve()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def _human(num_bytes: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(num_bytes) < 1000 or unit == "TB":
+            return f"{num_bytes:,.1f} {unit}"
+        num_bytes /= 1000
+    return f"{num_bytes:,.1f} TB"
+
+
+def run_extraction(backend: ExtractionBackend, plan: ExtractPlan, hs_dir: Path, retries: int) -> dict[int, str]:
+    """Extract plan.todo; each failed row is retried `retries` times. Returns {row: reason} of rows that never passed."""
+    pending = list(plan.todo)
+    failures: dict[int, str] = {}
+    with tqdm(total=len(plan.todo), desc="extract", unit="row") as bar:
+        for attempt in range(retries + 1):
+            failures = {}
+            for start in range(0, len(pending), BATCH_ROWS):
+                batch = [(i, plan.rows[i]) for i in pending[start:start + BATCH_ROWS]]
+                for sample in backend.extract(batch):
+                    try:
+                        land_sample(sample, hs_dir, plan.rows[sample.index], plan.num_slots, plan.hidden_size, plan.dtype)
+                        bar.update(1)
+                    except BadHiddenStates as exc:
+                        failures[sample.index] = str(exc)
+                missing = [i for i, _ in batch if i not in failures and not hs_file(hs_dir, i).is_file()]
+                failures.update(dict.fromkeys(missing, "backend returned no file"))
+                bar.set_postfix(failed=len(failures), attempt=attempt + 1)
+            if not failures:
+                return {}
+            log.warning("attempt %d: %d row(s) failed validation, e.g. %s", attempt + 1, len(failures), next(iter(failures.values())))
+            pending = sorted(failures)
+    return failures
+
+
+def validate_sample_of_files(plan: ExtractPlan, hs_dir: Path, count: int, seed: int = 0) -> dict[int, str]:
+    indices = sorted(plan.rows)
+    if count >= 0:
+        indices = sorted(random.Random(seed).sample(indices, min(count, len(indices))))
+    bad = {}
+    for i in tqdm(indices, desc="re-validate", unit="file"):
+        try:
+            validate_file(hs_file(hs_dir, i), plan.rows[i], plan.num_slots, plan.hidden_size)
+        except BadHiddenStates as exc:
+            bad[i] = str(exc)
+    return bad
+
+
+def write_redo_list(hs_dir: Path, bad: dict[int, str]) -> Path:
+    from ..files import atomic_write_json
+
+    path = hs_dir / "redo.json"
+    atomic_write_json(path, {"rows": sorted(bad), "reasons": {str(k): v for k, v in sorted(bad.items())}})
+    return path
+
+
+def all_rows_landed(hs_dir: Path, indices: list[int]) -> bool:
+    return all(hs_file(hs_dir, i).is_file() for i in indices)
+
+
+def fail_rows(bad: dict[int, str], hs_dir: Path, what: str) -> StageError:
+    path = write_redo_list(hs_dir, bad)
+    first = next(iter(sorted(bad.items())))
+    return StageError(f"{what}: {len(bad)} row(s) bad (listed in {path}), first: row {first[0]}: {first[1]}; rerun to redo them")
+
+
+def read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None

@@ -1,0 +1,478 @@
+"""The vLLM extraction backend: vLLM's own hidden-state extraction, in-process or over HTTP.
+
+vLLM (>= 0.18, PR #33736) extracts hidden states as a speculative "method": with
+`speculative_config = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+"draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": IDS}}}` the target
+caches the residual stream after each layer in IDS (0 = embeddings, L = the last decoder
+layer's output before the final norm), and the `ExampleHiddenStatesConnector` KV connector
+writes, per finished request, `<staging>/<request id>.safetensors` with `hidden_states`
+[T, len(IDS), H] and `token_ids` [T] (the prompt), guarded by a `.lock` file it holds while
+writing. The request's output names the file in `kv_transfer_params["hidden_states_path"]`.
+
+This backend sends each row's input_ids as a prompt with max_tokens=1, waits for the file's
+lock, and yields `ExtractedSample(index, staged_file=...)`; stage 02's `land_sample`
+validates it (ids, shape with the final layer, finite, non-zero) and renames it into place.
+- in-process (`cfg.endpoint` is None): one `vllm.LLM` for the whole run;
+- `--endpoint URL`: /v1/completions against a server started with `server_command(...)`'s
+  flags (printed by `--print-server-cmd`), on this machine: the client moves the files the
+  server writes, so both must see the same staging directory.
+On vLLM's CPU build the stock connector cannot copy out of the cache; the CPU-only subclass in
+`compat/cpu_hidden_states_connector.py` is named instead (see `connector_config`). On a GPU
+vLLM gets the stock connector, untouched.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+from typing import Iterator
+
+from ..config import SCRIPTS_DIR, ExtractConfig
+from ..errors import InputError, StageError
+from ..target import TargetInfo
+from .common import ExtractedSample
+
+log = logging.getLogger("eagle3")
+
+STOCK_CONNECTOR = "ExampleHiddenStatesConnector"
+CPU_CONNECTOR = "CpuHiddenStatesConnector"
+CPU_CONNECTOR_MODULE = "eagle3_pipeline.compat.cpu_hidden_states_connector"
+# vLLM's CPU build sizes its KV cache from this (GiB), not from --gpu-memory-utilization.
+CPU_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+CPU_KV_CACHE_DEFAULT_GIB = "1"
+
+# --- supported vLLM versions ------------------------------------------------------------
+# extract_hidden_states + ExampleHiddenStatesConnector first shipped in 0.18 (PR #33736).
+MIN_VLLM_EXTRACT = (0, 18, 0)
+# DeepSeek-V2/V3-style backbones (Kimi-K2.5's text model) dropped the final layer id L until
+# PR #46973 ("Capture final-layer aux hidden state in deepseek_v2 backbone", merged
+# 2026-06-28). Read from the released wheels: vllm 0.24.0's DeepseekV2Model.forward has no
+# final-layer capture, 0.25.0's has it.
+MIN_VLLM_DEEPSEEK_FINAL_LAYER = (0, 25, 0)
+# The check reads the installed source for the capture of `end_layer` (the fix's own line).
+_DEEPSEEK_FINAL_LAYER_MARKERS = ("self.end_layer in self.aux_hidden_state_layers", "_maybe_add_hidden_state")
+_DEEPSEEK_TEXT_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25", "glm4_moe", "deepseek")
+# The hidden-state cache shares the KV cache's page size; a page must hold at least one token's
+# states (n_ids x H x 2 B = 57,344 B for Kimi-K2.5). Before PR #50894 vLLM did not grow the
+# pages when they were smaller and failed at start-up (`assert self.page_size_padded >=
+# real_page_size`, reported with TP>1). MLA pages are small (576 values per token and layer;
+# 16-token blocks = 18,432 B in bf16), so Kimi-K2.5 is exposed at any TP. Read from the
+# wheels: 0.29.0's kv_cache_utils.py lacks `_ensure_min_page_size`, 0.30.0's has it.
+MIN_VLLM_PAGE_FIX = (0, 30, 0)
+_PAGE_FIX_MARKER = "_ensure_min_page_size"
+_SMALLEST_BLOCK = 16  # tokens per KV block, the smallest vLLM's GPU attention backends use
+# The newest vLLM this pipeline was run against (CI: vllm-cpu; the CPU connector is pinned to it).
+TESTED_VLLM = "0.32.0"
+
+REQUEST_TIMEOUT_S = 1800.0  # one /v1/completions call (long prompts behind a full batch)
+WRITE_TIMEOUT_S = 600.0  # the connector's writer thread finishing a file after the response
+
+
+def vllm_installed_version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+def _version_tuple(text: str) -> tuple[int, int, int]:
+    parts = [int(p) for p in re.findall(r"\d+", text.split("+")[0])[:3]]
+    return tuple(parts + [0] * (3 - len(parts)))  # type: ignore[return-value]
+
+
+def _vllm_source(relative: str) -> str | None:
+    """Text of one installed vLLM source file, found without importing vLLM."""
+    from importlib.util import find_spec
+
+    try:
+        spec = find_spec("vllm")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / relative
+    try:
+        return path.read_text()
+    except OSError:
+        return None
+
+
+def is_deepseek_backbone(target: TargetInfo) -> bool:
+    text_arch = " ".join(target.text_config.get("architectures") or target.architectures)
+    return (target.text_model_type in _DEEPSEEK_TEXT_MODEL_TYPES or "Deepseek" in text_arch
+            or target.model_type in ("kimi_k25",))
+
+
+def deepseek_final_layer_captured(version: str, source: str | None) -> bool:
+    """The `deepseek-final-layer` check: does this vLLM return layer id L for DeepSeek backbones?
+
+    Decided by the installed `deepseek_v2.py` when it can be read (the fix's capture of
+    `end_layer`, or the mixin that later replaced it), else by the version.
+    """
+    if source is not None:
+        return any(marker in source for marker in _DEEPSEEK_FINAL_LAYER_MARKERS)
+    return _version_tuple(version) >= MIN_VLLM_DEEPSEEK_FINAL_LAYER
+
+
+def page_size_fixed(version: str, source: str | None) -> bool:
+    if source is not None:
+        return _PAGE_FIX_MARKER in source
+    return _version_tuple(version) >= MIN_VLLM_PAGE_FIX
+
+
+def hidden_states_outgrow_kv_page(target: TargetInfo, tensor_parallel_size: int = 1, num_ids: int = 4,
+                                  dtype_bytes: int = 2, kv_cache_dtype: str = "auto") -> bool:
+    """Whether one token's hidden states can exceed a KV page (what PR #50894 handles)."""
+    text = target.text_config
+    kv_bytes = 1 if kv_cache_dtype.startswith("fp8") else dtype_bytes
+    if text.get("kv_lora_rank"):  # MLA: one latent per token and layer, not split by TP
+        per_token = (int(text["kv_lora_rank"]) + int(text.get("qk_rope_head_dim", 0))) * kv_bytes
+    else:
+        heads = int(text.get("num_key_value_heads") or text.get("num_attention_heads", 1))
+        head_dim = int(text.get("head_dim") or target.hidden_size // int(text.get("num_attention_heads", 1)))
+        per_token = 2 * max(1, heads // tensor_parallel_size) * head_dim * kv_bytes
+    return num_ids * target.hidden_size * dtype_bytes > _SMALLEST_BLOCK * per_token
+
+
+def vllm_version_problem(target: TargetInfo, tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto",
+                         version: str | None = None, deepseek_source: str | None = None,
+                         kv_cache_source: str | None = None) -> str | None:
+    """Preflight for --backend vllm: why the installed vLLM cannot extract for this target, or None.
+
+    Named checks:
+    - `vllm-installed`;
+    - `vllm-extract`: vLLM >= 0.18 (extract_hidden_states);
+    - `deepseek-final-layer`: for DeepSeek-V2/V3 backbones (Kimi-K2.5), vLLM PR #46973, first
+      released in 0.25.0; before it layer id L is silently dropped (one slot short);
+    - `hidden-state-page`: when one token's hidden states outgrow a KV page (Kimi-K2.5: always),
+      vLLM PR #50894, first released in 0.30.0; before it the engine fails at start-up.
+    The fixes are detected in the installed source (the lines they added), else by version.
+    `version` and the sources are arguments so the decision is testable without vLLM.
+    """
+    if version is None:
+        version = vllm_installed_version()
+        if version is None:
+            return ("vllm-installed: vLLM is not installed in this environment "
+                    "(see NOTES.md 'vLLM environment', or use --backend hf for small targets)")
+        deepseek_source = _vllm_source("model_executor/models/deepseek_v2.py")
+        kv_cache_source = _vllm_source("v1/core/kv_cache_utils.py")
+    if _version_tuple(version) < MIN_VLLM_EXTRACT:
+        return (f"vllm-extract: vLLM {version} predates hidden-state extraction "
+                f"(extract_hidden_states, vLLM >= {_dotted(MIN_VLLM_EXTRACT)}); upgrade vLLM")
+    if is_deepseek_backbone(target) and not deepseek_final_layer_captured(version, deepseek_source):
+        return (f"deepseek-final-layer: vLLM {version} does not return the final layer ({target.num_layers}) "
+                f"for DeepSeek-style backbones ({target.text_model_type}); fixed by vLLM PR #46973, "
+                f"vLLM >= {_dotted(MIN_VLLM_DEEPSEEK_FINAL_LAYER)}: upgrade vLLM")
+    if (hidden_states_outgrow_kv_page(target, tensor_parallel_size, kv_cache_dtype=kv_cache_dtype)
+            and not page_size_fixed(version, kv_cache_source)):
+        return (f"hidden-state-page: vLLM {version} fails to start hidden-state extraction when one token's "
+                f"hidden states outgrow a KV-cache page, as this target's do; fixed by vLLM PR #50894, "
+                f"vLLM >= {_dotted(MIN_VLLM_PAGE_FIX)}: upgrade vLLM")
+    return None
+
+
+def _dotted(version: tuple[int, ...]) -> str:
+    return ".".join(map(str, version))
+
+
+# --- the engine's settings, shared by vllm.LLM and the printed server command ----------------
+
+def vllm_on_cpu() -> bool:
+    """Whether the installed vLLM runs on the CPU (the vllm-cpu build, or no accelerator)."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return False
+    return bool(current_platform.is_cpu())
+
+
+def aux_layer_ids_config(layer_ids: list[int]) -> dict:
+    return {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}},
+    }
+
+
+def connector_config(staging_dir: Path, on_cpu: bool) -> dict:
+    """The KV connector writing the files: stock on a GPU, the compat subclass on the CPU."""
+    config = {
+        "kv_connector": STOCK_CONNECTOR,
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": str(staging_dir)},
+    }
+    if on_cpu:
+        config["kv_connector"] = CPU_CONNECTOR
+        config["kv_connector_module_path"] = CPU_CONNECTOR_MODULE
+    return config
+
+
+def language_model_only(cfg: ExtractConfig, target: TargetInfo) -> bool:
+    return target.is_multimodal_wrapper if cfg.language_model_only is None else cfg.language_model_only
+
+
+def engine_kwargs(cfg: ExtractConfig, target: TargetInfo, layer_ids: list[int], staging_dir: Path,
+                  max_model_len: int, on_cpu: bool) -> dict:
+    """`vllm.LLM(**kwargs)` / EngineArgs names; `server_command` turns them into flags."""
+    kwargs = {
+        "model": target.path,
+        "tensor_parallel_size": cfg.tensor_parallel_size,
+        "dtype": cfg.dtype,
+        "max_model_len": max_model_len,
+        "max_num_seqs": cfg.max_num_seqs,
+        "kv_cache_dtype": cfg.kv_cache_dtype,
+        "trust_remote_code": cfg.trust_remote_code,
+        "language_model_only": language_model_only(cfg, target),
+        "enforce_eager": cfg.enforce_eager,
+        "speculative_config": aux_layer_ids_config(layer_ids),
+        "kv_transfer_config": connector_config(staging_dir, on_cpu),
+    }
+    if not on_cpu:
+        kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization  # on CPU: VLLM_CPU_KVCACHE_SPACE
+    if cfg.attention_backend:
+        kwargs["attention_backend"] = cfg.attention_backend
+    return kwargs
+
+
+def cpu_environment() -> dict[str, str]:
+    """Environment the CPU engine needs: the compat connector importable in vLLM's worker
+    processes, and a KV cache size (the CPU build otherwise reserves a fraction of all RAM)."""
+    paths = [str(SCRIPTS_DIR)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {
+        "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)),
+        CPU_KV_CACHE_ENV: os.environ.get(CPU_KV_CACHE_ENV, CPU_KV_CACHE_DEFAULT_GIB),
+    }
+
+
+def server_command(cfg: ExtractConfig, target: TargetInfo, layer_ids: list[int], staging_dir: Path,
+                   max_model_len: int, on_cpu: bool | None = None) -> list[str]:
+    """The vLLM server for `--endpoint`, as argv (print it with shlex.join).
+
+    `python -m vllm.entrypoints.openai.api_server` rather than `vllm serve`: the console script
+    fails with the vllm-cpu distribution, the module works with both builds. Binds 127.0.0.1:
+    the client must share the server's filesystem anyway (it moves the files vLLM writes).
+    """
+    if on_cpu is None:
+        on_cpu = vllm_on_cpu()
+    kwargs = engine_kwargs(cfg, target, layer_ids, Path(staging_dir), max_model_len, on_cpu)
+    argv: list[str] = []
+    if on_cpu:
+        argv += ["env"] + [f"{key}={value}" for key, value in cpu_environment().items()]
+    argv += [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+             "--model", kwargs.pop("model"), "--host", "127.0.0.1", "--port", str(cfg.server_port)]
+    for name, value in kwargs.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            if value:
+                argv.append(flag)
+        elif isinstance(value, dict):
+            argv += [flag, json.dumps(value, separators=(",", ":"))]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+# --- waiting for the connector's writer ----------------------------------------------------
+
+def wait_until_written(path: Path, timeout: float = WRITE_TIMEOUT_S) -> str | None:
+    """Block until vLLM's writer released the file's lock; returns a reason if the file is not there.
+
+    The connector holds an exclusive flock on `<file>.lock` from before the response is sent
+    until the file is complete (vLLM's own `load_hidden_states` waits the same way).
+    """
+    lock = path.with_name(path.name + ".lock")
+    deadline = time.monotonic() + timeout
+    if lock.exists():
+        try:
+            with open(lock) as handle:
+                while True:
+                    try:
+                        fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                        fcntl.flock(handle, fcntl.LOCK_UN)
+                        break
+                    except BlockingIOError:
+                        if time.monotonic() > deadline:
+                            return f"vLLM did not finish writing {path} within {timeout:.0f}s"
+                        time.sleep(0.005)
+        except FileNotFoundError:
+            pass  # lock removed: the writer is done
+    while not path.is_file():  # no lock protocol (use_synchronization_lock off): poll
+        if time.monotonic() > deadline:
+            return f"vLLM reported {path} but did not write it (see the vLLM log)"
+        time.sleep(0.05)
+    return None
+
+
+# --- the backend ------------------------------------------------------------------------
+
+class VllmBackend:
+    """ExtractionBackend over vLLM: in-process `vllm.LLM`, or `--endpoint` over HTTP.
+
+    Rows that vLLM cannot serve (longer than --max-model-len, a failed request or write) are
+    not yielded; `failed` maps their index to the reason, and stage 02 retries them.
+    """
+
+    def __init__(self, cfg: ExtractConfig, target: TargetInfo, layer_ids: list[int], staging_dir: Path,
+                 max_model_len: int):
+        self.cfg = cfg
+        self.target = target
+        self.layer_ids = list(layer_ids)
+        self.max_model_len = int(max_model_len)
+        self.failed: dict[int, str] = {}
+        self._handed: set[Path] = set()
+        self._llm = None
+        self._endpoint = cfg.endpoint.rstrip("/") if cfg.endpoint else None
+        if self._endpoint:
+            self._model_id = self._check_server()
+            self.staging_dir = None  # the server's, reported per file
+        else:
+            # One subdirectory per run: files of a killed run never mix with this one's.
+            self.staging_dir = Path(staging_dir) / f"vllm-{os.getpid()}"
+            if self.staging_dir.exists():
+                shutil.rmtree(self.staging_dir)
+            self.staging_dir.mkdir(parents=True)
+            self._llm = self._start_engine()
+
+    # in-process ---------------------------------------------------------------------------
+    def _start_engine(self):
+        on_cpu = vllm_on_cpu()
+        if on_cpu:
+            from ..compat.cpu_hidden_states_connector import gate_problem
+
+            problem = gate_problem()
+            if problem:
+                raise StageError(problem)
+            os.environ.update(cpu_environment())  # inherited by vLLM's engine and worker processes
+        kwargs = engine_kwargs(self.cfg, self.target, self.layer_ids, self.staging_dir, self.max_model_len, on_cpu)
+        log.info("starting vLLM in-process (%s, tensor parallel %d, connector %s)", "CPU" if on_cpu else "GPU",
+                 self.cfg.tensor_parallel_size, kwargs["kv_transfer_config"]["kv_connector"])
+        from vllm import LLM
+
+        started = time.monotonic()
+        llm = LLM(**kwargs)
+        log.info("vLLM engine ready in %.1fs", time.monotonic() - started)
+        return llm
+
+    def _too_long(self, rows: list[tuple[int, list[int]]]) -> list[tuple[int, list[int]]]:
+        keep = []
+        for index, ids in rows:
+            if not ids:
+                self.failed[index] = "empty row"
+            elif len(ids) + 1 > self.max_model_len:  # the prompt plus the one sampled token
+                self.failed[index] = f"{len(ids)} tokens do not fit --max-model-len {self.max_model_len}"
+            else:
+                keep.append((index, ids))
+        return keep
+
+    def extract(self, rows: list[tuple[int, list[int]]]) -> Iterator[ExtractedSample]:
+        rows = self._too_long(rows)
+        if not rows:
+            return
+        if self._endpoint:
+            yield from self._extract_http(rows)
+            return
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        prompts = [{"prompt_token_ids": list(ids)} for _, ids in rows]
+        outputs = self._llm.generate(prompts, params, use_tqdm=False)
+        for (index, _), output in zip(rows, outputs):
+            sample = self._staged(index, output.kv_transfer_params)
+            if sample is not None:
+                yield sample
+
+    def _staged(self, index: int, kv_params: dict | None) -> ExtractedSample | None:
+        path = (kv_params or {}).get("hidden_states_path")
+        if not path:
+            self.failed[index] = ("vLLM returned no hidden_states_path (the engine was not started with "
+                                  "the extract_hidden_states speculative config and the hidden-states connector)")
+            return None
+        path = Path(path)
+        self._handed.add(path)
+        problem = wait_until_written(path)
+        if problem:
+            self.failed[index] = problem
+            return None
+        return ExtractedSample(index=index, staged_file=path)
+
+    # HTTP ---------------------------------------------------------------------------------
+    def _request(self, method: str, route: str, body: dict | None = None, timeout: float = 30.0) -> dict:
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(self._endpoint + route, data=data, method=method,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.loads(response.read())
+
+    def _check_server(self) -> str:
+        """The served model id; refuses a server that serves another model than --target."""
+        try:
+            models = self._request("GET", "/v1/models")
+        except (urllib.error.URLError, OSError) as exc:
+            raise StageError(f"--endpoint {self._endpoint}: no vLLM server answers ({exc}); start it with "
+                             f"the command --print-server-cmd prints") from None
+        ids = [m.get("id") for m in models.get("data", [])]
+        for model_id in ids:
+            if model_id == self.target.path or (model_id and Path(model_id).expanduser().resolve() == Path(self.target.path)):
+                return model_id
+        raise InputError(f"--endpoint {self._endpoint} serves {ids}, not --target {self.target.path}: "
+                         f"start the server with the command --print-server-cmd prints")
+
+    def _complete(self, ids: list[int]) -> dict:
+        body = {"model": self._model_id, "prompt": list(ids), "max_tokens": 1, "temperature": 0.0,
+                "return_token_ids": True}
+        return self._request("POST", "/v1/completions", body, timeout=REQUEST_TIMEOUT_S)
+
+    def _extract_http(self, rows: list[tuple[int, list[int]]]) -> Iterator[ExtractedSample]:
+        workers = max(1, min(self.cfg.max_num_seqs, len(rows), 64))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="vllm-http") as pool:
+            futures = {pool.submit(self._complete, ids): index for index, ids in rows}
+            for future in as_completed(futures):
+                index = futures[future]
+                try:
+                    response = future.result()
+                except urllib.error.HTTPError as exc:
+                    detail = exc.read().decode(errors="replace")[:300]
+                    self.failed[index] = f"HTTP {exc.code} from {self._endpoint}: {detail}"
+                    continue
+                except (urllib.error.URLError, OSError) as exc:
+                    raise StageError(f"--endpoint {self._endpoint}: request failed ({exc}); is the server up?") from None
+                kv_params = response.get("kv_transfer_params")
+                if kv_params is None:
+                    choices = response.get("choices") or [{}]
+                    kv_params = choices[0].get("kv_transfer_params")
+                sample = self._staged(index, kv_params)
+                if sample is not None:
+                    yield sample
+
+    # --------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the in-process engine; remove staged files this run was handed but did not land."""
+        for path in self._handed:
+            for leftover in (path, path.with_name(path.name + ".lock")):
+                try:
+                    leftover.unlink()
+                except (FileNotFoundError, IsADirectoryError):
+                    pass
+        self._handed.clear()
+        if self._llm is not None:
+            engine = getattr(self._llm, "llm_engine", None)
+            core = getattr(engine, "engine_core", None)
+            if core is not None and hasattr(core, "shutdown"):
+                core.shutdown()
+            self._llm = None
+        if self.staging_dir is not None and self.staging_dir.is_dir():
+            shutil.rmtree(self.staging_dir, ignore_errors=True)

@@ -1,0 +1,111 @@
+"""The prepared dataset directory (stage 01's output, speculators' training layout).
+
+    DATA/
+      data-*.arrow, dataset_info.json, state.json   datasets.save_to_disk: input_ids, loss_mask, seq_len (int64)
+      token_freq.pt                                  {token_id: count} over loss-masked tokens of the train rows
+      manifest.json                                  stage 01's contract (written last)
+      hidden_states/hs_{i}.safetensors + manifest.json   stage 02
+
+Rows are ordered train first, then validation: speculators takes the last
+(1 - train_data_ratio) of rows as its val split, so the manifest records the ratio that
+reproduces exactly our split, and stage 04 passes it on.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+from .conversations import Row
+from .files import remove_path, temp_path_for
+
+DATASET_FILES_GLOB = ("data-*.arrow", "dataset_info.json", "state.json")
+TOKEN_FREQ_NAME = "token_freq.pt"
+
+
+def split_conversations(num_conversations: int, val_ratio: float, seed: int) -> tuple[list[int], list[int]]:
+    """Shuffle conversation indices (seeded) and hold out the last val_ratio of them.
+
+    Splitting by conversation, not by row, keeps every turn of one conversation on one
+    side, so per-turn rows never leak a validation answer into training.
+    """
+    order = list(range(num_conversations))
+    random.Random(seed).shuffle(order)
+    num_val = max(1, round(num_conversations * val_ratio)) if num_conversations > 1 else 0
+    return order[: num_conversations - num_val], order[num_conversations - num_val:]
+
+
+def order_rows(rows: list[Row], train_convs: list[int], val_convs: list[int]) -> tuple[list[Row], int]:
+    by_conv: dict[int, list[Row]] = {}
+    for row in rows:
+        by_conv.setdefault(row.conversation, []).append(row)
+    train = [r for c in train_convs for r in by_conv.get(c, [])]
+    val = [r for c in val_convs for r in by_conv.get(c, [])]
+    return train + val, len(train)
+
+
+def train_data_ratio(num_train: int, num_rows: int) -> float:
+    """A ratio for which speculators' int(num_rows * ratio) is exactly num_train."""
+    return (num_train + 0.5) / num_rows
+
+
+def write_prepared(out_dir: Path, rows: list[Row], num_train: int) -> dict:
+    """Write the dataset + token_freq.pt into out_dir (files renamed into place); returns stats."""
+    import datasets
+    from speculators.train.vocab_mapping import save_token_frequency_distribution
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    features = datasets.Features({
+        "input_ids": datasets.Sequence(datasets.Value("int64")),
+        "loss_mask": datasets.Sequence(datasets.Value("int64")),
+        "seq_len": datasets.Value("int64"),
+    })
+    table = {
+        "input_ids": [r.input_ids for r in rows],
+        "loss_mask": [r.loss_mask for r in rows],
+        "seq_len": [len(r.input_ids) for r in rows],
+    }
+    # speculators' ArrowDataset compares tensors: the torch format is saved in state.json.
+    dataset = datasets.Dataset.from_dict(table, features=features).with_format("torch")
+    staging = temp_path_for(out_dir / "prepare")
+    remove_path(staging)
+    try:
+        dataset.save_to_disk(str(staging))
+        # speculators' own counter (loss-masked tokens only), over the train rows only.
+        save_token_frequency_distribution(
+            dataset.select(range(num_train)), staging / TOKEN_FREQ_NAME
+        )
+        for old in _dataset_files(out_dir):
+            old.unlink()
+        for item in sorted(staging.iterdir()):
+            os.replace(item, out_dir / item.name)
+    finally:
+        remove_path(staging)
+    return {
+        "rows": len(rows),
+        "train_rows": num_train,
+        "val_rows": len(rows) - num_train,
+        "tokens": sum(table["seq_len"]),
+        "loss_tokens": sum(sum(r.loss_mask) for r in rows),
+        "max_row_tokens": max(table["seq_len"]) if rows else 0,
+    }
+
+
+def _dataset_files(directory: Path) -> list[Path]:
+    return [p for pattern in DATASET_FILES_GLOB + (TOKEN_FREQ_NAME,) for p in Path(directory).glob(pattern)]
+
+
+def load_prepared(data_dir: Path):
+    import datasets
+
+    return datasets.load_from_disk(str(data_dir))
+
+
+def load_rows(data_dir: Path, max_rows: int | None = None) -> list[list[int]]:
+    """input_ids of every row (or the first max_rows), as plain lists."""
+    dataset = load_prepared(data_dir).with_format(None)
+    if max_rows is not None:
+        dataset = dataset.select(range(min(max_rows, len(dataset))))
+    return [list(ids) for ids in dataset["input_ids"]]

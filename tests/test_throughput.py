@@ -1,0 +1,309 @@
+"""Throughput helpers: the FLOP count, the head-only verifier, the synthetic data, the
+fused-loss fix's gate (CPU), and the GPU-only pieces (marked `gpu`, skipped without CUDA)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3_pipeline import throughput
+from eagle3_pipeline.compat import fused_loss
+from eagle3_pipeline.throughput import (
+    DraftGeometry,
+    kimi_k25_config,
+    mean_attended_keys,
+    muon_step_flops,
+    train_flops_per_token,
+)
+
+pytestmark = pytest.mark.bench
+
+TINY_TEXT = {
+    "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 16,
+    "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16,
+    "moe_intermediate_size": 32, "n_routed_experts": 8, "num_experts_per_tok": 2,
+    "bos_token_id": 250, "eos_token_id": 251, "pad_token_id": 255,
+}
+
+
+# ---------------------------------------------------------------- FLOP count
+
+
+def test_flop_count_matches_a_hand_count_on_a_tiny_config():
+    # H=8, 2 heads of 4 (q width 8), 1 kv head (kv width 4), I=16, draft vocab 10,
+    # 2 TTT steps, 1 layer, 3 aux layers, 3 keys per query at step 0.
+    geometry = DraftGeometry(hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4,
+                             intermediate_size=16, draft_vocab_size=10, ttt_steps=2)
+    count = train_flops_per_token(geometry, mean_keys=3)
+    assert count.forward == {
+        "fc": 2 * 24 * 8,                       # 384
+        "target_logits": 2 * 8 * 10,            # 160
+        "qkv": 2 * (2 * 16 * (8 + 4 + 4)),      # 1024: input [embed, hidden] = 16 wide
+        "attention": 4 * 8 * 3 + 4 * 8 * 4,     # 224: step 1 sees one more key
+        "o_proj": 2 * (2 * 8 * 8),              # 256
+        "mlp": 2 * (2 * 3 * 8 * 16),            # 1536
+        "lm_head": 2 * (2 * 8 * 10),            # 320
+    }
+    assert count.backward == {
+        "fc": 384, "target_logits": 0, "qkv": 2048, "attention": 448, "o_proj": 512,
+        "mlp": 3072, "lm_head": 320,
+    }
+    assert count.forward_total == 3904
+    assert count.total == 3904 + 6784
+
+
+def test_layers_after_the_first_take_hidden_not_embed_plus_hidden():
+    one = DraftGeometry(hidden_size=8, num_heads=2, num_kv_heads=2, head_dim=4,
+                        intermediate_size=16, draft_vocab_size=10, ttt_steps=1)
+    two = DraftGeometry(**{**one.__dict__, "num_layers": 2})
+    extra = train_flops_per_token(two, 5).forward["qkv"] - train_flops_per_token(one, 5).forward["qkv"]
+    assert extra == 2 * 8 * (8 + 8 + 8)
+
+
+def test_mean_attended_keys_is_causal_within_documents_and_clipped_by_the_window():
+    assert mean_attended_keys([4], None) == (1 + 2 + 3 + 4) / 4
+    assert mean_attended_keys([4], 2) == (1 + 2 + 2 + 2) / 4
+    assert mean_attended_keys([1, 3], None) == (1 + 1 + 2 + 3) / 4
+
+
+def test_muon_cost_is_per_matrix_newton_schulz_on_the_short_side():
+    # 2x3 matrix, 1 step: X X^T = 2*2*2*3, A@A = 2*2^3, B@X = 2*2*2*3.
+    assert muon_step_flops([(2, 3)], ns_steps=1) == 24 + 16 + 24
+    assert muon_step_flops([(3, 2)], ns_steps=2) == 2 * 64
+
+
+def test_kimi_draft_geometry_is_what_speculators_builds(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(kimi_k25_config()))
+    geometry = throughput.kimi_draft_geometry(tmp_path)
+    assert (geometry.hidden_size, geometry.intermediate_size, geometry.draft_vocab_size) == (
+        7168, 18432, 32000)
+    assert geometry.num_heads * geometry.head_dim <= 2 * geometry.hidden_size
+    # Documents of 2047 tokens (2048-token rows after the one-token shift), window 2048.
+    count = train_flops_per_token(geometry, mean_attended_keys([2047], 2048))
+    # Cross-check with the count in ../shared/KNOWLEDGE.md: 5.8 + 9.0 = 14.81 GFLOP/token.
+    assert count.forward_total == pytest.approx(5.8e9, rel=0.01)
+    assert count.backward_total == pytest.approx(9.0e9, rel=0.01)
+    # ... and Muon's ~113 TFLOP per optimizer step.
+    assert muon_step_flops(geometry.muon_matrix_shapes()) == pytest.approx(113e12, rel=0.01)
+
+
+# ---------------------------------------------------------------- head-only verifier
+
+
+def test_head_only_verifier_holds_exactly_the_three_language_model_head_tensors(tmp_path):
+    shapes = throughput.write_head_only_verifier(tmp_path, text_overrides=TINY_TEXT)
+    assert shapes == {
+        "language_model.model.embed_tokens.weight": [256, 64],
+        "language_model.lm_head.weight": [256, 64],
+        "language_model.model.norm.weight": [64],
+    }
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as handle:
+        assert sorted(handle.keys()) == sorted(throughput.HEAD_ONLY_TENSORS)
+        assert all(handle.get_tensor(k).dtype == torch.bfloat16 for k in handle.keys())
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert sorted(index["weight_map"]) == sorted(throughput.HEAD_ONLY_TENSORS)
+
+
+def test_speculators_loader_finds_the_language_model_tensors(tmp_path):
+    throughput.write_head_only_verifier(tmp_path, text_overrides=TINY_TEXT, seed=3)
+    from safetensors.torch import load_file
+    from speculators.utils.loading import _resolve_key, load_model_layers
+
+    written = load_file(str(tmp_path / "model.safetensors"))
+    names = ["embed_tokens.weight", "lm_head.weight", "model.norm.weight"]  # what speculators asks
+    loaded = load_model_layers(names, str(tmp_path))
+    for name in names:
+        key = _resolve_key(name, dict.fromkeys(written))
+        assert key == ("language_model.model." + name if name == "embed_tokens.weight"
+                       else "language_model." + name)
+        assert torch.equal(loaded[name], written[key])
+
+
+def test_real_kimi_config_reads_as_kimi_k25_wrapping_deepseek_v3(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(kimi_k25_config()))
+    from speculators.models.utils import get_verifier_config
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tmp_path)
+    assert config.model_type == "kimi_k25"
+    assert config.architectures == ["KimiK25ForConditionalGeneration"]
+    text = get_verifier_config(str(tmp_path))
+    assert type(text).__name__ == "DeepseekV3Config"  # text model_type "kimi_k2" maps to it
+    assert (text.hidden_size, text.vocab_size, text.num_hidden_layers) == (7168, 163840, 61)
+    assert (text.q_lora_rank, text.kv_lora_rank, text.n_routed_experts) == (1536, 512, 384)
+    assert text.tie_word_embeddings is False
+
+
+# ---------------------------------------------------------------- synthetic dataset
+
+
+def test_synthetic_dataset_reads_back_through_speculators_dataset(tmp_path):
+    info = throughput.write_synthetic_prepared_dataset(
+        tmp_path, num_rows=6, seq_len=12, hidden_size=8, vocab_size=50, distinct_files=2)
+    assert info["hidden_state_bytes_per_token"] == 4 * 8 * 2
+    hs = tmp_path / "hidden_states"
+    assert os.stat(hs / "hs_4.safetensors").st_ino == os.stat(hs / "hs_0.safetensors").st_ino
+    assert (tmp_path / "token_freq.pt").is_file()
+    from speculators.train.data import ArrowDataset
+
+    dataset = ArrowDataset(max_len=64, datapath=str(tmp_path), on_missing="raise")
+    for index in range(len(dataset)):
+        item = dataset[index]
+        assert item["hidden_states"].shape == (12, 3 * 8)
+        assert item["verifier_last_hidden_states"].shape == (12, 8)
+        assert int(item["loss_mask"].sum()) == 12 - 1  # 10% prompt, masked
+
+
+# ---------------------------------------------------------------- step metrics
+
+
+def test_summary_takes_tokens_per_second_from_the_wall_clock_window():
+    records = [{"global_step": step, "time": 10.0 + step,
+                "profile": {"tokens_per_s": 1000.0 / 0.5, "step_ms": 500.0, "fetch_ms": 1.0,
+                            "fwd_ms": 2.0, "bwd_ms": 3.0, "opt_ms": 4.0, "h2d_ms": 0.5}}
+               for step in range(0, 12, 2)]  # logged every 2 steps, 1 s per step
+    summary = throughput.summarize_train_metrics(records, warmup_steps=2)
+    assert summary["tokens_per_step"] == 1000.0
+    assert summary["measured_steps"] == 8
+    assert summary["tokens_per_s"] == pytest.approx(1000.0)
+    assert summary["step_split_ms"]["opt_ms"] == 4.0
+
+
+# ---------------------------------------------------------------- fused-loss fix gate
+
+
+class _Kernel:
+    def __init__(self, configs):
+        self.configs = configs
+
+
+class _FusedModule:
+    def __init__(self, shared: bool):
+        configs = ["c1", "c2"]
+        self.loss_forward_kernel = _Kernel(configs)
+        self.loss_backward_kernel = _Kernel(configs if shared else list(configs))
+
+
+def test_bug_is_read_from_dynamos_source_not_just_the_version():
+    unfixed = "wrapped = VariableBuilder(tx, src)._wrap(user_obj)"
+    fixed = "wrapped = VariableBuilder(tx, src)(user_obj)"
+    assert fused_loss.dynamo_has_config_aliasing_bug(unfixed, "2.11.0")[0] is True
+    assert fused_loss.dynamo_has_config_aliasing_bug(fixed, "2.11.0")[0] is False
+    assert fused_loss.dynamo_has_config_aliasing_bug(None, "2.11.0+cu130")[0] in (True, False)
+
+
+def test_version_fallback_marks_only_torch_before_2_12():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fused_loss.inspect, "getsource", lambda _obj: (_ for _ in ()).throw(OSError()))
+        assert fused_loss.dynamo_has_config_aliasing_bug(None, "2.11.0+cu130")[0] is True
+        assert fused_loss.dynamo_has_config_aliasing_bug(None, "2.12.0")[0] is False
+        assert fused_loss.dynamo_has_config_aliasing_bug(None, "2.13.0+cpu")[0] is False
+
+
+def test_fix_separates_shared_configs_only_under_the_bug():
+    module = _FusedModule(shared=True)
+    decision = fused_loss.apply_fused_loss_fix(module, aliasing_bug=(True, "torch 2.11"))
+    assert decision.apply
+    assert module.loss_backward_kernel.configs is not module.loss_forward_kernel.configs
+    assert module.loss_backward_kernel.configs == module.loss_forward_kernel.configs
+    assert not fused_loss.apply_fused_loss_fix(module, aliasing_bug=(True, "torch 2.11")).apply
+
+    untouched = _FusedModule(shared=True)
+    assert not fused_loss.apply_fused_loss_fix(untouched, aliasing_bug=(False, "torch 2.13")).apply
+    assert untouched.loss_backward_kernel.configs is untouched.loss_forward_kernel.configs
+
+
+def test_fix_is_a_no_op_on_the_installed_torch_when_it_has_dynamos_fix():
+    from speculators.losses import fused
+
+    buggy, _why = fused_loss.dynamo_has_config_aliasing_bug()
+    shared_before = fused.loss_backward_kernel.configs is fused.loss_forward_kernel.configs
+    decision = fused_loss.apply_fused_loss_fix()
+    assert decision.apply == (buggy and shared_before)
+    if not buggy:
+        assert (fused.loss_backward_kernel.configs is fused.loss_forward_kernel.configs) == shared_before
+
+
+# ---------------------------------------------------------------- GPU only
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+_COMPILED_FUSED_LOSS = textwrap.dedent("""
+    import sys, torch
+    from eagle3_pipeline.compat.fused_loss import apply_fused_loss_fix
+    if sys.argv[1] == "fix":
+        print(apply_fused_loss_fix())
+    from speculators.losses.fused import fused_kl_div_loss
+    from speculators.losses.eager import kl_div_loss
+
+    @torch.compile
+    def three_steps(logits, targets):  # like the draft: the loss once per TTT step
+        return sum(fused_kl_div_loss(logits * (1 + s), targets).sum() for s in range(3))
+
+    torch.manual_seed(0)
+    logits = torch.randn(1, 256, 32000, device="cuda", requires_grad=True)
+    targets = torch.randn(1, 256, 32000, device="cuda")
+    loss = three_steps(logits, targets)
+    loss.backward()
+    ref_logits = logits.detach().clone().requires_grad_(True)
+    ref = sum(kl_div_loss(ref_logits * (1 + s), targets).sum() for s in range(3))
+    ref.backward()
+    rel = lambda a, b: float((a - b).norm() / b.norm())
+    print("loss_rel", rel(loss.detach(), ref.detach()), "grad_rel", rel(logits.grad, ref_logits.grad))
+    assert rel(loss.detach(), ref.detach()) < 1e-3 and rel(logits.grad, ref_logits.grad) < 1e-3
+""")
+
+
+def _run_compiled_fused_loss(mode: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).parents[1] / "eagle3-train"), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-c", _COMPILED_FUSED_LOSS, mode], env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+@gpu
+@needs_cuda
+def test_compiled_fused_loss_matches_eager_with_the_fix():
+    result = _run_compiled_fused_loss("fix")
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+@gpu
+@needs_cuda
+def test_without_the_fix_the_compiled_fused_loss_fails_exactly_where_the_gate_applies():
+    from speculators.losses import fused
+
+    needed = fused_loss.decide(fused).apply or (
+        fused.loss_backward_kernel.configs is not fused.loss_forward_kernel.configs
+        and fused_loss.dynamo_has_config_aliasing_bug()[0])
+    result = _run_compiled_fused_loss("nofix")
+    if needed:
+        assert result.returncode != 0
+        assert "already tracked for mutation" in result.stderr
+    else:
+        assert result.returncode == 0, result.stderr[-3000:]
+
+
+@gpu
+@needs_cuda
+def test_device_prefetch_loader_yields_the_same_batches_on_the_device():
+    batches = [{"x": torch.full((4, 1024), float(i)).pin_memory(), "n": i} for i in range(5)]
+
+    class Loader(list):
+        batch_sampler = "sampler"
+
+    loader = throughput.DevicePrefetchLoader(Loader(batches), torch.device("cuda", 0))
+    assert len(loader) == 5 and loader.batch_sampler == "sampler"
+    seen = [(batch["n"], batch["x"].device.type, float(batch["x"].sum())) for batch in loader]
+    assert seen == [(i, "cuda", 4 * 1024 * i) for i in range(5)]
