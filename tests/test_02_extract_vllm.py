@@ -120,18 +120,17 @@ def llama_run(mini, tmp_path_factory):
 
 def _hf_reference(target, rows, layer_ids) -> dict[int, torch.Tensor]:
     """HF transformers' states for the same ids: [T, len(ids), H] per row (fp32, eager attention)."""
-    from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(target.path)
     text_config = getattr(config, "text_config", None) or config
     text_config._attn_implementation = "eager"
-    model = AutoModelForCausalLM.from_config(text_config, dtype=torch.float32).eval()
-    state = {}
-    for shard in sorted(Path(target.path).glob("*.safetensors")):
-        state.update({k[len(target.weight_prefix):]: v for k, v in load_file(str(shard)).items()})
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not unexpected and all("rotary" in m or "inv_freq" in m for m in missing), (missing, unexpected)
+    # The checkpoint layout (per-expert keys, `language_model.` prefix) converted by transformers itself.
+    mapping = {"^" + target.weight_prefix.replace(".", "\\."): ""} if target.weight_prefix else None
+    model, info = AutoModelForCausalLM.from_pretrained(
+        target.path, config=text_config, key_mapping=mapping, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["mismatched_keys"], info
+    model.eval()
 
     captured = {}
     hook = model.model.layers[-1].register_forward_hook(

@@ -236,13 +236,26 @@ def _random_model_state(model_type: str, config: dict, seed: int) -> dict:
     for name, buf in model.named_buffers():
         if name.endswith("e_score_correction_bias"):
             buf.uniform_(-0.1, 0.1)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    # The checkpoint layout, not the in-memory one: transformers 5 fuses MoE experts into
+    # `experts.gate_up_proj` tensors in memory, while real checkpoints (Kimi-K2.5, DeepSeek-V3)
+    # store `experts.{e}.{gate,up,down}_proj.weight`, the only layout vLLM loads. save_pretrained
+    # writes the checkpoint layout (and from_pretrained reads it back to the same model).
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        state = {}
+        for shard in sorted(Path(tmp).glob("*.safetensors")):
+            state.update(load_file(str(shard)))
+    return state
 
 
 def miniature_key() -> str:
     """Changes whenever anything that shapes the miniature changes; names the cache entry."""
     return sha256_json({
-        "seed": SEED, "vocab": VOCAB_SIZE, "bpe": BPE_VOCAB_SIZE, "layers": NUM_LAYERS,
+        "seed": SEED, "weights": "checkpoint-layout", "vocab": VOCAB_SIZE, "bpe": BPE_VOCAB_SIZE, "layers": NUM_LAYERS,
         "template": KIMI_CHAT_TEMPLATE, "kimi": kimi_text_config(VOCAB_SIZE, dict.fromkeys(KIMI_SPECIAL_TOKENS, 0)),
         "llama": llama_config(VOCAB_SIZE, dict.fromkeys(KIMI_SPECIAL_TOKENS, 0)),
         "preproc": KIMI_PREPROCESSOR_CONFIG,

