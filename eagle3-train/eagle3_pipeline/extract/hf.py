@@ -9,12 +9,13 @@ INT4 Kimi-K2.5 is vLLM's job; this backend loads plain (unquantized) weights.
 
 from __future__ import annotations
 
-from pathlib import Path
+import re
 from typing import Iterator
 
 import torch
 
-from ..target import TargetInfo, weight_map
+from ..errors import InputError
+from ..target import TargetInfo
 from .common import ExtractedSample
 
 _TEXT_MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
@@ -29,33 +30,23 @@ def resolve_device(device: str) -> torch.device:
 def load_text_model(target: TargetInfo, dtype: torch.dtype, device: torch.device, trust_remote_code: bool):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if not target.is_multimodal_wrapper:
-        model = AutoModelForCausalLM.from_pretrained(target.path, dtype=dtype, trust_remote_code=trust_remote_code)
-        return model.to(device).eval()
-    text_config = dict(target.text_config)
-    model_type = _TEXT_MODEL_TYPE_ALIASES.get(text_config.get("model_type"), text_config.get("model_type"))
-    text_config.pop("model_type", None)
-    config = AutoConfig.for_model(model_type, **text_config)
-    # Built on the CPU (not the meta device: rotary buffers are computed at init), then
-    # overwritten by the checkpoint; strict, so a layout we do not understand fails loudly.
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.load_state_dict(_load_prefixed_state(Path(target.path), target.weight_prefix, dtype), strict=True)
+    kwargs = {}
+    if target.is_multimodal_wrapper:
+        text_config = dict(target.text_config)
+        model_type = _TEXT_MODEL_TYPE_ALIASES.get(text_config.get("model_type"), text_config.get("model_type"))
+        text_config.pop("model_type", None)
+        # The text model's own config, and the wrapper prefix mapped away from every key.
+        kwargs = {"config": AutoConfig.for_model(model_type, **text_config),
+                  "key_mapping": {"^" + re.escape(target.weight_prefix): ""}}
+    # transformers' own loader: it also converts checkpoint-layout (per-expert) MoE tensors into
+    # its fused in-memory layout. Weights it could not place are an error, never silently random.
+    model, info = AutoModelForCausalLM.from_pretrained(
+        target.path, dtype=dtype, trust_remote_code=trust_remote_code, output_loading_info=True, **kwargs,
+    )
+    if info["missing_keys"]:
+        raise InputError(f"{target.path}: weights missing for the text model (prefix {target.weight_prefix!r}): "
+                         f"{sorted(info['missing_keys'])[:3]}")
     return model.to(device).eval()
-
-
-def _load_prefixed_state(root: Path, prefix: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-
-    by_shard: dict[str, list[str]] = {}
-    for name, shard in weight_map(root).items():
-        if name.startswith(prefix):
-            by_shard.setdefault(shard, []).append(name)
-    state = {}
-    for shard, names in sorted(by_shard.items()):
-        with safe_open(str(root / shard), framework="pt") as handle:
-            for name in names:
-                state[name[len(prefix):]] = handle.get_tensor(name).to(dtype)
-    return state
 
 
 class HfBackend:

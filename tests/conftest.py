@@ -1,0 +1,76 @@
+"""Shared fixtures: the miniature (built once, cached under .cache/) and stage runners.
+
+Every test builds its own tiny models and data through `eagle3_pipeline.miniature`; nothing
+is downloaded.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = REPO / "eagle3-train"
+SAMPLES = SCRIPTS / "samples"
+STAGE_SCRIPTS = {
+    "prepare": "01_prepare_dataset.py",
+    "extract": "02_extract_hidden_states.py",
+    "vocab": "03_build_vocab_mapping.py",
+    "train": "04_train.py",
+    "export": "05_export.py",
+}
+
+
+def run_stage(stage: str, *args: str, check: bool = True, timeout: float = 600, env: dict | None = None):
+    """Run one stage script as a user would; returns the CompletedProcess (text output)."""
+    cmd = [sys.executable, str(SCRIPTS / STAGE_SCRIPTS[stage]), *map(str, args)]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
+    return result
+
+
+@pytest.fixture(scope="session")
+def miniature() -> dict[str, Path]:
+    from eagle3_pipeline.miniature import build_miniature
+
+    return build_miniature(REPO / ".cache")
+
+
+@pytest.fixture(scope="session")
+def kimi_target(miniature) -> Path:
+    return miniature["kimi"]
+
+
+@pytest.fixture(scope="session")
+def llama_target(miniature) -> Path:
+    return miniature["llama"]
+
+
+def run_pipeline(work: Path, target: Path, data: Path = SAMPLES / "conversations.jsonl",
+                 profile: str = "cpu-mini", stages: tuple[str, ...] = tuple(STAGE_SCRIPTS)) -> dict[str, Path]:
+    """The five stages (or a prefix of them) with the cpu-mini profile; returns the output dirs."""
+    dirs = {"data": work / "data", "vocab": work / "vocab", "checkpoints": work / "checkpoints", "draft": work / "draft"}
+    args = {
+        "prepare": ["--target", target, "--data", data, "--output", dirs["data"]],
+        "extract": ["--target", target, "--data", dirs["data"]],
+        "vocab": ["--data", dirs["data"], "--output", dirs["vocab"]],
+        "train": ["--target", target, "--data", dirs["data"], "--vocab", dirs["vocab"], "--output", dirs["checkpoints"],
+                  "--logger", ""],
+        "export": ["--checkpoints", dirs["checkpoints"], "--output", dirs["draft"]],
+    }
+    for stage in stages:
+        run_stage(stage, "--profile", profile, *args[stage])
+    return dirs
+
+
+@pytest.fixture(scope="session")
+def kimi_run(tmp_path_factory, kimi_target) -> dict[str, Path]:
+    """One full five-stage run on the Kimi miniature, shared (read-only!) by many tests."""
+    return run_pipeline(tmp_path_factory.mktemp("kimi-run"), kimi_target)
+

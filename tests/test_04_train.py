@@ -1,0 +1,82 @@
+"""Stage 04: speculators' real trainer on the miniature; Kimi head tensors; CPU layer; resume."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from conftest import run_stage
+from eagle3_pipeline.compat import cpu_trainer
+from eagle3_pipeline.config import TrainConfig, build_config
+from eagle3_pipeline.target import weight_map
+from eagle3_pipeline.training import checkpoint_dirs, read_metrics, resolve_kernels, speculators_argv
+
+
+def _kimi_tensor(target, key):
+    with safe_open(str(target / weight_map(target)[key]), "pt") as handle:
+        return handle.get_tensor(key)
+
+
+def test_trained_draft_uses_the_kimi_wrappers_language_model_tensors(kimi_run, kimi_target):
+    import numpy as np
+    import speculators.models  # noqa: F401
+    from speculators.model import SpeculatorModel
+
+    model = SpeculatorModel.from_pretrained(str(kimi_run["checkpoints"] / "checkpoint_best"))
+    embed = _kimi_tensor(kimi_target, "language_model.model.embed_tokens.weight")
+    lm_head = _kimi_tensor(kimi_target, "language_model.lm_head.weight")
+    norm = _kimi_tensor(kimi_target, "language_model.model.norm.weight")
+    draft_ids = torch.from_numpy(np.arange(256) + np.load(kimi_run["vocab"] / "d2t.npy"))
+    dtype = model.embed_tokens.weight.dtype
+    assert torch.equal(model.embed_tokens.weight, embed.to(dtype))
+    assert torch.equal(model.verifier_lm_head.weight, lm_head[draft_ids].to(dtype))  # cut to the draft vocab
+    assert torch.equal(model.verifier_norm.weight, norm.to(dtype))
+
+
+def test_training_wrote_checkpoints_metrics_and_summary(kimi_run):
+    ckpt = kimi_run["checkpoints"]
+    assert [p.name for p in checkpoint_dirs(ckpt)] == ["0", "1"]  # cpu-mini: 2 epochs, one checkpoint each
+    assert (ckpt / "checkpoint_best").resolve().name in {"0", "1"}
+    records = read_metrics(ckpt / "metrics.jsonl")
+    val = [r["val"] for r in records if "val" in r]
+    assert len(val) == 2 and all("full_acc_0_epoch" in v and "loss_epoch" in v for v in val)
+    assert any("train" in r for r in records)
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["aux_layer_ids"] == [2, 3, 4] and manifest["draft_vocab_size"] == 256
+    command = (ckpt / "command.txt").read_text()
+    assert "--draft-attn-impl sdpa" in command and "--loss-implementation eager" in command  # CPU path
+    assert "--target-layer-ids 2 3 4" in command
+
+
+@pytest.mark.slow
+def test_rerun_with_more_epochs_resumes_from_the_last_checkpoint(tmp_path, kimi_run, kimi_target):
+    work = tmp_path / "ckpt"
+    shutil.copytree(kimi_run["checkpoints"], work, symlinks=True)
+    before = (work / "1" / "model.safetensors").read_bytes()
+    result = run_stage("train", "--profile", "cpu-mini", "--target", kimi_target, "--data", kimi_run["data"],
+                       "--vocab", kimi_run["vocab"], "--output", work, "--epochs", "3", "--logger", "")
+    assert "Found checkpoint" in result.stderr + result.stdout
+    assert [p.name for p in checkpoint_dirs(work)] == ["0", "1", "2"]
+    assert (work / "1" / "model.safetensors").read_bytes() == before  # earlier epochs untouched
+    epochs_trained = {r["epoch"] for r in read_metrics(work / "metrics.jsonl") if "train" in r}
+    assert epochs_trained == {0, 1, 2}  # epoch 2 appended; 0 and 1 came from the first run
+
+
+def test_cpu_layer_applies_only_without_an_accelerator(monkeypatch):
+    assert not cpu_trainer.accelerator_present()
+    assert cpu_trainer.apply() is True
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("cuda"))
+    assert cpu_trainer.apply() is False
+
+
+def test_kernels_follow_the_device(monkeypatch):
+    cfg, _ = build_config(TrainConfig, {"target": "t", "data": "d", "vocab": "v", "output": "o"})
+    assert resolve_kernels(cfg) == ("sdpa", "eager")
+    monkeypatch.setattr("eagle3_pipeline.training.on_gpu", lambda: True)
+    assert resolve_kernels(cfg) == ("simple_flex_attention", "fused")
+    argv = speculators_argv(cfg, {"num_layers": 1, "ttt_steps": 3}, "/t", [2, 30, 58], 32000, 0.9, 163839)
+    assert argv[argv.index("--draft-attn-impl") + 1] == "simple_flex_attention"
+    assert argv[argv.index("--target-layer-ids") + 1: argv.index("--target-layer-ids") + 4] == ["2", "30", "58"]
+    assert "--save-best" not in argv  # it deletes foreign files and skips non-improving epochs

@@ -1,0 +1,33 @@
+"""Stage 05: a speculators-format draft directory that loads back and names its verifier."""
+
+import json
+
+from conftest import run_stage
+
+
+def test_export_loads_back_with_speculators(kimi_run, kimi_target):
+    import speculators.models  # noqa: F401
+    from speculators.model import SpeculatorModel
+
+    model = SpeculatorModel.from_pretrained(str(kimi_run["draft"]))
+    assert type(model).__name__ == "Eagle3DraftModel"
+    assert model.d2t.shape == (256,) and model.t2d.shape == (1024,)
+
+
+def test_export_config_has_what_vllm_reads(kimi_run, kimi_target):
+    draft = kimi_run["draft"]
+    config = json.loads((draft / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3"
+    assert config["transformer_layer_config"]["model_type"] == "llama"
+    assert config["draft_vocab_size"] == 256
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 3, 4]
+    assert config["speculators_config"]["verifier"]["name_or_path"] == str(kimi_target.resolve())
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    assert not (draft / "optimizer_state_dict.pt").exists()
+    command = (draft / "serve_command.txt").read_text()
+    assert '"method": "eagle3"' in command and "--language-model-only" in command and str(draft.resolve()) in command
+
+
+def test_rerun_is_a_no_op(kimi_run):
+    result = run_stage("export", "--profile", "cpu-mini", "--checkpoints", kimi_run["checkpoints"], "--output", kimi_run["draft"])
+    assert "already exported" in result.stderr and "vllm serve" in result.stdout

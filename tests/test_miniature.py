@@ -1,0 +1,69 @@
+"""The miniature is shaped like Kimi-K2.5 where it matters to the pipeline and to vLLM."""
+
+import json
+
+from safetensors import safe_open
+
+from eagle3_pipeline.miniature import KIMI_SPECIAL_TOKENS, build_miniature, miniature_key
+from eagle3_pipeline.target import load_target_info, weight_map
+
+
+def test_kimi_miniature_has_kimi_k25_wrapper_config(kimi_target):
+    config = json.loads((kimi_target / "config.json").read_text())
+    assert config["model_type"] == "kimi_k25"
+    assert config["architectures"] == ["KimiK25ForConditionalGeneration"]
+    assert config["tie_word_embeddings"] is False
+    text = config["text_config"]
+    assert text["model_type"] == "deepseek_v3"
+    assert text["kv_lora_rank"] + text["qk_rope_head_dim"] == 576  # the only MLA size vLLM's CPU kernel takes
+    assert text["topk_method"] == "noaux_tc"
+    assert 4 <= text["num_hidden_layers"] <= 6
+    assert text["n_routed_experts"] > text["num_experts_per_tok"] >= 2
+    assert (kimi_target / "preprocessor_config.json").is_file() and "vision_config" in config
+
+
+def test_kimi_miniature_weights_live_under_language_model(kimi_target):
+    names = weight_map(kimi_target)
+    for key in ("language_model.model.embed_tokens.weight", "language_model.lm_head.weight",
+                "language_model.model.norm.weight", "language_model.model.layers.0.self_attn.kv_a_proj_with_mqa.weight"):
+        assert key in names
+    assert all(name.startswith("language_model.") for name in names)
+    with safe_open(str(kimi_target / names["language_model.lm_head.weight"]), "pt") as handle:
+        assert handle.get_slice("language_model.lm_head.weight").get_shape() == [1024, 128]
+
+
+def test_tokenizer_carries_kimi_special_tokens_and_chat_format(kimi_target):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(kimi_target)
+    for token in KIMI_SPECIAL_TOKENS:
+        ids = tokenizer(token, add_special_tokens=False)["input_ids"]
+        assert len(ids) == 1, f"{token} is not a single special token"
+    messages = [{"role": "user", "content": "hi"}]
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith("<|im_user|>user<|im_middle|>hi<|im_end|><|im_assistant|>assistant<|im_middle|><think>")
+    assert prompt.startswith("<|im_system|>system<|im_middle|>")
+    no_think = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, thinking=False)
+    assert no_think.endswith("<think></think>")
+
+
+def test_earlier_reasoning_is_dropped_when_history_is_rendered(kimi_target):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(kimi_target)
+    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "reasoning_content": "r"},
+                {"role": "user", "content": "c"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    assert "<think></think>b<|im_end|>" in text and ">r<" not in text
+
+
+def test_miniature_is_deterministic_and_cached(tmp_path, kimi_target):
+    again = build_miniature(kimi_target.parent.parent)
+    assert again["kimi"] == kimi_target
+    assert kimi_target.parent.name == f"miniature-{miniature_key()}"
+
+
+def test_llama_miniature_is_a_plain_causal_lm(llama_target):
+    info = load_target_info(llama_target)
+    assert info.model_type == "llama" and not info.is_multimodal_wrapper and info.weight_prefix == ""
+    assert info.num_layers == 6
