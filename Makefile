@@ -11,7 +11,7 @@ WORK ?= work/smoke
 BACKEND ?= hf
 PYTEST_ARGS ?=
 
-.PHONY: venv smoke smoke-gpu test test-fast clean
+.PHONY: venv miniature smoke smoke-gpu test test-fast clean
 
 venv: $(VENV)/.installed
 
@@ -34,6 +34,14 @@ smoke: venv
 	@target=$$(PYTHONPATH=eagle3-train $(PY) -m eagle3_pipeline.miniature --cache-dir $(CACHE) --print kimi) && \
 	PYTHON=$(PY) eagle3-train/run_all.sh --profile cpu-mini --target "$$target" \
 	    --data eagle3-train/samples/conversations.jsonl --work $(WORK) --args-02 "--backend $(BACKEND)"
+
+# The same five stages on one CUDA device (HF extraction on the GPU; flex_attention + fused loss).
+# Uses the machine's Python (GPU_PY), not the CPU venv: on a GPU box, install requirements.txt there.
+GPU_PY ?= python3
+smoke-gpu:
+	@target=$$(PYTHONPATH=eagle3-train $(GPU_PY) -m eagle3_pipeline.miniature --cache-dir $(CACHE) --print kimi) && \
+	PYTHON=$(GPU_PY) eagle3-train/run_all.sh --profile one-gpu-smoke --target "$$target" \
+	    --data eagle3-train/samples/conversations.jsonl --work $(WORK)-gpu
 
 test: venv
 	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)
