@@ -23,6 +23,7 @@ import datetime as dt
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import threading
@@ -40,11 +41,11 @@ DRAFT_VOCAB = 32000        # the draft vocab every run uses (plain's own default
 # which the head-only verifier does not have.
 MASK_TOKEN_ID = throughput.KIMI_K25_TEXT_CONFIG["pad_token_id"]
 
-# Our shipped training defaults as speculators flags, with the reason for each in
-# bench/NOTES-throughput.md. 04_train.py is the real thing; these are used only when it
-# is absent (and to run the same settings under torchrun).
+# Our recommended training defaults as speculators flags (reasons: bench/NOTES-throughput.md),
+# for `--ours-via flags`: speculators train + DevicePrefetchLoader through this script's own
+# launcher. The default, `--ours-via 04_train`, runs the pipeline's stage 04 instead.
 OURS_FLAGS = ["--total-seq-len", "32768", "--optimizer", "adamw", "--log-freq", "10",
-              "--num-workers", "4", "--prefetch-factor", "2"]
+              "--num-workers", "8", "--prefetch-factor", "2"]
 
 
 def gpu_slug(name: str) -> str:
@@ -95,33 +96,55 @@ def run_child(args: argparse.Namespace) -> None:
                                      device_prefetch=args.device_prefetch)
 
 
-def launch(name: str, command: list[str], *, metrics: Path, gpus: list[int], log: Path,
-           timeout: float) -> dict:
+def launch(name: str, command: list[str], *, gpus: list[int], log: Path, timeout: float,
+           stop_when=None) -> dict:
+    """Run one training command; with `stop_when`, kill its process group once that is true
+    (a benchmark needs neither the final checkpoint nor the validation pass)."""
     print(f"[{name}] {shlex.join(command)}", flush=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
            "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))}
     start = time.perf_counter()
+    code: int | str | None = None
     with GpuMemoryPoller(gpus) as poller, open(log, "w") as log_file:
         proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env,
                                 cwd=REPO, start_new_session=True)
-        try:
-            code = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            code = "timeout"
+        while code is None:
+            code = proc.poll()
+            if code is None and stop_when is not None and stop_when():
+                os.killpg(proc.pid, 9)
+                proc.wait()
+                code = "stopped after the measured window"
+            elif code is None and time.perf_counter() - start > timeout:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+                code = "timeout"
+            elif code is None:
+                time.sleep(1)
     return {"exit": code, "wall_s": time.perf_counter() - start,
             "peak_gpu_memory_used_gib": poller.peak_mib / 1024}
 
 
+def window_complete(metrics: Path, warmup: int, steps: int) -> bool:
+    """True once two logged steps >= `warmup` lie at least `steps` apart."""
+    if not metrics.is_file():
+        return False
+    logged = [r["global_step"] for r in throughput.read_metrics_jsonl(metrics)
+              if r.get("profile") and r.get("global_step", -1) >= warmup]
+    return len(logged) >= 2 and max(logged) - min(logged) >= steps
+
+
 def summarize(name: str, outcome: dict, metrics: Path, world: int, warmup: int,
               flops_per_token: float, peak_tflops: float) -> dict:
-    per_rank = sorted(metrics.parent.glob(metrics.name + ".rank*"))
+    per_rank = sorted(metrics.parent.glob(metrics.name + ".rank*")) or (
+        [metrics] if metrics.is_file() else [])
     if not per_rank:
         return {**outcome, "error": "no metrics written (see the run's log)"}
     summaries = [throughput.summarize_train_metrics(throughput.read_metrics_jsonl(p),
                                                     warmup_steps=warmup) for p in per_rank]
     first = summaries[0]
-    tokens_per_s = sum(s["tokens_per_s"] for s in summaries)
+    # Our child writes one file per rank; 04_train writes rank 0's only (all ranks run the
+    # same step on the same number of tokens under DDP).
+    tokens_per_s = sum(s["tokens_per_s"] for s in summaries) * (world if len(summaries) == 1 else 1)
     return {
         **outcome, **first, "gpus": world, "tokens_per_s": tokens_per_s,
         "tokens_per_s_per_gpu": tokens_per_s / world,
@@ -142,6 +165,12 @@ def main() -> None:
     parser.add_argument("--ddp", type=int, default=0, help="also run ours on N GPUs (torchrun)")
     parser.add_argument("--distinct-files", type=int, default=48,
                         help="distinct hidden-state files (rows beyond share them by hard link)")
+    parser.add_argument("--ours-via", choices=("04_train", "flags"),
+                        default="04_train" if (REPO / "eagle3-train" / "04_train.py").is_file() else "flags",
+                        help="ours = eagle3-train/04_train.py with its shipped defaults (default), or "
+                        "speculators train with OURS_FLAGS + device prefetch")
+    parser.add_argument("--ours-profile", default="h200-8x",
+                        help="04_train profile for ours (--nproc is set per run)")
     parser.add_argument("--skip-disk", action="store_true")
     parser.add_argument("--run-timeout", type=float, default=420)
     sub = parser.add_subparsers(dest="child")
@@ -201,25 +230,44 @@ def main() -> None:
     # 3. The runs.
     runs: dict = {}
     report["runs"] = runs
+    vocab = work / "vocab"
+    if any(spec.get("via_04") for spec in plan.values()):
+        from eagle3_pipeline.target import default_aux_layer_ids
+
+        throughput.write_synthetic_stage_manifests(
+            verifier, data, vocab, aux_layer_ids=default_aux_layer_ids(geometry_layers(verifier)),
+            draft_vocab_size=DRAFT_VOCAB)
     for name, spec in plan.items():
         run_dir = work / "runs" / name
-        metrics = run_dir / "metrics.jsonl"
-        run_dir.mkdir(parents=True, exist_ok=True)
-        for old in run_dir.glob("metrics.jsonl.rank*"):
-            old.unlink()
-        train_argv = speculators_argv(verifier, data, run_dir, spec["stop"] + 2) + spec["flags"]
-        child = [sys.executable, __file__, "_child", "--metrics", str(metrics),
-                 "--stop-after", str(spec["stop"])] + (
-                     ["--device-prefetch"] if spec["prefetch"] else []) + ["--", *train_argv]
+        shutil.rmtree(run_dir, ignore_errors=True)
+        run_dir.mkdir(parents=True)
         gpus = list(range(spec["gpus"]))
-        if spec["gpus"] > 1:
-            child = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                     f"--nproc-per-node={spec['gpus']}", *child[1:]]
-        outcome = launch(name, child, metrics=metrics, gpus=gpus, log=run_dir / "log.txt",
-                         timeout=args.run_timeout)
+        if spec.get("via_04"):
+            # Ours: the pipeline's stage 04 with its shipped defaults (draft_config.json +
+            # the profile), on the same data, stopped once the window is measured.
+            metrics = run_dir / "out" / "metrics.jsonl"
+            command = [sys.executable, str(REPO / "eagle3-train" / "04_train.py"),
+                       "--profile", args.ours_profile, "--target", str(verifier),
+                       "--data", str(data), "--vocab", str(vocab), "--output", str(run_dir / "out"),
+                       "--nproc", str(spec["gpus"]), "--epochs", "1",
+                       "--max-steps", str(spec["stop"])]
+            outcome = launch(name, command, gpus=gpus, log=run_dir / "log.txt",
+                             timeout=args.run_timeout,
+                             stop_when=lambda m=metrics, w=spec["warmup"]: window_complete(m, w, args.steps))
+        else:
+            metrics = run_dir / "metrics.jsonl"
+            train_argv = speculators_argv(verifier, data, run_dir, spec["stop"] + 2) + spec["flags"]
+            command = [sys.executable, __file__, "_child", "--metrics", str(metrics),
+                       "--stop-after", str(spec["stop"])] + (
+                           ["--device-prefetch"] if spec["prefetch"] else []) + ["--", *train_argv]
+            if spec["gpus"] > 1:
+                command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           f"--nproc-per-node={spec['gpus']}", *command[1:]]
+            outcome = launch(name, command, gpus=gpus, log=run_dir / "log.txt",
+                             timeout=args.run_timeout)
         runs[name] = summarize(name, outcome, metrics, spec["gpus"], spec["warmup"],
                                flops.total, peak["peak_tflops"])
-        runs[name]["flags"] = spec["flags"]
+        runs[name]["command"] = shlex.join(command)
         runs[name]["device_prefetch"] = spec["prefetch"]
         _print_run(name, runs[name])
         if "error" in runs[name]:
@@ -251,38 +299,68 @@ def _write_report(report: dict, results: Path) -> Path:
 
 
 def _plan_runs(args: argparse.Namespace) -> dict[str, dict]:
-    """Flags, GPU count, stop step and data rows of each run.
+    """GPU count, warm-up, stop step and data rows of each run.
 
-    Warm-up and window are in logged steps: a run with log_freq L logs steps 0, L, 2L...;
-    the window runs from the first logged step >= warmup to `stop`.
+    A run logs every log_freq steps (0, L, 2L, ...): the window runs from the first logged
+    step >= warm-up to the first logged step >= `--steps` later. 04_train's log_freq and
+    tokens/step come from its config (the profile's train section, else its defaults), so
+    its stop step is only an upper bound; the bench stops it once the window is complete.
     """
-    specs = {}
-    ours_via_04 = (REPO / "eagle3-train" / "04_train.py").is_file()
+    specs: dict[str, dict] = {}
+    via_04 = args.ours_via == "04_train"
     for name in args.runs:
         if name == "plain":
             specs[name] = {"flags": [], "prefetch": False, "gpus": 1}
         elif name == "ours":
-            # TODO(lead): run 04_train.py here once it takes the shipped defaults.
-            specs[name] = {"flags": list(OURS_FLAGS), "prefetch": True, "gpus": 1,
-                           "via_04_train": ours_via_04}
+            specs[name] = ({"via_04": True, "flags": [], "prefetch": True, "gpus": 1} if via_04
+                           else {"flags": list(OURS_FLAGS), "prefetch": True, "gpus": 1})
     for item in args.variant:
         name, _, flags = item.partition("=")
-        prefetch = "+prefetch" in flags
         specs[name] = {"flags": shlex.split(flags.replace("+prefetch", "")),
-                       "prefetch": prefetch, "gpus": 1}
+                       "prefetch": "+prefetch" in flags, "gpus": 1}
     if args.ddp > 1:
         specs[f"ours-{args.ddp}gpu"] = {**specs.get("ours", {"flags": list(OURS_FLAGS),
-                                                             "prefetch": True}),
-                                        "gpus": args.ddp}
+                                                             "prefetch": True}), "gpus": args.ddp}
+    resolved = _resolved_04_config(args) if via_04 else {}
     for spec in specs.values():
         flags = spec["flags"]
-        log_freq = int(flags[flags.index("--log-freq") + 1]) if "--log-freq" in flags else 1
-        seq = int(flags[flags.index("--total-seq-len") + 1]) if "--total-seq-len" in flags else 8192
+        if spec.get("via_04"):
+            log_freq = int(resolved.get("log_freq", 50))  # unknown: allow up to 50
+            seq = int(resolved.get("total_seq_len", 32768))
+        else:
+            log_freq = int(flags[flags.index("--log-freq") + 1]) if "--log-freq" in flags else 1
+            seq = int(flags[flags.index("--total-seq-len") + 1]) if "--total-seq-len" in flags else 8192
         warmup = -(-args.warmup_steps // log_freq) * log_freq
         stop = warmup + max(-(-args.steps // log_freq), 1) * log_freq
         spec.update(warmup=warmup, stop=stop, log_freq=log_freq,
-                    rows=int((stop + 3) * (seq // ROW_TOKENS) * spec["gpus"] / 0.9) + 2)
+                    rows=int((stop + 3) * max(seq // ROW_TOKENS, 1) * spec["gpus"] / 0.9) + 2)
     return specs
+
+
+def _resolved_04_config(args: argparse.Namespace) -> dict:
+    """04_train's resolved train config (its `--print-config`: `key = value  # source`)."""
+    work = args.workdir
+    command = [sys.executable, str(REPO / "eagle3-train" / "04_train.py"), "--profile",
+               args.ours_profile, "--target", str(work / "verifier"), "--data", str(work / "data"),
+               "--vocab", str(work / "vocab"), "--output", str(work / "runs" / "ours" / "out"),
+               "--nproc", "1", "--print-config"]
+    try:
+        out = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    resolved = {}
+    for line in out.splitlines():
+        key, sep, value = line.partition(" = ")
+        if sep and not key.startswith("#"):
+            try:
+                resolved[key.strip()] = json.loads(value.split("  #")[0])
+            except json.JSONDecodeError:
+                continue
+    return resolved
+
+
+def geometry_layers(verifier: Path) -> int:
+    return int(json.loads((verifier / "config.json").read_text())["text_config"]["num_hidden_layers"])
 
 
 def _dataset_rows(data: Path) -> int:

@@ -18,8 +18,9 @@ from eagle3_pipeline.contract import write_manifest
 from eagle3_pipeline.errors import InputError
 from eagle3_pipeline.conversations import ChatTokenizer, fit_length, read_records, rows_for_conversation, to_messages
 from eagle3_pipeline.files import check_writable_dir, remove_stale_temps
+from eagle3_pipeline.preflight import hidden_states_estimate_line, preflight_prepare
 from eagle3_pipeline.prepared import order_rows, split_conversations, train_data_ratio, write_prepared
-from eagle3_pipeline.stage import config_fingerprint, finished_with_same_inputs, log, stage_main
+from eagle3_pipeline.stage import config_fingerprint, finished_with_same_inputs, log, retire_manifest, stage_main
 from eagle3_pipeline.target import load_target_info
 
 
@@ -38,11 +39,23 @@ def main(argv: list[str] | None = None) -> int:
     if finished_with_same_inputs(out_dir, fingerprint, inputs, cfg.overwrite):
         log.info("%s: already prepared with these settings; nothing to do", out_dir)
         return 0
-    remove_stale_temps(out_dir)
     chat = ChatTokenizer(cfg.tokenizer or cfg.target, cfg.trust_remote_code)
+    for line in preflight_prepare(cfg.data, cfg.max_samples, cfg.max_seq_len, target, out_dir):
+        log.info("preflight %s", line)
+    if cfg.check:  # also read every local row once: bad rows are refused in seconds, not after tokenizing
+        if Path(cfg.data).is_file():
+            checked = 0
+            for where, record in read_records(cfg.data):
+                if cfg.max_samples is not None and checked >= cfg.max_samples:
+                    break
+                to_messages(record, where)
+                checked += 1
+            log.info("preflight rows: %d conversation(s) in %s are well-formed", checked, cfg.data)
+        return 0
+    remove_stale_temps(out_dir)
 
     # 3. Work: read, validate and tokenize every conversation.
-    rows, conversations, dropped_too_long = [], 0, 0
+    rows, conversations, dropped_too_long, truncated_too_long = [], 0, 0, 0
     records = read_records(cfg.data, cfg.data_split, cfg.data_subset, cfg.trust_remote_code)
     for where, record in tqdm(records, desc="prepare", unit="conv", total=cfg.max_samples):
         if cfg.max_samples is not None and conversations >= cfg.max_samples:
@@ -53,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             if fitted is None:
                 dropped_too_long += 1
             else:
+                truncated_too_long += len(fitted.input_ids) < len(row.input_ids)
                 rows.append(fitted)
         conversations += 1
     if not rows:
@@ -65,21 +79,26 @@ def main(argv: list[str] | None = None) -> int:
                          f"(--val-ratio {cfg.val_ratio}); give at least 2 conversations")
 
     # 4. Outputs (dataset + token_freq.pt, renamed into place).
+    retire_manifest(out_dir)  # an old result (--overwrite) stops being finished only now
     stats = write_prepared(out_dir, rows, num_train)
     if dropped_too_long:
         log.warning("dropped %d row(s) longer than --max-seq-len %d (see manifest counts)", dropped_too_long, cfg.max_seq_len)
+    if truncated_too_long:
+        log.warning("truncated %d row(s) to --max-seq-len %d (see manifest counts)", truncated_too_long, cfg.max_seq_len)
 
     # 5. Contract last: the directory is finished only once manifest.json exists.
     write_manifest(
         out_dir, "prepare",
         config=cfg.model_dump(), config_sha256=fingerprint, inputs=inputs,
         target=target.summary(),
-        counts={"conversations": conversations, "dropped_too_long": dropped_too_long, **stats},
+        counts={"conversations": conversations, "dropped_too_long": dropped_too_long,
+                "truncated_too_long": truncated_too_long, **stats},
         train_data_ratio=train_data_ratio(num_train, len(rows)),
         max_seq_len=cfg.max_seq_len,
     )
     log.info("prepared %d rows (%d train / %d val, %d loss tokens) from %d conversations -> %s",
              stats["rows"], stats["train_rows"], stats["val_rows"], stats["loss_tokens"], conversations, out_dir)
+    log.info("%s", hidden_states_estimate_line(stats["rows"], stats["tokens"], target.hidden_size))
     return 0
 
 

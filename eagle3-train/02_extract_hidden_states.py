@@ -16,7 +16,7 @@ from pathlib import Path
 from eagle3_pipeline.config import ExtractConfig, resolve_stage_config
 from eagle3_pipeline.contract import input_record, read_manifest, require_equal, write_manifest
 from eagle3_pipeline.errors import ContractError
-from eagle3_pipeline.extract.common import HS_DIRNAME, validate_all
+from eagle3_pipeline.extract.common import HS_DIRNAME, partition_indices, validate_all
 from eagle3_pipeline.extract.run import (
     all_rows_landed, fail_rows, plan_extraction, preflight, read_json, run_extraction, validate_sample_of_files,
 )
@@ -55,16 +55,25 @@ def main(argv: list[str] | None = None) -> int:
     remove_stale_temps(hs_dir)
 
     rows = load_rows(data_dir, cfg.max_samples)
-    plan = plan_extraction(cfg, rows, len(layer_ids), target.hidden_size, hs_dir)
-    if cfg.validate_only:
-        bad = validate_all(hs_dir, plan.rows, plan.num_slots, plan.hidden_size)
+    if cfg.validate_only:  # before planning: the plan would drop bad files without saying why
+        mine = {i: rows[i] for i in partition_indices(list(range(len(rows))), cfg.world_size, cfg.rank)}
+        bad = validate_all(hs_dir, mine, len(layer_ids), target.hidden_size)
         if bad:
             for index in bad:  # a rerun redoes exactly these
                 (hs_dir / f"hs_{index}.safetensors").unlink(missing_ok=True)
             (hs_dir / "manifest.json").unlink(missing_ok=True)
             raise fail_rows(bad, hs_dir, "validation")
-        log.info("validated %d file(s): all good", len(plan.rows))
+        log.info("validated %d file(s): all good", len(mine))
         return 0
+    fingerprint = config_fingerprint(cfg, ignore=("rank", "world_size", "retries"))
+    if finished_extraction(hs_dir, fingerprint, prepared, len(rows)) and not cfg.check:
+        # Rewriting the manifest would change its hash and orphan stage 03/04 outputs built on it.
+        log.info("%s: already extracted with these settings; nothing to do (--validate re-checks every file)", hs_dir)
+        return 0
+    plan = plan_extraction(cfg, rows, len(layer_ids), target.hidden_size, hs_dir)
+    if plan.counts["stale_removed"]:
+        log.warning("removed %d file(s) whose token ids or shape do not match their row; they are redone",
+                    plan.counts["stale_removed"])
 
     # 3. Preflight before any heavy work (prints the estimate even when it passes).
     for line in preflight(cfg, plan, target, hs_dir):
@@ -96,9 +105,10 @@ def main(argv: list[str] | None = None) -> int:
         log.info("rank %d/%d done; the manifest is written when every rank's rows exist (rerun any rank then)",
                  cfg.rank, cfg.world_size)
         return 0
+    (hs_dir / "redo.json").unlink(missing_ok=True)  # every row listed there has been redone
     write_manifest(
         hs_dir, "extract", **shaping,
-        config=cfg.model_dump(), config_sha256=config_fingerprint(cfg, ignore=("rank", "world_size", "retries")),
+        config=cfg.model_dump(), config_sha256=fingerprint,
         inputs={"prepare": input_record(prepared)},
         target=target.summary(),
         backend=cfg.backend,
@@ -111,6 +121,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def staging_dir(cfg: ExtractConfig, hs_dir: Path) -> Path:
     return Path(cfg.staging_dir) if cfg.staging_dir else hs_dir / ".staging"
+
+
+def finished_extraction(hs_dir: Path, fingerprint: str, prepared: dict, num_rows: int) -> bool:
+    """A complete manifest from these settings and this stage-01 output, and every row's file present."""
+    existing = read_json(hs_dir / "manifest.json") or {}
+    return (bool(existing.get("complete")) and existing.get("config_sha256") == fingerprint
+            and existing.get("inputs") == {"prepare": input_record(prepared)}
+            and all_rows_landed(hs_dir, list(range(num_rows))))
 
 
 def check_same_shaping(hs_dir: Path, shaping: dict) -> None:

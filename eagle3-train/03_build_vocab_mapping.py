@@ -15,7 +15,8 @@ from eagle3_pipeline.config import VocabConfig, load_draft_config, resolve_stage
 from eagle3_pipeline.contract import input_record, read_manifest, write_manifest
 from eagle3_pipeline.files import atomic_numpy_save, atomic_write_json, check_writable_dir, remove_stale_temps
 from eagle3_pipeline.prepared import TOKEN_FREQ_NAME, load_prepared
-from eagle3_pipeline.stage import config_fingerprint, finished_with_same_inputs, log, stage_main
+from eagle3_pipeline.preflight import preflight_vocab
+from eagle3_pipeline.stage import config_fingerprint, finished_with_same_inputs, log, retire_manifest, stage_main
 from eagle3_pipeline.vocab import (
     D2T_NAME, T2D_NAME, build_mapping, count_loss_tokens, coverage, load_token_freq, resolve_draft_vocab_size,
 )
@@ -38,6 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     if finished_with_same_inputs(out_dir, fingerprint, inputs, cfg.overwrite):
         log.info("%s: vocab mapping already built from these inputs; nothing to do", out_dir)
         return 0
+    for line in preflight_vocab(target_vocab, draft_vocab, out_dir):
+        log.info("preflight %s", line)
+    if cfg.check:
+        return 0
     remove_stale_temps(out_dir)
 
     # 3. Work.
@@ -53,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     }
 
     # 4. Outputs, then 5. the contract.
+    retire_manifest(out_dir)  # an old result (--overwrite) stops being finished only now
     atomic_numpy_save(d2t, out_dir / D2T_NAME)
     atomic_numpy_save(t2d, out_dir / T2D_NAME)
     atomic_write_json(out_dir / "coverage.json", report)

@@ -18,12 +18,15 @@ from eagle3_pipeline.config import TrainConfig, load_draft_config, resolve_stage
 from eagle3_pipeline.contract import input_record, read_manifest, require_equal, require_upstream, write_manifest
 from eagle3_pipeline.errors import ConfigError, ContractError, StageError
 from eagle3_pipeline.extract.common import HS_DIRNAME
-from eagle3_pipeline.files import check_writable_dir
-from eagle3_pipeline.stage import log, stage_main
+from eagle3_pipeline.files import check_writable_dir, remove_stale_temps
+from eagle3_pipeline.preflight import preflight_train
+from eagle3_pipeline.resume import INTERRUPTED, epoch_folders, latest_progress, prepare_resume
+from eagle3_pipeline.stage import config_fingerprint, log, stage_main
 from eagle3_pipeline.target import load_target_info
 from eagle3_pipeline.training import (
     METRICS_FILE, best_checkpoint, launch_command, launch_env, run_in_process, speculators_argv, write_command_file,
 )
+from eagle3_pipeline.plots import PLOTS_DIRNAME, write_plots
 from eagle3_pipeline.train_report import summarize, write_summary
 
 
@@ -52,6 +55,22 @@ def main(argv: list[str] | None = None) -> int:
     run_identity = {"draft_config": draft, "inputs": inputs, "target_config_sha256": target.config_sha256}
     check_writable_dir(out_dir, "--output")
     check_same_run(out_dir, run_identity, cfg.overwrite)
+    fingerprint = config_fingerprint(cfg)
+    if finished_training(out_dir, run_identity, fingerprint):
+        # Rerunning would train extra steps (--max-steps) and rewrite the manifest stage 05 was built on.
+        log.info("%s: already trained with these settings and inputs; nothing to do", out_dir)
+        return 0
+    for line in preflight_train(cfg, draft, target, vocab["draft_vocab_size"], out_dir):
+        log.info("preflight %s", line)
+    if cfg.check:
+        return 0
+    remove_stale_temps(out_dir)
+    # speculators resumes from the newest <epoch>/ by itself; make sure that one is whole.
+    resume = prepare_resume(out_dir)
+    resume["from"] = latest_progress(out_dir)
+    if resume["from"]:
+        log.info("resuming from checkpoint %s (global step %s); the steps before it are not redone",
+                 resume["from"]["checkpoint"], resume["from"].get("global_step", "?"))
 
     spec_argv = speculators_argv(
         cfg, draft, target.path, aux_layer_ids, vocab["draft_vocab_size"], prepared["train_data_ratio"],
@@ -73,18 +92,36 @@ def main(argv: list[str] | None = None) -> int:
         log.info("dry run: initialised draft written to %s", out_dir)
         return 0
 
-    # 4. Report, then 5. the contract.
+    if cfg.nnodes > 1 and cfg.launcher == "torchrun" and cfg.node_rank > 0:
+        log.info("node %d/%d done; node 0 (global rank 0) writes the checkpoints' report and manifest", cfg.node_rank, cfg.nnodes)
+        return 0
+
+    # 4. Report (plots/*.png, summary.txt), then 5. the contract.
     best = best_checkpoint(out_dir)
     if best is None:
         raise StageError(f"{out_dir}: training finished without a checkpoint")
-    summary = summarize(out_dir / METRICS_FILE, best)
-    write_summary(out_dir, summary)
+    try:
+        write_plots(out_dir / METRICS_FILE, out_dir / PLOTS_DIRNAME)
+    except Exception as exc:  # curves are a convenience: never fail a finished training on them
+        log.warning("plots not written (%s: %s); retry with python -m eagle3_pipeline.plots %s", type(exc).__name__, exc, out_dir)
+    summary = summarize(out_dir / METRICS_FILE, best, draft.get("num_speculative_tokens"))
+    print(write_summary(out_dir, summary), flush=True)
     write_manifest(
         out_dir, "train", run_identity=run_identity, inputs=inputs, target=target.summary(),
         config=cfg.model_dump(), draft_config=draft, aux_layer_ids=aux_layer_ids,
         draft_vocab_size=vocab["draft_vocab_size"], best_checkpoint=best.name, summary=summary,
+        config_sha256=fingerprint, resume=resume,
     )
     return 0
+
+
+def finished_training(out_dir: Path, identity: dict, fingerprint: str) -> bool:
+    try:
+        manifest = json.loads((out_dir / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(manifest.get("complete")) and manifest.get("run_identity") == identity \
+        and manifest.get("config_sha256") == fingerprint
 
 
 def check_same_run(out_dir: Path, identity: dict, overwrite: bool) -> None:
@@ -101,7 +138,8 @@ def check_same_run(out_dir: Path, identity: dict, overwrite: bool) -> None:
     from eagle3_pipeline.training import checkpoint_dirs
     from eagle3_pipeline.files import remove_path
 
-    for item in checkpoint_dirs(out_dir) + [out_dir / "checkpoint_best", out_dir / METRICS_FILE, path]:
+    for item in checkpoint_dirs(out_dir) + epoch_folders(out_dir) + [
+            out_dir / INTERRUPTED, out_dir / "checkpoint_best", out_dir / METRICS_FILE, path]:
         remove_path(item)
 
 

@@ -1,59 +1,193 @@
 #!/usr/bin/env bash
 # Run the five stages in order for one profile, target, data and work directory.
 #
-#   eagle3-train/run_all.sh --profile rtx-pro-6000-8x --target /models/Kimi-K2.5 \
-#       --data mlabonne/open-perfectblend --work /nvme/eagle3-run [--python .venv/bin/python] \
-#       [--args-01 "..."] ... [--args-05 "..."]
+#   eagle3-train/run_all.sh --profile rtx-pro-6000-8x --target /models/Kimi-K2.5 --trust-remote-code \
+#       --data mlabonne/open-perfectblend --work /nvme/eagle3-run
 #
-# Each stage logs to WORK/logs/0N_<stage>.log (and the terminal). A stage whose output holds a
-# finished manifest.json is skipped, and every stage resumes its own partial work, so after a
-# disconnect or a kill the same command continues where it stopped. Over SSH, run it inside
-# tmux (`tmux new -s eagle3`, reattach with `tmux attach -t eagle3`) or with
-# `nohup ... > WORK/run_all.out 2>&1 &`.
+# options:  --python PY            interpreter (default: $PYTHON, else python3)
+#           --trust-remote-code    passed to the stages that load the target (01, 02, 04)
+#           --args-0N "FLAGS"      extra flags for stage N, e.g. --args-04 "--epochs 3 --lr 5e-4"
+#           --from NN              rerun stages NN.. even if finished (earlier ones must be finished)
+#           --status               show each stage's state and log, then exit
+#           --print-config         print every stage's resolved config (value # source), then exit
+#
+# Logs: WORK/logs/0N_<stage>.log per stage (appended, one header per attempt) and WORK/logs/run_all.log.
+# A stage whose manifest.json says "complete": true is skipped, and every stage resumes its own
+# partial work (02 skips landed rows, 04 resumes from the newest epoch checkpoint), so after a
+# disconnect, a kill or a reboot the same command continues where it stopped.
+#
+# Over SSH, inside tmux (the run survives a dropped connection; reattach to watch):
+#   tmux new -s eagle3 'eagle3-train/run_all.sh --profile ... --work W; exec bash'
+#   tmux attach -t eagle3            # later, from a new SSH session
+# or with nohup, following the log:
+#   nohup eagle3-train/run_all.sh --profile ... --work W > W.out 2>&1 &   then  tail -f W/logs/run_all.log
+# Without either, a dropped connection (SIGHUP) does not stop the run: the driver ignores SIGHUP
+# and keeps writing WORK/logs. Ctrl-C or kill -TERM <driver pid> stops the running stage cleanly
+# (stage 04 saves its position and the rerun continues from that step); a second Ctrl-C kills it. Only one driver runs per WORK: a second one (or a restart while a stage from a
+# killed driver still runs) is refused, exit 75. Every stage runs in its own process group,
+# recorded in WORK/logs/current_stage.
 set -euo pipefail
+trap '' HUP PIPE  # an SSH drop must not stop the run; a closed terminal must not kill the driver
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 python="${PYTHON:-python3}"
-profile="" target="" data="" work=""
+profile="" target="" data="" work="" from="" trust="" mode=run
 declare -A extra=([01]="" [02]="" [03]="" [04]="" [05]="")
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --profile) profile="$2"; shift 2 ;;
-    --target) target="$2"; shift 2 ;;
-    --data) data="$2"; shift 2 ;;
-    --work) work="$2"; shift 2 ;;
-    --python) python="$2"; shift 2 ;;
-    --args-0[1-5]) extra[${1#--args-}]="$2"; shift 2 ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    --profile|--target|--data|--work|--python|--from)
+      [[ $# -ge 2 ]] || { echo "run_all.sh: $1 needs a value (see --help)" >&2; exit 2; }
+      declare "${1#--}=$2"; shift 2 ;;
+    --trust-remote-code) trust="--trust-remote-code"; shift ;;
+    --args-0[1-5])
+      [[ $# -ge 2 ]] || { echo "run_all.sh: $1 needs a value (see --help)" >&2; exit 2; }
+      extra[${1#--args-}]="$2"; shift 2 ;;
+    --status) mode=status; shift ;;
+    --print-config) mode=print; shift ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "run_all.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
-for name in profile target data work; do
-  [[ -n "${!name}" ]] || { echo "run_all.sh: --$name is required (see --help)" >&2; exit 2; }
+required=(work)
+[[ $mode == status ]] || required+=(profile target data)
+for opt in "${required[@]}"; do
+  [[ -n "${!opt}" ]] || { echo "run_all.sh: --$opt is required (see --help)" >&2; exit 2; }
 done
-mkdir -p "$work/logs"
+[[ -z "$from" || "$from" =~ ^0[1-5]$ ]] || { echo "run_all.sh: --from takes 01..05" >&2; exit 2; }
 
+# stage table: number, name, output dir (its manifest.json says whether it is finished), script
+nums=(01 02 03 04 05)
+declare -A name=([01]=prepare [02]=extract [03]=vocab [04]=train [05]=export)
+declare -A out=([01]="$work/data" [02]="$work/data/hidden_states" [03]="$work/vocab" [04]="$work/checkpoints" [05]="$work/draft")
+declare -A script=([01]=01_prepare_dataset.py [02]=02_extract_hidden_states.py [03]=03_build_vocab_mapping.py
+                   [04]=04_train.py [05]=05_export.py)
+stage_args() {  # the flags of stage $1, one per line (values may hold spaces)
+  case "$1" in
+    01) printf '%s\n' --target "$target" --data "$data" --output "$work/data" ;;
+    02) printf '%s\n' --target "$target" --data "$work/data" ;;
+    03) printf '%s\n' --data "$work/data" --output "$work/vocab" ;;
+    04) printf '%s\n' --target "$target" --data "$work/data" --vocab "$work/vocab" --output "$work/checkpoints" ;;
+    05) printf '%s\n' --checkpoints "$work/checkpoints" --output "$work/draft" ;;
+  esac
+  [[ -n "$trust" && "$1" =~ ^0[124]$ ]] && printf '%s\n' "$trust"
+  return 0
+}
+stage_command() {  # fills the array `cmd` for stage $1
+  local line words=()
+  cmd=("$python" -u "$here/${script[$1]}" --profile "$profile")
+  while IFS= read -r line; do cmd+=("$line"); done < <(stage_args "$1")
+  read -r -a words <<< "${extra[$1]}"  # --args-0N is split at spaces (no quoting inside, no globbing)
+  cmd+=("${words[@]}")
+}
 finished() {  # finished DIR: the stage output there has a complete manifest
-  [[ -f "$1/manifest.json" ]] && grep -q '"complete": true' "$1/manifest.json"
+  [[ -f "$1/manifest.json" ]] && grep -Eq '"complete":[[:space:]]*true' "$1/manifest.json"
 }
 
-stage() {  # stage NN NAME OUTPUT_DIR SCRIPT ARGS...
-  local num="$1" name="$2" out="$3" script="$4"; shift 4
-  if finished "$out"; then
-    echo "== $num $name: finished earlier ($out/manifest.json), skipping"
-    return 0
+if [[ $mode == status ]]; then
+  for n in "${nums[@]}"; do
+    log="$work/logs/${n}_${name[$n]}.log"
+    if finished "${out[$n]}"; then state=finished
+    elif [[ -f "${out[$n]}/manifest.json" ]]; then state="started, not finished"
+    elif [[ -f "$log" ]]; then state="started, no output yet"
+    else state="not started"; fi
+    printf '%s %-8s %-22s %s\n' "$n" "${name[$n]}" "$state" "$log"
+  done
+  if [[ -f "$work/logs/current_stage" ]]; then
+    read -r n pid < "$work/logs/current_stage" || true
+    if kill -0 "$pid" 2>/dev/null; then echo "running: stage $n (process group $pid); tail -f $work/logs/${n}_${name[$n]}.log"
+    else echo "nothing running (last started: stage $n)"; fi
   fi
-  echo "== $num $name -> $out (log: $work/logs/${num}_$name.log)"
-  local start=$SECONDS
-  # shellcheck disable=SC2086
-  "$python" "$here/$script" --profile "$profile" "$@" ${extra[$num]} 2>&1 | tee "$work/logs/${num}_$name.log"
-  echo "== $num $name: done in $((SECONDS - start)) s"
+  exit 0
+fi
+
+if [[ $mode == print ]]; then
+  for n in "${nums[@]}"; do
+    stage_command "$n"
+    echo "## ${n}_${name[$n]}"
+    "${cmd[@]}" --print-config
+  done
+  exit 0
+fi
+
+mkdir -p "$work/logs"
+driver_log="$work/logs/run_all.log"
+say() {  # to the driver log, and to the terminal while there is one
+  local line; line="[$(date '+%F %T')] $*"
+  printf '%s\n' "$line" >> "$driver_log"
+  printf '%s\n' "$line" 2>/dev/null || true
+}
+die() {  # die CODE MESSAGE
+  local code="$1"; shift
+  say "run_all: $*"
+  printf 'run_all.sh: %s\n' "$*" >&2 2>/dev/null || true
+  exit "$code"
 }
 
-stage 01 prepare "$work/data" 01_prepare_dataset.py --target "$target" --data "$data" --output "$work/data"
-stage 02 extract "$work/data/hidden_states" 02_extract_hidden_states.py --target "$target" --data "$work/data"
-stage 03 vocab "$work/vocab" 03_build_vocab_mapping.py --data "$work/data" --output "$work/vocab"
-stage 04 train "$work/checkpoints" 04_train.py --target "$target" --data "$work/data" --vocab "$work/vocab" --output "$work/checkpoints"
-stage 05 export "$work/draft" 05_export.py --checkpoints "$work/checkpoints" --output "$work/draft"
-echo "exported draft: $work/draft"
-cat "$work/draft/serve_command.txt"
+# One driver per work directory. The lock (fd 9) is inherited by each stage, so it stays held
+# while a stage started by a killed driver is still running.
+exec 9>>"$work/logs/.run_all.lock"
+if ! flock -w 2 9; then  # a short grace: processes killed a moment ago may still be exiting
+  running=$(cat "$work/logs/current_stage" 2>/dev/null || true)
+  die 75 "another run_all or a stage it started is still running in $work (stage, process group: ${running:-?}); wait for it (run_all.sh --status --work $work) or stop it (kill -TERM -- -PGID), then rerun"
+fi
+
+child="" stop_requests=0
+on_stop() {  # Ctrl-C / kill -TERM: stop the running stage (TERM, then KILL on a second request)
+  stop_requests=$((stop_requests + 1))
+  [[ -n "$child" ]] || exit 130
+  if (( stop_requests == 1 )); then
+    say "run_all: stopping stage (kill -TERM -- -$child); again to kill it"
+    kill -TERM -- "-$child" 2>/dev/null || true
+  else
+    kill -KILL -- "-$child" 2>/dev/null || true
+  fi
+}
+trap on_stop INT TERM
+
+run_stage() {  # run_stage NN: the stage in its own process group, its output appended to its log
+  local n="$1" log="$work/logs/${1}_${name[$1]}.log" start=$SECONDS rc=0 offset viewer
+  stage_command "$n"
+  printf '\n==== %s  run_all attempt: %s\n' "$(date '+%F %T')" "${cmd[*]}" >> "$log"
+  say "== $n ${name[$n]} -> ${out[$n]} (log: $log)"
+  offset=$(stat -c %s "$log")
+  setsid "${cmd[@]}" >> "$log" 2>&1 < /dev/null &
+  child=$!
+  echo "$n $child" > "$work/logs/current_stage"
+  tail -c "+$((offset + 1))" -s 0.2 -f --pid="$child" "$log" 2>/dev/null &  # show it while it runs
+  viewer=$!
+  wait "$child" || rc=$?
+  while kill -0 "$child" 2>/dev/null; do rc=0; wait "$child" || rc=$?; done  # a signal interrupted wait
+  wait "$viewer" 2>/dev/null || true
+  child=""
+  if (( stop_requests > 0 )); then
+    die 130 "stopped during $n ${name[$n]} (exit $rc); rerun the same command to continue"
+  fi
+  if (( rc != 0 )); then
+    die "$rc" "$n ${name[$n]} failed (exit $rc) after $((SECONDS - start)) s; see $log, fix, then rerun the same command (finished stages are skipped)"
+  fi
+  if ! finished "${out[$n]}"; then
+    die 3 "$n ${name[$n]} exited 0 but ${out[$n]}/manifest.json is not complete (--world-size > 1: run the other ranks, then rerun; --check/--dry-run in --args-$n stop early)"
+  fi
+  say "== $n ${name[$n]}: done in $((SECONDS - start)) s"
+}
+
+say "run_all: profile $profile, target $target, data $data, work $work (driver pid $$)"
+if command -v nvidia-smi > /dev/null; then
+  say "gpus: $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | sort | uniq -c | tr -s ' \n' ' ')"
+fi
+for n in "${nums[@]}"; do
+  if [[ -n "$from" && ! "$n" < "$from" ]]; then
+    run_stage "$n"
+  elif finished "${out[$n]}"; then
+    say "== $n ${name[$n]}: finished earlier (${out[$n]}/manifest.json), skipping"
+  elif [[ -n "$from" ]]; then
+    die 3 "--from $from: stage $n ${name[$n]} is not finished; rerun without --from"
+  else
+    run_stage "$n"
+  fi
+done
+rm -f "$work/logs/current_stage"
+say "run_all: all five stages finished"
+[[ -f "$work/checkpoints/summary.txt" ]] && say "training summary: $work/checkpoints/summary.txt; curves: $work/checkpoints/plots/"
+say "exported draft: $work/draft"
+cat "$work/draft/serve_command.txt" 2>/dev/null || true

@@ -179,6 +179,51 @@ def test_summary_takes_tokens_per_second_from_the_wall_clock_window():
     assert summary["step_split_ms"]["opt_ms"] == 4.0
 
 
+def _bench_module():
+    import importlib.util
+
+    path = Path(__file__).parents[1] / "bench" / "train_throughput.py"
+    spec = importlib.util.spec_from_file_location("train_throughput_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_stops_a_run_once_two_logged_steps_span_the_window(tmp_path):
+    bench = _bench_module()
+    metrics = tmp_path / "metrics.jsonl"
+    writer = textwrap.dedent(f"""
+        import json, time
+        for step in range(0, 1000, 5):
+            with open({str(metrics)!r}, "a") as f:
+                f.write(json.dumps({{"global_step": step, "time": time.time(), "profile": {{"step_ms": 1}}}}) + "\\n")
+            time.sleep(0.05)
+    """)
+    outcome = bench.launch("t", [sys.executable, "-c", writer], gpus=[], log=tmp_path / "log",
+                           timeout=60, stop_when=lambda: bench.window_complete(metrics, 3, 10))
+    assert outcome["exit"] == "stopped after the measured window"
+    steps = [json.loads(line)["global_step"] for line in metrics.read_text().splitlines()]
+    assert 15 <= steps[-1] < 200
+
+
+def test_synthetic_manifests_satisfy_04_train_contracts(tmp_path):
+    throughput.write_head_only_verifier(tmp_path / "verifier", text_overrides=TINY_TEXT)
+    throughput.write_synthetic_prepared_dataset(tmp_path / "data", num_rows=12, seq_len=32,
+                                                hidden_size=64, vocab_size=256, distinct_files=3)
+    throughput.write_synthetic_stage_manifests(tmp_path / "verifier", tmp_path / "data",
+                                               tmp_path / "vocab", aux_layer_ids=[1, 2, 3],
+                                               draft_vocab_size=64)
+    from eagle3_pipeline.contract import read_manifest, require_upstream
+
+    prepared = read_manifest(tmp_path / "data", "prepare", "--data")
+    extracted = read_manifest(tmp_path / "data" / "hidden_states", "extract", "--data")
+    vocab = read_manifest(tmp_path / "vocab", "vocab", "--vocab")
+    require_upstream(extracted, "prepare", prepared)
+    require_upstream(vocab, "prepare", prepared)
+    assert extracted["layer_ids"] == [1, 2, 3, 4] and vocab["draft_vocab_size"] == 64
+    assert (tmp_path / "vocab" / "d2t.npy").is_file() and (tmp_path / "vocab" / "t2d.npy").is_file()
+
+
 # ---------------------------------------------------------------- fused-loss fix gate
 
 

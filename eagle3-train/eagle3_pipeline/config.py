@@ -67,6 +67,7 @@ class PrepareConfig(StageConfig):
     seed: int = _field(0, "shuffle seed for the train/val split")
     trust_remote_code: bool = _field(False, "allow the target's own tokenizer code (Kimi-K2.5 needs it)")
     overwrite: bool = _field(False, "replace a finished output made with other settings")
+    check: bool = _field(False, "preflight only: print the disk/GPU/version estimate and exit")
 
 
 class ExtractConfig(StageConfig):
@@ -120,6 +121,7 @@ class VocabConfig(StageConfig):
     draft_config: str = _field(str(DEFAULT_DRAFT_CONFIG), "draft_config.json (its draft_vocab_size is the default)")
     draft_vocab_size: Optional[int] = _field(None, "draft vocabulary size (default: draft_config.json's, clipped to the target vocab)", gt=0)
     overwrite: bool = _field(False, "replace a finished output made with other settings")
+    check: bool = _field(False, "preflight only: print the disk/GPU/version estimate and exit")
 
 
 class TrainConfig(StageConfig):
@@ -150,10 +152,10 @@ class TrainConfig(StageConfig):
     prefetch_factor: int = _field(4, "dataloader prefetch per worker", ge=1)
     nproc: int = _field(1, "GPUs (torchrun processes) on this node", ge=1)
     nnodes: int = _field(1, "nodes (torchrun --nnodes)", ge=1)
-    node_rank: int = _field(0, "this node's rank (torchrun --node-rank)", ge=0)
-    rdzv_endpoint: Optional[str] = _field(None, "torchrun rendezvous HOST:PORT for multi-node")
-    launcher: Literal["torchrun", "deepspeed"] = _field("torchrun", "multi-process launcher (deepspeed reads --hostfile)")
-    hostfile: Optional[str] = _field(None, "deepspeed hostfile (with --launcher deepspeed)")
+    node_rank: int = _field(0, "this node's rank (torchrun --node-rank); node 0 holds global rank 0, which writes checkpoints and metrics", ge=0)
+    rdzv_endpoint: Optional[str] = _field(None, "multi-node: node 0's HOST:PORT, the same on every node (torchrun --master-addr/--master-port; deepspeed --master_addr/--master_port)")
+    launcher: Literal["torchrun", "deepspeed"] = _field("torchrun", "multi-process launcher: torchrun (run on every node) or deepspeed (run once; starts the --hostfile hosts over SSH)")
+    hostfile: Optional[str] = _field(None, "deepspeed hostfile, lines 'HOST slots=GPUS' (with --launcher deepspeed)")
     fsdp: bool = _field(False, "shard the draft with FSDP2 instead of DDP (multi-GPU)")
     checkpoint_freq: float = _field(1.0, "save every N epochs (<1 for sub-epoch checkpoints)", gt=0)
     log_freq: int = _field(1, "log metrics every N steps", ge=1)
@@ -163,6 +165,7 @@ class TrainConfig(StageConfig):
     dry_run: bool = _field(False, "write an initialised draft and exit (speculators --dry-run)")
     extra_args: list[str] = _field([], "further speculators train flags, passed through verbatim (e.g. --extra-args=--muon-lr --extra-args=0.02)")
     overwrite: bool = _field(False, "discard checkpoints made from other inputs")
+    check: bool = _field(False, "preflight only: print the disk/GPU/version estimate and exit")
 
 
 class ExportConfig(StageConfig):
@@ -179,6 +182,7 @@ class ExportConfig(StageConfig):
     num_speculative_tokens: Optional[int] = _field(None, "draft tokens per step in the printed command (default: draft_config.json's)", ge=1)
     tensor_parallel_size: int = _field(8, "tensor parallel size in the printed vLLM command", ge=1)
     overwrite: bool = _field(False, "replace an existing export")
+    check: bool = _field(False, "preflight only: print the disk/GPU/version estimate and exit")
 
 
 STAGE_CONFIGS: dict[str, type[StageConfig]] = {

@@ -134,7 +134,7 @@ def require_upstream(manifest: dict, upstream_stage: str, upstream: dict) -> Non
     if recorded != upstream["_sha256"]:
         raise ContractError(
             f"{manifest['_path']}: built from a different {upstream_stage!r} output than "
-            f"{upstream['_path']} (it was rerun since); rerun {STAGES[manifest['stage']]}"
+            f"{upstream['_path']} (other data, or it was rerun since); rerun {STAGES[manifest['stage']]}"
         )
 
 

@@ -71,7 +71,7 @@ def _read_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
             if not line.strip():
                 continue
             try:
-                yield where, json.loads(line)
+                yield where, json.loads(line.rstrip("\r\n"))  # so the column points into this line
             except json.JSONDecodeError as exc:
                 raise InputError(f"{where}: malformed JSON ({exc.msg} at column {exc.colno})") from None
 

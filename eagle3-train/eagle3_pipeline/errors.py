@@ -29,3 +29,9 @@ class PreflightError(StageError):
     """The run would not fit (disk, GPUs, memory, versions); refused before heavy work."""
 
     exit_code = 5
+
+
+class Interrupted(StageError):
+    """SIGTERM/Ctrl-C stopped the work after saving what it could; rerunning continues it."""
+
+    exit_code = 130

@@ -97,7 +97,10 @@ def kimi_text_config(vocab_size: int, special_ids: dict[str, int]) -> dict:
         "hidden_act": "silu",
         "max_position_embeddings": 4096,
         "rope_theta": 50000.0,
-        "rms_norm_eps": 1e-5,
+        # Kimi-K2.5's (and DeepSeek-V3's) value. It matters beyond fidelity: HF's DeepSeek-V3
+        # hard-codes eps=1e-6 for the MLA q_a/kv_a norms while vLLM uses this field, so any
+        # other value makes vLLM and HF disagree (~1e-3) on the miniature but not on Kimi.
+        "rms_norm_eps": 1e-6,
         "initializer_range": 0.02,
         "attention_bias": False,
         "attention_dropout": 0.0,

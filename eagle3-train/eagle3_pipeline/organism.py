@@ -10,9 +10,10 @@ What `build_organism` produces (one directory, keyed by a hash of the settings a
 
     <cache>/organism-<key>/
       model/                    a normal HF model directory (LlamaForCausalLM): config.json,
-                                model.safetensors, tokenizer.json + tokenizer_config.json with a
-                                ChatML-like chat_template, generation_config.json. Loads in HF
-                                transformers and in vLLM (CPU backend included).
+                                model.safetensors, tokenizer.json + tokenizer_config.json, a
+                                Kimi-like chat template (<|im_start|>ROLE<|im_middle|>...<|im_end|>),
+                                generation_config.json. Loads in HF transformers and in vLLM
+                                (CPU backend included).
       conversations.jsonl       draft-training data for the pipeline: OpenAI `messages` rows
                                 (user asks to continue a snippet, assistant continues it), built
                                 from files the organism never saw.
@@ -48,15 +49,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # Bump when the code changes what a given settings object produces, so stale caches are not reused.
-ORGANISM_FORMAT_VERSION = 1
+ORGANISM_FORMAT_VERSION = 2
 
+# Kimi-like: every boundary is a special token (`<|im_middle|>` ends the role header, as in
+# Kimi-K2.5's template), so the content tokenizes the same whether or not the assistant turn
+# follows. With a ChatML "assistant\n" header the byte-level BPE merged that newline with the
+# answer's leading indentation, and the rendering was not prefix-stable (stage 01 refuses that).
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{{ '<|im_start|>' + message['role'] + '<|im_middle|>' + message['content'] + '<|im_end|>' }}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant<|im_middle|>' }}{% endif %}"
 )
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>")
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_middle|>", "<|im_end|>", "<|pad|>")
 USER_PROMPT = "Continue this code from {source}:\n\n{prefix}"
 
 SPLIT_ORGANISM = "organism"
@@ -70,7 +75,8 @@ class OrganismSettings:
 
     seed: int = 0
     # Tokenizer: byte-level BPE trained on the organism's own training split.
-    vocab_size: int = 4096
+    # 2048 rather than 4096: each token is easier to predict and the lm_head costs half as much.
+    vocab_size: int = 2048
     tokenizer_train_chars: int = 6_000_000  # a sample is enough for a 4k-token BPE
     # Llama geometry: 4 layers keeps CPU training at ~6k tokens/s (bf16 autocast, AMX).
     hidden_size: int = 256
@@ -87,10 +93,10 @@ class OrganismSettings:
     continuation_chars: int = 600
     max_seq_len: int = 512
     # Training: AdamW, linear warmup then cosine to 10%; bf16 autocast on CPU.
-    train_steps: int = 600
+    train_steps: int = 1200
     batch_size: int = 8
-    lr: float = 2e-3
-    warmup_steps: int = 30
+    lr: float = 3e-3
+    warmup_steps: int = 50
     weight_decay: float = 0.1
     # Held-out evaluation of the organism itself (eval split conversations).
     eval_examples: int = 256
@@ -286,7 +292,7 @@ def train_tokenizer(files: list[tuple[str, str]], settings: OrganismSettings):
         eos_token="<|im_end|>",
         pad_token="<|pad|>",
         unk_token=None,
-        additional_special_tokens=["<|im_start|>"],
+        additional_special_tokens=["<|im_start|>", "<|im_middle|>"],
         model_max_length=settings.max_position_embeddings,
     )
     tokenizer.chat_template = CHAT_TEMPLATE
@@ -354,6 +360,21 @@ def _batch(rows: list[list[int]], pad_id: int, loss_from: list[int] | None = Non
             # labels[t] is predicted from position t-1: keep the assistant tokens only.
             labels[b, : loss_from[b]] = -100
     return input_ids, attention, labels
+
+
+def length_grouped(rows: list[list[int]], settings: OrganismSettings) -> list[list[list[int]]]:
+    """Batches of similar-length rows, in a seeded random order.
+
+    Rows are already shuffled; sorting each window of 32 batches by length before cutting it
+    into batches cut padding from ~35% to a few percent of the tokens computed.
+    """
+    window = settings.batch_size * 32
+    batches = []
+    for start in range(0, len(rows), window):
+        chunk = sorted(rows[start : start + window], key=len)
+        batches += [chunk[i : i + settings.batch_size] for i in range(0, len(chunk), settings.batch_size)]
+    random.Random(f"{settings.seed}:batches").shuffle(batches)
+    return batches
 
 
 def _lr_at(step: int, settings: OrganismSettings) -> float:
@@ -521,10 +542,7 @@ def build_organism(
         encode_conversation(tokenizer, conversation(src, pre, cont), settings.max_seq_len)
         for src, pre, cont in organism_rows[:needed]
     ]
-    train_batches = [
-        _batch(train_ids[i : i + settings.batch_size], pad)
-        for i in range(0, len(train_ids), settings.batch_size)
-    ]
+    train_batches = [_batch(rows, pad) for rows in length_grouped(train_ids, settings)]
     # bf16 autocast doubles CPU training speed where oneDNN has bf16 kernels (AVX512-BF16 / AMX).
     autocast = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     trained = train_model(model, train_batches, settings, autocast=autocast)

@@ -62,5 +62,12 @@ def finished_with_same_inputs(out_dir: Path, fingerprint: str, inputs: dict, ove
             f"{path}: {out_dir} holds a finished result made with other settings or inputs; "
             f"choose another --output or pass --overwrite"
         )
-    path.unlink()
+    # --overwrite: the old result stays valid (manifest included) until the new one is ready to
+    # be written; the stage calls retire_manifest() right before its first output write, so bad
+    # input found while reading never costs the user the old result.
     return False
+
+
+def retire_manifest(out_dir: Path) -> None:
+    """Call right before a stage's first output write: from here on out_dir is unfinished."""
+    manifest_path(out_dir).unlink(missing_ok=True)

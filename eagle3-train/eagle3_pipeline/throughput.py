@@ -544,6 +544,13 @@ class DevicePrefetchLoader:
     Everything else (len, batch_sampler, set_epoch) is the wrapped loader's.
     """
 
+    # Per-step numbers the trainer turns into device tensors with `torch.tensor(x,
+    # device=...)`: from a Python int that is a blocking host-to-device copy, which makes the
+    # host wait for the backward pass every step, so the GPU idles while the host then
+    # launches the optimizer and the next forward. Staged here as device tensors, the same
+    # call becomes a device-side copy and the host stays a step ahead.
+    DEVICE_SCALARS = ("error_records",)
+
     def __init__(self, loader: Any, device: Any, depth: int = 2):
         self.loader = loader
         self.device = device
@@ -571,6 +578,9 @@ class DevicePrefetchLoader:
                     with torch.cuda.stream(stream):
                         moved = {k: v.to(device, non_blocking=True)
                                  if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+                        for key in self.DEVICE_SCALARS:
+                            if isinstance(moved.get(key), (int, float)):
+                                moved[key] = torch.tensor(moved[key], device=device)
                         event = torch.cuda.Event()
                         event.record(stream)
                     while not stop.is_set():
@@ -611,7 +621,7 @@ class DevicePrefetchLoader:
 
 
 class MetricsJsonlHandler(logging.Handler):
-    """Writes speculators' per-step metric dicts as JSON lines, with a wall-clock stamp.
+    """Writes speculators' per-step (and per-epoch val) metric dicts as JSON lines, stamped.
 
     The trainer logs {"train": ..., "profile": {fetch_ms, fwd_ms, bwd_ms, opt_ms, ...},
     "global_step": n} on `speculators.metrics` every `log_freq` steps, right after a
@@ -625,8 +635,8 @@ class MetricsJsonlHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         message = record.msg
-        if not isinstance(message, Mapping) or "global_step" not in message:
-            return
+        if not isinstance(message, Mapping) or not {"global_step", "val"} & message.keys():
+            return  # the run config and other dicts: not per-step metrics
         entry = {"time": time.perf_counter(), "wall_time": time.time(), **message}
         try:
             import torch
@@ -685,7 +695,7 @@ def summarize_train_metrics(
         "step_split_ms": split,
         "max_memory_allocated_gib": max(r.get("max_memory_allocated", 0) for r in steps) / 2**30,
         "max_memory_reserved_gib": max(r.get("max_memory_reserved", 0) for r in steps) / 2**30,
-        "final_loss": steps[-1].get("train", {}).get("loss_sum"),
+        "last_train_loss": steps[-1].get("train", {}).get("loss"),
     }
 
 
@@ -731,16 +741,71 @@ def run_speculators_train(
 
     train_cli.setup_metric_logger = setup_then_attach
     if device_prefetch:
-        create_loaders = train_cli.create_train_val_loaders
-
-        def create_with_prefetch(*args: Any, **kwargs: Any):
-            import torch
-
-            train_loader, val_loader = create_loaders(*args, **kwargs)
-            from speculators.train.distributed import get_local_rank
-
-            device = torch.device("cuda", get_local_rank())
-            return DevicePrefetchLoader(train_loader, device), val_loader
-
-        train_cli.create_train_val_loaders = create_with_prefetch
+        install_device_prefetch()
     train_cli.main(TrainConfig.resolve(list(argv)))
+
+
+def install_device_prefetch() -> bool:
+    """Make speculators' `train` wrap its training loader in `DevicePrefetchLoader`.
+
+    Patches the name `speculators.train.cli` calls (`create_train_val_loaders`); the
+    validation loader is left as it is. Only with CUDA; returns whether it installed.
+    Call before `speculators.train.cli.main`.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    import speculators.train.cli as train_cli
+
+    create_loaders = train_cli.create_train_val_loaders
+    if getattr(create_loaders, "_device_prefetch", False):
+        return True
+
+    def create_with_prefetch(*args: Any, **kwargs: Any):
+        from speculators.train.distributed import get_local_rank
+
+        train_loader, val_loader = create_loaders(*args, **kwargs)
+        return DevicePrefetchLoader(train_loader, torch.device("cuda", get_local_rank())), val_loader
+
+    create_with_prefetch._device_prefetch = True  # type: ignore[attr-defined]
+    train_cli.create_train_val_loaders = create_with_prefetch
+    return True
+
+
+def write_synthetic_stage_manifests(
+    verifier_dir: str | Path, data_dir: str | Path, vocab_dir: str | Path, *,
+    aux_layer_ids: Sequence[int], draft_vocab_size: int, train_data_ratio: float = 0.9,
+) -> None:
+    """Stage 01/02/03 manifests (and 03's d2t/t2d) for a synthetic prepared dataset.
+
+    `04_train.py` trains only on data whose upstream manifests say which target, which
+    layers, which vocab mapping: this writes them for `write_synthetic_prepared_dataset`'s
+    output, marked `"synthetic": true`, so the benchmark can run 04_train on the same data
+    as plain speculators. The mapping is speculators' own, from the data's token_freq.pt.
+    """
+    import numpy as np
+
+    from .contract import input_record, read_manifest, write_manifest
+    from .target import load_target_info
+    from .vocab import D2T_NAME, T2D_NAME, build_mapping, load_token_freq
+
+    target = load_target_info(verifier_dir)
+    data, vocab = Path(data_dir), Path(vocab_dir)
+    summary = target.summary()
+    layer_ids = [*aux_layer_ids, target.num_layers]
+    write_manifest(data, "prepare", synthetic=True, target=summary,
+                   train_data_ratio=train_data_ratio)
+    prepared = read_manifest(data, "prepare", "--data")
+    write_manifest(data / "hidden_states", "extract", synthetic=True, target=summary,
+                   layer_ids=layer_ids, dtype="bfloat16",
+                   target_config_sha256=target.config_sha256,
+                   inputs={"prepare": input_record(prepared)})
+    d2t, t2d = build_mapping(load_token_freq(data / "token_freq.pt"), draft_vocab_size,
+                             target.vocab_size)
+    vocab.mkdir(parents=True, exist_ok=True)
+    np.save(vocab / D2T_NAME, d2t)
+    np.save(vocab / T2D_NAME, t2d)
+    write_manifest(vocab, "vocab", synthetic=True, target=summary,
+                   draft_vocab_size=draft_vocab_size, target_vocab_size=target.vocab_size,
+                   inputs={"prepare": input_record(prepared)})

@@ -11,8 +11,14 @@ from .training import METRICS_FILE, run_in_process
 
 
 def main(argv: list[str]) -> None:
+    from .errors import StageError
+
     save_path = Path(argv[argv.index("--save-path") + 1])
-    run_in_process(argv, save_path / METRICS_FILE)
+    try:
+        run_in_process(argv, save_path / METRICS_FILE)
+    except StageError as exc:  # e.g. interrupted: the launcher, then stage 04, see the exit code
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(exc.exit_code) from None
 
 
 if __name__ == "__main__":

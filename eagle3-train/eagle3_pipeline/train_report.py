@@ -1,17 +1,193 @@
-"""After training: a one-screen summary from speculators' metrics."""
+"""After training: a one-screen summary from speculators' metrics.
+
+`summarize` reads the best checkpoint's `val_metrics.json` (speculators writes it per epoch;
+metrics.jsonl's val records are the fallback) and the train records of metrics.jsonl, and
+returns a JSON-ready dict (it also goes into stage 04's manifest). The expected accepted
+length is `acceptance.expected_accepted_length`: tau(k) = 1 + sum_{i<k} full_acc_i, the
+offline estimate for greedy chain drafting with k draft tokens (its docstring lists the
+assumptions); `eagle3_pipeline.acceptance.measure_acceptance` measures it in vLLM.
+`format_summary` renders the dict as text; `write_summary` writes summary.json + summary.txt.
+"""
 
 from __future__ import annotations
 
+import json
+import statistics
 from pathlib import Path
 
-from .files import atomic_write_json
-from .training import read_metrics
+from .acceptance import expected_accepted_lengths, full_acc_by_step
+from .files import atomic_write_json, atomic_write_text
+from .plots import PLOTS_DIRNAME, read_curves
+
+SUMMARY_JSON = "summary.json"
+SUMMARY_TXT = "summary.txt"
+_MAX_EPOCH_ROWS = 12  # epochs listed in the table (the best one is always listed)
 
 
-def summarize(metrics_path: Path, best: Path) -> dict:
-    records = read_metrics(metrics_path)
-    return {"best_checkpoint": str(best), "records": len(records), "last": records[-1] if records else None}
+def summarize(metrics_path: Path, best: Path, num_speculative_tokens: int | None = None) -> dict:
+    """The summary of one training run; `best` is the chosen checkpoint directory."""
+    metrics_path, best = Path(metrics_path), Path(best)
+    curves = read_curves(metrics_path)
+    best_epoch = int(best.name) if best.name.isdigit() else None
+    summary: dict = {"best_checkpoint": str(best), "best_epoch": best_epoch}
+
+    val = _best_val_metrics(best, curves, best_epoch)
+    if val:
+        summary.update(_val_block(val, num_speculative_tokens))
+    summary["val_by_epoch"] = {str(e): _epoch_row(m) for e, m in sorted(curves.val.items())}
+
+    steps = curves.steps
+    train: dict = {"logged_steps": len(steps)}
+    if steps:
+        last = curves.train[steps[-1]]
+        train.update(last_step=steps[-1], epochs=max(curves.train_epoch.values()) + 1, last_loss=last.get("loss"))
+    train.update(_throughput(curves))
+    summary["train"] = train
+    return summary
 
 
-def write_summary(out_dir: Path, summary: dict) -> None:
-    atomic_write_json(Path(out_dir) / "summary.json", summary)
+def _best_val_metrics(best: Path, curves, best_epoch: int | None) -> dict | None:
+    path = best / "val_metrics.json"
+    if path.is_file():
+        try:
+            return {k.removesuffix("_epoch"): v for k, v in json.loads(path.read_text()).items()}
+        except (json.JSONDecodeError, AttributeError):
+            pass
+    if best_epoch is not None and best_epoch in curves.val:
+        return curves.val[best_epoch]
+    return None
+
+
+def _val_block(val: dict, num_speculative_tokens: int | None) -> dict:
+    block: dict = {"val_loss": val.get("loss")}
+    n = len([k for k in val if k.startswith("loss_")])
+    block["val_loss_per_step"] = [val[f"loss_{k}"] for k in range(n) if f"loss_{k}" in val]
+    try:
+        full_acc = full_acc_by_step(val)
+    except KeyError:
+        return block
+    block["full_acc"] = full_acc
+    block["cond_acc"] = [val.get(f"cond_acc_{k}") for k in range(len(full_acc))]
+    block["expected_accepted_length"] = {str(k): tau for k, tau in expected_accepted_lengths(full_acc).items()}
+    if num_speculative_tokens and num_speculative_tokens <= len(full_acc):
+        block["num_speculative_tokens"] = num_speculative_tokens
+    return block
+
+
+def _epoch_row(val: dict) -> dict:
+    row = {"val_loss": val.get("loss")}
+    try:
+        full_acc = full_acc_by_step(val)
+    except KeyError:
+        return row
+    row["full_acc"] = full_acc
+    row["tau"] = 1.0 + sum(full_acc)  # tau(k) at k = every TTT step measured
+    return row
+
+
+def _throughput(curves) -> dict:
+    """Median tokens/s per rank and step time over logged steps, step 0 (compilation) left out."""
+    profiles = [p for step, p in curves.profile.items() if step > 0]
+    rates = [p["tokens_per_s"] for p in profiles if "tokens_per_s" in p]
+    times = [p["step_ms"] for p in profiles if "step_ms" in p]
+    out = {}
+    if rates:
+        out["median_tokens_per_s_per_rank"] = statistics.median(rates)
+    if times:
+        out["median_step_ms"] = statistics.median(times)
+    return out
+
+
+def format_summary(summary: dict, out_dir: Path | None = None) -> str:
+    """One screen of text: best checkpoint, val loss, per-step accuracies, tau, the epoch table."""
+    lines = ["EAGLE-3 draft training summary" + (f"  ({out_dir})" if out_dir else "")]
+    epoch = summary.get("best_epoch")
+    lines.append(f"best checkpoint : {summary['best_checkpoint']}"
+                 + (f"  (epoch {epoch}, lowest val loss)" if epoch is not None else ""))
+    if summary.get("val_loss") is not None:
+        per_step = " ".join(f"{v:.4f}" for v in summary.get("val_loss_per_step", []))
+        lines.append(f"val loss        : {summary['val_loss']:.4f}" + (f"   per TTT step: {per_step}" if per_step else ""))
+    if "full_acc" in summary:
+        lines.append("full_acc_k      : " + " ".join(f"{v:.3f}" for v in summary["full_acc"])
+                     + "   (val; P(draft token k accepted) under greedy chain drafting)")
+        lines.append("cond_acc_k      : " + " ".join("  -  " if v is None else f"{v:.3f}" for v in summary["cond_acc"])
+                     + "   (step k right given steps 0..k-1 right)")
+        taus = summary["expected_accepted_length"]
+        chosen = summary.get("num_speculative_tokens")
+        shown = "  ".join(f"tau({k})={v:.2f}" + (" <- served k" if chosen and int(k) == chosen else "")
+                          for k, v in taus.items())
+        lines.append(f"accepted length : {shown}")
+        lines.append("                  offline: 1 + sum of full_acc_0..k-1 tokens per target forward")
+        lines.append("                  (vLLM's own figure: eagle3_pipeline.acceptance.measure_acceptance)")
+    elif summary.get("val_loss") is None:
+        lines.append("validation      : no validation metrics found (is the val split empty?)")
+    train = summary.get("train", {})
+    if train.get("logged_steps"):
+        parts = [f"{train['logged_steps']} logged steps over {train.get('epochs', '?')} epoch(s)"]
+        if train.get("last_loss") is not None:
+            parts.append(f"last train loss {train['last_loss']:.4f}")
+        lines.append("training        : " + ", ".join(parts))
+        if "median_tokens_per_s_per_rank" in train:
+            lines.append(f"throughput      : median {train['median_tokens_per_s_per_rank']:,.0f} tokens/s per rank"
+                         + (f", {train['median_step_ms']:,.0f} ms/step" if "median_step_ms" in train else "")
+                         + " (step 0 left out)")
+    rows = summary.get("val_by_epoch", {})
+    if rows:
+        lines.append("")
+        lines += _epoch_table(rows, epoch)
+    if out_dir is not None and (Path(out_dir) / PLOTS_DIRNAME).is_dir():
+        lines.append("")
+        lines.append(f"plots           : {Path(out_dir) / PLOTS_DIRNAME}/loss.png, accuracy.png")
+    return "\n".join(lines)
+
+
+def _epoch_table(rows: dict, best_epoch: int | None) -> list[str]:
+    epochs = sorted(rows, key=int)
+    if len(epochs) > _MAX_EPOCH_ROWS:
+        keep = set(epochs[-(_MAX_EPOCH_ROWS - 1):]) | ({str(best_epoch)} if best_epoch is not None else set())
+        epochs = [e for e in epochs if e in keep]
+    n = max((len(r.get("full_acc", [])) for r in rows.values()), default=0)
+    header = "epoch  val_loss  " + " ".join(f"full_acc_{k}" for k in range(n)) + (f"  tau({n})" if n else "")
+    out = [header]
+    for e in epochs:
+        row = rows[e]
+        loss = f"{row['val_loss']:8.4f}" if row.get("val_loss") is not None else "       -"
+        mark = "*" if best_epoch is not None and int(e) == best_epoch else " "
+        accs = " ".join(f"{v:10.3f}" for v in row.get("full_acc", []))
+        tau = f"  {row['tau']:6.2f}" if "tau" in row else ""
+        out.append(f"{int(e):5d}  {loss}{mark} {accs}{tau}")
+    out.append("(* = best checkpoint)")
+    return out
+
+
+def write_summary(out_dir: Path, summary: dict) -> str:
+    """summary.json (machine-readable) and summary.txt (the text above); returns the text."""
+    out_dir = Path(out_dir)
+    atomic_write_json(out_dir / SUMMARY_JSON, summary)
+    text = format_summary(summary, out_dir)
+    atomic_write_text(out_dir / SUMMARY_TXT, text + "\n")
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m eagle3_pipeline.train_report CHECKPOINTS`: the summary of a run (also mid-training)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__,
+                                     epilog="example:\n  python -m eagle3_pipeline.train_report work/checkpoints",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoints", help="stage 04's --output directory")
+    args = parser.parse_args(argv)
+    out_dir = Path(args.checkpoints)
+    from .training import METRICS_FILE, best_checkpoint
+
+    best = best_checkpoint(out_dir)
+    if best is None:
+        print(f"error: no checkpoint in {out_dir} yet")
+        return 1
+    print(format_summary(summarize(out_dir / METRICS_FILE, best), out_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -14,11 +14,13 @@ import logging
 import os
 import shlex
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 from .config import SCRIPTS_DIR, TrainConfig
+from .errors import ConfigError
 from .files import atomic_write_text
 from .vocab import D2T_NAME, T2D_NAME
 
@@ -100,27 +102,48 @@ def speculators_argv(cfg: TrainConfig, draft: dict, target_path: str, aux_layer_
 
 
 def launch_command(cfg: TrainConfig, argv: list[str]) -> list[str] | None:
-    """None for a single process (run in-process); else the torchrun/deepspeed command line."""
+    """None for a single process (run in-process); else the torchrun/deepspeed command line.
+
+    torchrun, several nodes: the same command on every node with its own --node-rank, static
+    rendezvous at node 0's --rdzv-endpoint HOST:PORT, so global rank 0 (checkpoints,
+    metrics.jsonl) is on node 0 (c10d would rank nodes by host name). DeepSpeed: one command on
+    the first host of --hostfile starts every node over SSH (pdsh); `--no_local_rank` because
+    speculators' parser refuses the `--local_rank=N` DeepSpeed otherwise appends (the rank
+    arrives in LOCAL_RANK either way).
+    """
     if cfg.nproc == 1 and cfg.nnodes == 1 and cfg.launcher == "torchrun":
         return None
     entry = ["-m", "eagle3_pipeline.train_entry", *argv]
+    if cfg.node_rank >= cfg.nnodes:
+        raise ConfigError(f"--node-rank {cfg.node_rank} must be in [0, --nnodes {cfg.nnodes})")
+    if cfg.nnodes > 1 and cfg.launcher == "torchrun" and not cfg.rdzv_endpoint:
+        raise ConfigError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT, node 0's address (the same on every node)")
+    if cfg.nnodes > 1 and cfg.launcher == "deepspeed" and not cfg.hostfile:
+        raise ConfigError("--launcher deepspeed with --nnodes > 1 needs --hostfile (lines 'HOST slots=GPUS', first host = node 0)")
+    host, port = _split_endpoint(cfg.rdzv_endpoint) if cfg.rdzv_endpoint else (None, None)
     if cfg.launcher == "deepspeed":
-        cmd = ["deepspeed", "--num_gpus", str(cfg.nproc)]
+        # `-m deepspeed.launcher.runner` is the `deepspeed` console script, run by this interpreter.
+        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(cfg.nproc)]
         if cfg.hostfile:
             cmd += ["--hostfile", cfg.hostfile]
         if cfg.nnodes > 1:
             cmd += ["--num_nodes", str(cfg.nnodes)]
-        return cmd + ["--module", "eagle3_pipeline.train_entry", *argv]
+        if host:
+            cmd += ["--master_addr", host, "--master_port", port]
+        return cmd + ["--no_local_rank", "--module", "eagle3_pipeline.train_entry", *argv]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cfg.nproc), "--nnodes", str(cfg.nnodes)]
     if cfg.nnodes > 1:
-        if not cfg.rdzv_endpoint:
-            from .errors import ConfigError
-
-            raise ConfigError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")
-        cmd += ["--node-rank", str(cfg.node_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", cfg.rdzv_endpoint]
+        cmd += ["--node-rank", str(cfg.node_rank), "--master-addr", host, "--master-port", port]
     else:
         cmd += ["--standalone"]
     return cmd + entry
+
+
+def _split_endpoint(endpoint: str) -> tuple[str, str]:
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ConfigError(f"--rdzv-endpoint {endpoint!r}: expected HOST:PORT (node 0's address, e.g. 10.0.0.1:29500)")
+    return host.strip("[]"), port
 
 
 def launch_env() -> dict[str, str]:
@@ -169,8 +192,10 @@ class JsonlMetricsHandler(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         if self.rank != 0 or not isinstance(record.msg, dict):
             return
+        # "time" (wall clock, after the trainer's device sync) lets bench/ turn two logged
+        # steps into tokens/s over every step between them.
         with open(self.path, "a") as handle:
-            handle.write(json.dumps(record.msg, default=_to_float) + "\n")
+            handle.write(json.dumps({"time": time.time(), **record.msg}, default=_to_float) + "\n")
 
 
 def _to_float(value):
@@ -184,11 +209,29 @@ def run_in_process(argv: list[str], metrics_path: Path) -> None:
     from speculators.train.cli import main as speculators_main
     from speculators.train.config import TrainConfig as SpeculatorsTrainConfig
 
+    from . import resume
+    from .errors import Interrupted
+
     applied = apply_compat()
     if applied:
         log.info("compatibility fixes applied: %s", ", ".join(applied))
+    resume.install_interrupt_progress()
     attach_metrics_file(metrics_path)
+    if on_gpu():
+        # Copies the next batch to the GPU while this step computes (bench/NOTES-throughput.md).
+        from .throughput import install_device_prefetch
+
+        install_device_prefetch()
     speculators_main(SpeculatorsTrainConfig.resolve(argv))
+    # speculators returns normally after SIGTERM/Ctrl-C: never let that pass for a finished run.
+    stopped = resume.interruption()
+    if stopped:
+        save = Path(argv[argv.index("--save-path") + 1])
+        if stopped["saved"]:
+            raise Interrupted(f"training interrupted at global step {stopped['state']['global_step']}; checkpoint saved in "
+                              f"{save / resume.INTERRUPTED}; rerun the same command to resume from it")
+        raise Interrupted(f"training interrupted; the interrupt checkpoint could not be saved (see the log above); "
+                          f"rerun the same command to resume from the last epoch checkpoint in {save}")
 
 
 def write_command_file(out_dir: Path, argv: list[str], launch: list[str] | None) -> None:

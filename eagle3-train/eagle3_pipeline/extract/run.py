@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import random
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import torch
 from tqdm import tqdm
 
 from ..config import ExtractConfig
-from ..errors import PreflightError, StageError
+from ..errors import StageError
 from ..target import TargetInfo
 from .common import BadHiddenStates, ExtractionBackend, hs_file, land_sample, partition_indices, validate_file
 
@@ -53,63 +52,19 @@ def plan_extraction(cfg: ExtractConfig, rows: list[list[int]], num_slots: int, h
     by_index = {i: rows[i] for i in mine}
     done = [i for i in mine if hs_file(hs_dir, i).is_file() and quick_file_ok(hs_file(hs_dir, i), rows[i], num_slots, hidden_size)]
     stale = [i for i in mine if hs_file(hs_dir, i).is_file() and i not in set(done)]
-    for i in stale:  # wrong row/shape (e.g. the data was re-prepared): redo it
+    for i in stale if not cfg.check else []:  # wrong row/shape (e.g. the data was re-prepared): redo it
         hs_file(hs_dir, i).unlink()
     todo = [i for i in mine if i not in set(done)]
     return ExtractPlan(by_index, all_indices, todo, num_slots, hidden_size, DTYPES[cfg.dtype],
                        {"rows_this_rank": len(mine), "skipped_done": len(done), "stale_removed": len(stale)})
 
 
-def bytes_per_token(num_slots: int, hidden_size: int, dtype: torch.dtype) -> int:
-    return num_slots * hidden_size * torch.tensor([], dtype=dtype).element_size()
-
-
 def preflight(cfg: ExtractConfig, plan: ExtractPlan, target: TargetInfo, hs_dir: Path) -> list[str]:
-    """Estimate what the run needs; raise PreflightError with the numbers when it cannot fit."""
-    lines = []
-    per_token = bytes_per_token(plan.num_slots, plan.hidden_size, plan.dtype)
+    """Estimate what the rows still to do need (disk, GPUs, memory, vLLM version); see preflight.py."""
+    from ..preflight import preflight_extract
+
     tokens = sum(len(plan.rows[i]) for i in plan.todo)
-    need = tokens * per_token
-    free = shutil.disk_usage(_existing_parent(hs_dir)).free
-    lines.append(f"disk: ~{_human(need)} for {len(plan.todo):,} rows x {tokens / max(len(plan.todo), 1):,.0f} tokens avg "
-                 f"({per_token:,} B/token = {plan.num_slots} layers x {plan.hidden_size} x {plan.dtype}); {_human(free)} free at {hs_dir}")
-    if need > free:
-        raise PreflightError(lines[-1] + ": refusing")
-    if cfg.backend == "vllm" and cfg.endpoint is None:
-        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if visible:
-            lines.append(f"gpus: {visible} visible, tensor parallel {cfg.tensor_parallel_size}")
-            if visible < cfg.tensor_parallel_size:
-                raise PreflightError(lines[-1] + ": refusing (need at least --tensor-parallel-size GPUs)")
-            weights = sum(p.stat().st_size for p in Path(target.path).glob("*.safetensors"))
-            per_gpu = torch.cuda.get_device_properties(0).total_memory * cfg.gpu_memory_utilization
-            lines.append(f"gpu memory: weights {_human(weights)} over {cfg.tensor_parallel_size} GPU(s) = "
-                         f"{_human(weights / cfg.tensor_parallel_size)} each; {_human(per_gpu)} usable per GPU")
-            if weights / cfg.tensor_parallel_size > per_gpu:
-                raise PreflightError(lines[-1] + ": refusing")
-        else:
-            lines.append("gpus: none visible; vLLM will run on the CPU (miniature/testing only)")
-        from .vllm_backend import vllm_version_problem
-
-        problem = vllm_version_problem(target)
-        if problem:
-            raise PreflightError(problem)
-    return lines
-
-
-def _existing_parent(path: Path) -> Path:
-    path = Path(path).resolve()
-    while not path.exists():
-        path = path.parent
-    return path
-
-
-def _human(num_bytes: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(num_bytes) < 1000 or unit == "TB":
-            return f"{num_bytes:,.1f} {unit}"
-        num_bytes /= 1000
-    return f"{num_bytes:,.1f} TB"
+    return preflight_extract(cfg, target, plan.num_slots, len(plan.todo), tokens, hs_dir)
 
 
 def run_extraction(backend: ExtractionBackend, plan: ExtractPlan, hs_dir: Path, retries: int) -> dict[int, str]:

@@ -50,6 +50,7 @@ CPU_CONNECTOR_MODULE = "eagle3_pipeline.compat.cpu_hidden_states_connector"
 # vLLM's CPU build sizes its KV cache from this (GiB), not from --gpu-memory-utilization.
 CPU_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 CPU_KV_CACHE_DEFAULT_GIB = "1"
+CPU_FP32_MLA_BACKEND = "CPU_MLA"
 
 # --- supported vLLM versions ------------------------------------------------------------
 # extract_hidden_states + ExampleHiddenStatesConnector first shipped in 0.18 (PR #33736).
@@ -237,7 +238,9 @@ def engine_kwargs(cfg: ExtractConfig, target: TargetInfo, layer_ids: list[int], 
         "kv_cache_dtype": cfg.kv_cache_dtype,
         "trust_remote_code": cfg.trust_remote_code,
         "language_model_only": language_model_only(cfg, target),
-        "enforce_eager": cfg.enforce_eager,
+        # On the CPU torch.compile's warm-up costs minutes (~150 s for the miniature on 2 cores)
+        # and the CPU path only serves tests and smoke runs: always eager there.
+        "enforce_eager": cfg.enforce_eager or on_cpu,
         "speculative_config": aux_layer_ids_config(layer_ids),
         "kv_transfer_config": connector_config(staging_dir, on_cpu),
     }
@@ -245,6 +248,11 @@ def engine_kwargs(cfg: ExtractConfig, target: TargetInfo, layer_ids: list[int], 
         kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization  # on CPU: VLLM_CPU_KVCACHE_SPACE
     if cfg.attention_backend:
         kwargs["attention_backend"] = cfg.attention_backend
+    elif on_cpu and target.is_mla and cfg.dtype == "float32":
+        # vLLM's CPU build prefers its AMX MLA kernel where the CPU has AMX, and that kernel
+        # takes only bf16/fp16 weights ("expect weight to be bfloat16, ..."); the reference
+        # CPU MLA kernel runs fp32 (the miniature's precise comparison with HF needs fp32).
+        kwargs["attention_backend"] = CPU_FP32_MLA_BACKEND
     return kwargs
 
 

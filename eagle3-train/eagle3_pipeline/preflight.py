@@ -1,0 +1,303 @@
+"""Preflight: what a run will need, checked before any heavy work (and alone with `--check`).
+
+Every stage calls `preflight_<stage>(...)` after its config and contracts are resolved and
+before it reads, loads or writes anything big. Each check returns one line, the estimate, which
+the stage prints even when it passes; a check that cannot pass raises `PreflightError` with the
+same line and `: refusing`, e.g.
+
+    disk: ~11.7 TB for 100,000 samples x 2,048 tokens (57,344 B/token = 4 layers x 7,168 x 2 B);
+    3.1 TB free at /nvme/run/data/hidden_states: refusing
+
+What is checked (the numbers come from the target's config and the run's settings):
+- disk: hidden states = tokens x layer slots x hidden size x bytes (Kimi-K2.5 in bf16: 4 x 7168 x
+  2 = 57,344 B/token), the prepared dataset, checkpoints (draft + optimizer per epoch), the export;
+- GPUs visible vs --tensor-parallel-size / --nproc;
+- GPU memory vs the target's weights per GPU (extraction) or the frozen verifier head + draft
+  (training); host memory instead when no GPU is visible;
+- package versions known to be broken for this target (a vLLM that drops the final layer of
+  DeepSeek-style backbones, a transformers without the kimi_k25 config, ...).
+Units are decimal (1 TB = 10^12 B), as disks are sold. The probes (`disk_free`, `probe_gpus`,
+`host_memory`) are module functions so tests can stand in for a machine they are not.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from importlib import metadata
+from pathlib import Path
+
+from .errors import PreflightError
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+# Dataset rows on disk: input_ids + loss_mask as int64 (+ arrow offsets, seq_len: small).
+PREPARED_BYTES_PER_TOKEN = 16
+# A prepared dataset is at most this many times its raw text (int64 ids, ~4 bytes of text per token).
+PREPARED_BYTES_PER_INPUT_BYTE = 4
+# Speculators saves checkpoints in bf16: the model, and the optimizer state per trainable parameter
+# (Muon: one momentum buffer; AdamW: two moments).
+CHECKPOINT_BYTES = 2
+OPTIMIZER_STATES = {"muon": 1, "adamw": 2}
+# The trainer's activations/caches beyond weights, as a fraction of GPU memory kept free.
+TRAIN_MEMORY_HEADROOM = 0.5
+SPECULATORS_TESTED = ("0.9.0",)
+
+
+# --- probes (monkeypatched by tests) ------------------------------------------------------------
+
+def existing_parent(path: Path) -> Path:
+    """The nearest directory that exists at or above `path` (its filesystem is where files will go)."""
+    path = Path(path).resolve()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def disk_free(path: Path) -> int:
+    return shutil.disk_usage(existing_parent(path)).free
+
+
+def probe_gpus() -> list[int]:
+    """Total memory (bytes) of each visible CUDA GPU; [] on a machine without one."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    return [torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())]
+
+
+def host_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+# --- formatting ---------------------------------------------------------------------------------
+
+def human_bytes(num_bytes: float) -> str:
+    """Decimal units, one decimal: 11,744,051,200,000 -> '11.7 TB'."""
+    if abs(num_bytes) < 1000:
+        return f"{num_bytes:,.0f} B"
+    for unit in ("KB", "MB", "GB", "TB"):
+        num_bytes /= 1000
+        if abs(num_bytes) < 1000 or unit == "TB":
+            break
+    return f"{num_bytes:,.1f} {unit}"
+
+
+def refuse(line: str, why: str = "") -> PreflightError:
+    return PreflightError(f"{line}: refusing{f' ({why})' if why else ''}")
+
+
+# --- disk ---------------------------------------------------------------------------------------
+
+def hidden_state_bytes_per_token(num_slots: int, hidden_size: int, dtype: str) -> int:
+    """Bytes of one token's hidden states on disk: 4 x 7168 x 2 = 57,344 for Kimi-K2.5 in bf16."""
+    return num_slots * hidden_size * DTYPE_BYTES[dtype]
+
+
+def check_disk(what: str, need: int, detail: str, where: Path) -> str:
+    """`disk: ~NEED for DETAIL; FREE free at WHERE`; refused when NEED > FREE."""
+    free = disk_free(where)
+    line = f"disk: ~{human_bytes(need)} for {detail}; {human_bytes(free)} free at {where}"
+    if what:
+        line = f"{line} ({what})"
+    if need > free:
+        raise refuse(line)
+    return line
+
+
+def check_hidden_states_disk(num_samples: int, num_tokens: int, num_slots: int, hidden_size: int,
+                             dtype: str, hs_dir: Path) -> str:
+    per_token = hidden_state_bytes_per_token(num_slots, hidden_size, dtype)
+    avg = num_tokens / max(num_samples, 1)
+    detail = (f"{num_samples:,} samples x {avg:,.0f} tokens "
+              f"({per_token:,} B/token = {num_slots} layers x {hidden_size:,} x {DTYPE_BYTES[dtype]} B)")
+    return check_disk("", num_tokens * per_token, detail, hs_dir)
+
+
+# --- GPUs and memory ----------------------------------------------------------------------------
+
+def check_gpu_count(visible: int, required: int, flag: str) -> str:
+    line = f"gpus: {visible} visible, {flag} {required}"
+    if visible < required:
+        raise refuse(line, f"need at least {required} GPUs; check CUDA_VISIBLE_DEVICES or lower {flag}")
+    return line
+
+
+def check_memory(what: str, need: int, per_device: int, devices: int, kind: str) -> str:
+    """`KIND memory: WHAT NEED over N device(s) = X each; Y usable per device`; refused when X > Y."""
+    each = need / max(devices, 1)
+    device = "GPU" if kind == "gpu" else "host"
+    line = (f"{kind} memory: {what} {human_bytes(need)} over {devices} {device}(s) = "
+            f"{human_bytes(each)} each; {human_bytes(per_device)} usable per {device}")
+    if each > per_device:
+        raise refuse(line)
+    return line
+
+
+def target_weights_bytes(target_path: str | Path) -> int:
+    """Size of the target's weights on disk (the index's total_size, else the shard files)."""
+    import json
+
+    root = Path(target_path)
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            total = json.loads(index.read_text()).get("metadata", {}).get("total_size")
+            if total:
+                return int(total)
+        except (ValueError, OSError):
+            pass
+    return sum(p.stat().st_size for p in root.glob("*.safetensors"))
+
+
+# --- package versions ---------------------------------------------------------------------------
+
+def installed_version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def transformers_knows(model_type: str) -> bool:
+    try:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    except ImportError:
+        return False
+    return model_type in CONFIG_MAPPING_NAMES
+
+
+def check_training_versions(target_model_type: str) -> str:
+    """speculators reads the verifier's config without remote code: transformers must know it."""
+    speculators = installed_version("speculators")
+    transformers = installed_version("transformers")
+    line = f"versions: speculators {speculators}, transformers {transformers}, torch {installed_version('torch')}"
+    if speculators is None:
+        raise refuse(line, "speculators is not installed (pip install -r requirements.txt)")
+    if target_model_type and not transformers_knows(target_model_type):
+        raise refuse(line, f"transformers {transformers} has no {target_model_type!r} config, which speculators "
+                           f"needs to read the verifier; install transformers >= 5.19 (see requirements.txt)")
+    if speculators not in SPECULATORS_TESTED:
+        line += f" (speculators {speculators} untested: this pipeline was written against {', '.join(SPECULATORS_TESTED)})"
+    return line
+
+
+def check_vllm_version(target, tensor_parallel_size: int, kv_cache_dtype: str) -> str:
+    from .extract.vllm_backend import vllm_installed_version, vllm_version_problem
+
+    problem = vllm_version_problem(target, tensor_parallel_size, kv_cache_dtype)
+    if problem:
+        raise PreflightError(f"versions: {problem}: refusing")
+    return f"versions: vllm {vllm_installed_version()}: no known problem for {target.text_model_type or target.model_type}"
+
+
+# --- per stage ----------------------------------------------------------------------------------
+
+def preflight_prepare(data: str, max_samples: int | None, max_seq_len: int, target, out_dir: Path) -> list[str]:
+    """Stage 01: room for the dataset; and, printed only, an upper bound for stage 02's hidden states."""
+    lines = []
+    path = Path(data)
+    if path.is_file():
+        size = path.stat().st_size
+        lines.append(check_disk("", size * PREPARED_BYTES_PER_INPUT_BYTE,
+                                f"the prepared dataset (<= {PREPARED_BYTES_PER_INPUT_BYTE} x the {human_bytes(size)} input)",
+                                out_dir))
+        if path.suffix == ".jsonl":
+            with open(path, "rb") as handle:
+                records = sum(1 for line in handle if line.strip())
+            samples = records if max_samples is None else min(records, max_samples)
+            per_token = hidden_state_bytes_per_token(4, target.hidden_size, "bfloat16")
+            lines.append(f"hidden states (stage 02, bf16): at most ~{human_bytes(samples * max_seq_len * per_token)} "
+                         f"for {samples:,} conversations x <= {max_seq_len:,} tokens ({per_token:,} B/token); "
+                         f"the exact figure is printed when stage 01 finishes")
+    else:
+        lines.append(f"disk: input {data} is a HF dataset; its size is known once it is read")
+    return lines
+
+
+def hidden_states_estimate_line(num_rows: int, num_tokens: int, hidden_size: int, dtype: str = "bfloat16") -> str:
+    """Printed by stage 01 when it finishes: what stage 02 will write for these rows."""
+    per_token = hidden_state_bytes_per_token(4, hidden_size, dtype)
+    return (f"stage 02 will write ~{human_bytes(num_tokens * per_token)} of hidden states for {num_rows:,} rows x "
+            f"{num_tokens / max(num_rows, 1):,.0f} tokens avg ({per_token:,} B/token in {dtype})")
+
+
+def preflight_extract(cfg, target, num_slots: int, todo_rows: int, todo_tokens: int, hs_dir: Path) -> list[str]:
+    """Stage 02: disk for the rows still to do, GPUs vs tensor parallel, memory vs weights, vLLM version."""
+    lines = [check_hidden_states_disk(todo_rows, todo_tokens, num_slots, target.hidden_size, cfg.dtype, hs_dir)]
+    if cfg.backend == "vllm" and cfg.endpoint is not None:
+        lines.append(f"gpus: the server at {cfg.endpoint} runs the target")
+        return lines
+    gpus = probe_gpus()
+    weights = target_weights_bytes(target.path)
+    if cfg.backend == "vllm":
+        if gpus:
+            lines.append(check_gpu_count(len(gpus), cfg.tensor_parallel_size, "--tensor-parallel-size"))
+            usable = int(min(gpus) * cfg.gpu_memory_utilization)
+            lines.append(check_memory("target weights", weights, usable, cfg.tensor_parallel_size, "gpu"))
+        else:
+            lines.append("gpus: none visible; vLLM runs on the CPU (miniature/testing only)")
+            lines.append(check_memory("target weights", weights, host_memory(), 1, "host"))
+        lines.append(check_vllm_version(target, cfg.tensor_parallel_size, cfg.kv_cache_dtype))
+    else:
+        on_gpu = bool(gpus) and cfg.device != "cpu"
+        if on_gpu:
+            lines.append(f"gpus: {len(gpus)} visible; the HF backend uses one")
+            lines.append(check_memory("target weights", weights * DTYPE_BYTES[cfg.dtype] // 2, min(gpus), 1, "gpu"))
+        else:
+            lines.append(check_memory("target weights", weights * DTYPE_BYTES[cfg.dtype] // 2, host_memory(), 1, "host"))
+    return lines
+
+
+def draft_parameters(hidden_size: int, target_vocab: int, draft_vocab: int, num_layers: int,
+                     intermediate_size: int | None = None) -> tuple[int, int]:
+    """(saved, trainable) parameter counts of an EAGLE-3 draft, roughly (speculators' Eagle3DraftModel).
+
+    Saved: frozen verifier embeddings [V, H] + draft lm_head [Vd, H] + fc [3H -> H] + decoder
+    layers taking [embed, hidden] = 2H (attention ~ 2H*H*3 + H*H, MLP 3*H*I). Trainable: all but
+    the embeddings.
+    """
+    h = hidden_size
+    inter = intermediate_size or int(8 * h / 3)
+    fc = 3 * h * h
+    layer = (2 * h * h) * 3 + h * h + 3 * h * inter
+    lm_head = draft_vocab * h
+    trainable = fc + num_layers * layer + lm_head
+    return trainable + target_vocab * h, trainable
+
+
+def preflight_train(cfg, draft: dict, target, draft_vocab: int, out_dir: Path) -> list[str]:
+    """Stage 04: disk for the checkpoints, GPUs vs --nproc, memory for verifier head + draft, versions."""
+    saved, trainable = draft_parameters(target.hidden_size, target.vocab_size, draft_vocab,
+                                        int(draft.get("num_layers", 1)), draft.get("intermediate_size"))
+    per_checkpoint = saved * CHECKPOINT_BYTES + trainable * CHECKPOINT_BYTES * OPTIMIZER_STATES[cfg.optimizer]
+    checkpoints = cfg.epochs
+    lines = [check_disk("", per_checkpoint * checkpoints,
+                        f"{checkpoints} checkpoint(s) x {human_bytes(per_checkpoint)} "
+                        f"(draft {saved / 1e6:,.1f}M params in bf16 + {cfg.optimizer} state)", out_dir)]
+    gpus = probe_gpus()
+    # fp32 master weights + grads + optimizer state for the draft; the frozen head in bf16.
+    need = int(trainable * 4 * (2 + OPTIMIZER_STATES[cfg.optimizer]) + (saved - trainable) * 2 + draft_vocab * target.hidden_size * 2)
+    if gpus:
+        lines.append(check_gpu_count(len(gpus), cfg.nproc, "--nproc"))
+        lines.append(check_memory("draft + frozen verifier head", need, int(min(gpus) * TRAIN_MEMORY_HEADROOM), 1, "gpu"))
+    else:
+        lines.append("gpus: none visible; training runs on the CPU (miniature/testing only)")
+        lines.append(check_memory("draft + frozen verifier head", need, host_memory(), 1, "host"))
+    lines.append(check_training_versions(target.model_type))
+    return lines
+
+
+def preflight_vocab(target_vocab: int, draft_vocab: int, out_dir: Path) -> list[str]:
+    need = draft_vocab * 8 + target_vocab + 4096
+    return [check_disk("", need, f"d2t ({draft_vocab:,} x int64) + t2d ({target_vocab:,} x bool)", out_dir)]
+
+
+def preflight_export(checkpoint: Path, out_dir: Path) -> list[str]:
+    files = [p for p in Path(checkpoint).iterdir() if p.is_file() and p.suffix in (".safetensors", ".json", ".py")]
+    need = sum(p.stat().st_size for p in files)
+    return [check_disk("", need, f"the draft from checkpoint {Path(checkpoint).name} ({len(files)} files)",
+                       Path(out_dir).parent)]

@@ -1,0 +1,182 @@
+"""Acceptance length: the offline formula, vLLM's counters, and the harness on a real engine."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from eagle3_pipeline.acceptance import (
+    VllmSettings,
+    agreement,
+    counters_delta,
+    expected_accepted_length,
+    expected_accepted_lengths,
+    full_acc_by_step,
+    measure_acceptance,
+    offline_estimate,
+    read_val_metrics,
+    spec_decode_counters,
+    summarize_spec_decode,
+)
+
+
+# --- offline formula -------------------------------------------------------------------------
+
+def test_tau_is_one_plus_the_first_k_full_accuracies():
+    full_acc = [0.8, 0.6, 0.45]
+    assert expected_accepted_length(full_acc, 1) == pytest.approx(1.8)
+    assert expected_accepted_length(full_acc, 3) == pytest.approx(2.85)
+    assert expected_accepted_length(full_acc, 0) == 1.0
+    assert expected_accepted_lengths(full_acc) == pytest.approx({1: 1.8, 2: 2.4, 3: 2.85})
+
+
+def test_k_beyond_the_trained_ttt_steps_is_refused():
+    with pytest.raises(ValueError, match="ttt-steps"):
+        expected_accepted_length([0.8, 0.6], 3)
+
+
+def test_a_full_acc_outside_zero_one_is_refused():
+    with pytest.raises(ValueError, match="probability"):
+        expected_accepted_length([1.2], 1)
+
+
+def test_full_acc_is_read_from_speculators_val_metric_keys_in_step_order():
+    val = {"loss_epoch": 1.0, "full_acc_2_epoch": 0.3, "full_acc_0_epoch": 0.7, "full_acc_1_epoch": 0.5,
+           "cond_acc_1_epoch": 0.71}
+    assert full_acc_by_step(val) == [0.7, 0.5, 0.3]
+    assert full_acc_by_step({"val/full_acc_0": 0.9}) == [0.9]
+    with pytest.raises(KeyError, match="contiguous"):
+        full_acc_by_step({"full_acc_0_epoch": 0.9, "full_acc_2_epoch": 0.1})
+    with pytest.raises(KeyError):
+        full_acc_by_step({"loss_epoch": 1.0})
+
+
+def _speculators_full_acc(correct: torch.Tensor) -> list[float]:
+    """full_acc per TTT step exactly as speculators' validation computes it."""
+    from speculators.models.metrics import compute_accuracy_single_step
+
+    steps = correct.shape[1]
+    pred = torch.zeros(1, correct.shape[0], dtype=torch.long)
+    prev_correct = torch.ones(1, correct.shape[0], dtype=torch.bool)
+    full_acc = []
+    for i in range(steps):
+        target = (~correct[:, i]).long().unsqueeze(0)  # pred 0 == target 0 exactly where correct
+        full_sum, full_total, _, _ = compute_accuracy_single_step(pred, target, None, prev_correct)
+        full_acc.append((full_sum / full_total).item())
+    return full_acc
+
+
+def test_formula_equals_simulated_greedy_chain_acceptance_with_correlated_steps():
+    # Steps are strongly correlated (an easy position stays easy), the case where multiplying
+    # per-step accuracies would be wrong: full_acc already conditions on the earlier steps.
+    rng = random.Random(0)
+    rows = []
+    for _ in range(4000):
+        easy = rng.random() < 0.6
+        rows.append([rng.random() < (0.95 if easy else 0.3) for _ in range(4)])
+    correct = torch.tensor(rows)
+    full_acc = _speculators_full_acc(correct)
+    for k in (1, 2, 3, 4):
+        # Chain drafting with k tokens: accept the leading run of right tokens, plus one token.
+        simulated = sum(1 + next((i for i, ok in enumerate(r[:k]) if not ok), k) for r in rows) / len(rows)
+        assert expected_accepted_length(full_acc, k) == pytest.approx(simulated, abs=1e-6)
+
+
+def test_formula_agrees_with_speculators_own_block_accepted_length():
+    from speculators.models.metrics import compute_accepted_length_counts
+
+    gen = torch.Generator().manual_seed(1)
+    correct = torch.rand(2000, 3, generator=gen) < torch.tensor([0.8, 0.7, 0.6])
+    total, blocks = compute_accepted_length_counts(correct, torch.ones_like(correct))
+    assert expected_accepted_length(_speculators_full_acc(correct), 3) == pytest.approx((total / blocks).item(), abs=1e-6)
+
+
+def test_val_metrics_are_found_through_checkpoint_best(tmp_path):
+    (tmp_path / "1").mkdir()
+    (tmp_path / "1" / "val_metrics.json").write_text(json.dumps({"full_acc_0_epoch": 0.5, "full_acc_1_epoch": 0.25}))
+    (tmp_path / "checkpoint_best").symlink_to("1")
+    val = read_val_metrics(tmp_path)
+    assert offline_estimate(val) == {"full_acc": [0.5, 0.25], "expected_accepted_length": {"1": 1.5, "2": 1.75}}
+    with pytest.raises(FileNotFoundError):
+        read_val_metrics(tmp_path / "missing")
+
+
+# --- vLLM counters ---------------------------------------------------------------------------
+
+def _metrics(drafts, draft_tokens, accepted, per_pos):
+    from vllm.v1.metrics.reader import Counter, Gauge, Vector
+
+    labels = {"engine": "0", "model_name": "m"}
+    return [
+        Counter("vllm:spec_decode_num_drafts", labels, drafts),
+        Counter("vllm:spec_decode_num_draft_tokens", labels, draft_tokens),
+        Counter("vllm:spec_decode_num_accepted_tokens", labels, accepted),
+        Vector("vllm:spec_decode_num_accepted_tokens_per_pos", labels, per_pos),
+        Gauge("vllm:num_requests_running", labels, 0.0),
+    ]
+
+
+def test_counters_give_tau_and_per_position_acceptance():
+    counts = spec_decode_counters(_metrics(100, 300, 150, [70, 50, 30]))
+    summary = summarize_spec_decode(counts)
+    assert summary["mean_acceptance_length"] == pytest.approx(2.5)
+    assert summary["acceptance_rate_per_pos"] == pytest.approx([0.7, 0.5, 0.3])
+    assert summary["draft_acceptance_rate"] == pytest.approx(0.5)
+
+
+def test_warmup_counts_are_subtracted():
+    before = spec_decode_counters(_metrics(10, 30, 12, [6, 4, 2]))
+    after = spec_decode_counters(_metrics(110, 330, 162, [76, 54, 32]))
+    assert counters_delta(before, after) == {"num_drafts": 100, "num_draft_tokens": 300,
+                                             "num_accepted_tokens": 150, "accepted_per_pos": [70, 50, 30]}
+
+
+def test_an_engine_without_drafts_is_reported_not_divided_by_zero():
+    with pytest.raises(ValueError, match="no drafts"):
+        summarize_spec_decode(spec_decode_counters([]))
+
+
+def test_agreement_counts_identical_outputs_and_shared_prefixes():
+    result = agreement([[1, 2, 3, 4], [5, 6]], [[1, 2, 3, 4], [5, 7]])
+    assert result == {"identical_fraction": 0.5, "mean_shared_prefix_fraction": 0.75}
+
+
+# --- the harness on a real engine ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_organism(tmp_path_factory):
+    from eagle3_pipeline.organism import OrganismSettings, build_organism
+
+    settings = OrganismSettings(vocab_size=384, hidden_size=64, num_layers=4, num_heads=2, num_kv_heads=2,
+                                intermediate_size=128, train_steps=40, max_files=80, num_eval_prompts=6,
+                                eval_examples=16, tokenizer_train_chars=200_000)
+    return build_organism(settings, cache_dir=tmp_path_factory.mktemp("organism"), log=lambda *_: None)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vllm_reports_drafts_for_a_speculators_initialised_draft(tiny_organism, tmp_path):
+    # An untrained draft from speculators' own --dry-run: vLLM must load it, draft with it, and
+    # its counters must come back; greedy output must not change with the draft (fp32).
+    draft = tmp_path / "draft"
+    subprocess.run(
+        [sys.executable, "-m", "speculators", "train", "--verifier-name-or-path", str(tiny_organism.model_dir),
+         "--data-path", str(tmp_path / "no-data"), "--save-path", str(draft), "--target-layer-ids", "1", "2", "3",
+         "--draft-attn-impl", "sdpa", "--mask-token-id", "3", "--dry-run"],
+        check=True, capture_output=True, timeout=600,
+    )
+    result = measure_acceptance(tiny_organism.model_dir, {"dry": str(draft)}, tiny_organism.eval_prompts_path,
+                                ks=(2,), settings=VllmSettings(max_tokens=16, warmup_prompts=1),
+                                log_dir=tmp_path / "logs", log=lambda *_: None)
+    run = result["runs"]["dry-k2"]
+    spec = run["spec_decode"]
+    assert spec["num_drafts"] > 0 and spec["num_draft_tokens"] == 2 * spec["num_drafts"]
+    assert 1.0 <= spec["mean_acceptance_length"] <= 3.0
+    assert len(spec["acceptance_rate_per_pos"]) == 2
+    assert run["generated_tokens"] == result["baseline"]["generated_tokens"] > 0
+    assert run["agreement_with_baseline"]["identical_fraction"] == 1.0

@@ -1,0 +1,581 @@
+"""Bad input, refused with one line a person can act on; and the preflight that refuses doomed runs.
+
+Every case runs a stage's real `main(argv)` (the scripts' own entry point, in this process so 40
+cases cost seconds, not minutes; `test_a_refusal_is_one_line_and_an_exit_code_from_the_real_script`
+shows one end to end as a subprocess) and asserts:
+- the exit code (2 config, 3 contract, 4 input, 5 preflight, 1 other),
+- the exact `error: ...` line, which names the file and the row (or the flag) to fix, and that it
+  is the only error line,
+- nothing already written is lost: the output directory the run pointed at (an earlier finished
+  result, hidden states, checkpoints) is byte-identical afterwards, unless the stage's job is to
+  drop exactly the bad files (`02 --validate`).
+The preflight cases stand in for a machine we do not have (a 3 TB disk, 4 GPUs, an old vLLM) by
+replacing the probes in `eagle3_pipeline.preflight`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, SAMPLES, SCRIPTS, STAGE_SCRIPTS
+
+pytestmark = pytest.mark.reliability
+
+GOOD = '{"messages": [{"role": "user", "content": "What is two plus two?"}, {"role": "assistant", "content": "Four."}]}'
+GOOD2 = '{"messages": [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}]}'
+
+
+# --- helpers ---------------------------------------------------------------------------------------
+
+_modules: dict[str, object] = {}
+
+
+def stage_module(stage: str):
+    """The stage script as a module (not __main__, so nothing runs on import)."""
+    if stage not in _modules:
+        path = SCRIPTS / STAGE_SCRIPTS[stage]
+        spec = importlib.util.spec_from_file_location(f"eagle3_stage_{stage}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        _modules[stage] = module
+    return _modules[stage]
+
+
+def refused(capsys, stage: str, *args) -> tuple[int, str]:
+    """Run a stage in-process; returns (exit code, the one error line without 'error: ')."""
+    capsys.readouterr()
+    try:
+        code = stage_module(stage).main([str(a) for a in args])
+    except SystemExit as exc:  # config errors found while parsing flags exit 2 from resolve_stage_config
+        code = exc.code
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert code != 0 and len(lines) == 1, f"exit {code}, stderr:\n{err[-3000:]}"
+    return code, lines[0][len("error: "):]
+
+
+def succeeded(capsys, stage: str, *args) -> str:
+    capsys.readouterr()
+    code = stage_module(stage).main([str(a) for a in args])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err[-3000:]
+    return captured.out + captured.err
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """sha256 of every file under root (symlinks by target): what 'nothing lost' compares."""
+    out = {}
+    for path in sorted(Path(root).rglob("*")):
+        rel = path.relative_to(root).as_posix()
+        if path.is_symlink():
+            out[rel] = "-> " + str(path.readlink())
+        elif path.is_file():
+            out[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return out
+
+
+def manifest(directory: Path) -> dict:
+    return json.loads((Path(directory) / "manifest.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def ref(kimi_run) -> dict[str, Path]:
+    """The shared finished five-stage run on the Kimi miniature (read-only: copy before changing)."""
+    return kimi_run
+
+
+@pytest.fixture
+def work(ref, tmp_path) -> dict[str, Path]:
+    """A private copy of the finished data (with hidden states), vocab and checkpoints."""
+    out = {"target": ref["data"].parent}
+    for name in ("data", "vocab", "checkpoints"):
+        out[name] = tmp_path / name
+        shutil.copytree(ref[name], out[name], symlinks=True)
+    out["hs"] = out["data"] / "hidden_states"
+    return out
+
+
+def target_copy(kimi_target: Path, dest: Path) -> Path:
+    shutil.copytree(kimi_target, dest)
+    return dest
+
+
+# --- 01: conversations ------------------------------------------------------------------------------
+
+BAD_ROWS = {
+    # name: (line 2 of the file, the message after 'FILE:2: ')
+    "malformed_json": ('{"messages": [{"role": "user", "content": "hi"}', "malformed JSON (Expecting ',' delimiter at column 48)"),
+    "row_without_messages": ('{"prompt": "hi", "completion": "yo"}',
+                             "row has neither 'messages' (OpenAI) nor 'conversations' (ShareGPT)"),
+    "unknown_role": ('{"messages": [{"role": "wizard", "content": "hi"}, {"role": "assistant", "content": "yo"}]}',
+                     "turn 0 has unknown role 'wizard'"),
+    "empty_assistant_turn": ('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "  "}]}',
+                             "turn 1 is an empty assistant turn"),
+    "no_assistant_turn": ('{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]}',
+                          "conversation has no assistant turn"),
+    "content_not_text": ('{"messages": [{"role": "user", "content": ["hi"]}, {"role": "assistant", "content": "yo"}]}',
+                         "turn 0 (user) content is not text"),
+    "row_not_an_object": ('[{"role": "user", "content": "hi"}]', "row is not a JSON object"),
+    "empty_conversation": ('{"messages": []}', "conversation is empty"),
+    "sharegpt_unknown_speaker": ('{"conversations": [{"from": "human", "value": "hi"}, {"from": "narrator", "value": "yo"}]}',
+                                 "turn 1 has unknown role 'narrator'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ROWS))
+def test_bad_row_is_refused_with_file_and_line_and_the_old_result_is_kept(case, capsys, work, kimi_target, tmp_path):
+    line, message = BAD_ROWS[case]
+    data = tmp_path / f"{case}.jsonl"
+    data.write_text(GOOD + "\n" + line + "\n" + GOOD2 + "\n")
+    before = snapshot(work["data"])
+    # --overwrite over a finished result: bad input must not cost the user that result.
+    code, error = refused(capsys, "prepare", "--profile", "cpu-mini", "--target", kimi_target, "--data", data,
+                          "--output", work["data"], "--overwrite")
+    assert (code, error) == (4, f"{data}:2: {message}")
+    assert snapshot(work["data"]) == before
+
+
+def test_non_utf8_bytes_are_refused_with_line_and_byte(capsys, kimi_target, tmp_path):
+    data = tmp_path / "latin1.jsonl"
+    data.write_bytes((GOOD + "\n").encode() + '{"messages": [{"role": "user", "content": "café"}]}\n'.encode("latin-1"))
+    code, error = refused(capsys, "prepare", "--profile", "cpu-mini", "--target", kimi_target, "--data", data,
+                          "--output", tmp_path / "out")
+    assert (code, error) == (4, f"{data}:2: not valid UTF-8 (byte 46)")
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_missing_input_path_is_refused(capsys, kimi_target, tmp_path):
+    data = tmp_path / "nowhere.jsonl"
+    code, error = refused(capsys, "prepare", "--profile", "cpu-mini", "--target", kimi_target, "--data", data,
+                          "--output", tmp_path / "out")
+    assert (code, error) == (4, f"{data}: input file not found (--data)")
+
+
+def test_missing_target_config_is_refused(capsys, tmp_path):
+    code, error = refused(capsys, "prepare", "--profile", "cpu-mini", "--target", tmp_path, "--data",
+                          SAMPLES / "conversations.jsonl", "--output", tmp_path / "out")
+    assert (code, error) == (4, f"{tmp_path / 'config.json'}: target config not found (--target must be a local model directory)")
+
+
+def test_tokenizer_without_chat_template_is_refused(capsys, kimi_target, tmp_path):
+    target = target_copy(kimi_target, tmp_path / "no-template")
+    (target / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (target / "tokenizer_config.json").write_text(json.dumps(config))
+    code, error = refused(capsys, "prepare", "--profile", "cpu-mini", "--target", target, "--data",
+                          SAMPLES / "conversations.jsonl", "--output", tmp_path / "out")
+    assert (code, error) == (4, f"{target}: tokenizer has no chat template (chat_template.jinja / tokenizer_config.json)")
+
+
+def test_every_row_too_long_is_refused_and_counted(capsys, kimi_target, tmp_path):
+    data = tmp_path / "two.jsonl"
+    data.write_text(GOOD + "\n" + GOOD2 + "\n")
+    code, error = refused(capsys, "prepare", "--profile", "cpu-mini", "--target", kimi_target, "--data", data,
+                          "--output", tmp_path / "out", "--max-seq-len", 8)
+    assert (code, error) == (4, f"{data}: no rows left from 2 conversation(s) (2 longer than --max-seq-len 8)")
+
+
+def test_one_conversation_cannot_be_split_into_train_and_val(capsys, kimi_target, tmp_path):
+    data = tmp_path / "one.jsonl"
+    data.write_text(GOOD + "\n")
+    code, error = refused(capsys, "prepare", "--profile", "cpu-mini", "--target", kimi_target, "--data", data,
+                          "--output", tmp_path / "out")
+    assert (code, error) == (4, f"{data}: 1 conversation(s) cannot be split into train and val (--val-ratio 0.1); "
+                                f"give at least 2 conversations")
+
+
+@pytest.mark.parametrize("mode", ["drop", "truncate"])
+def test_rows_longer_than_max_seq_len_are_dropped_or_truncated_and_counted_never_silently(mode, capsys, ref, kimi_target, tmp_path):
+    import datasets
+
+    rows = datasets.load_from_disk(str(ref["data"])).with_format(None)
+    lengths = sorted(rows["seq_len"])
+    limit = lengths[len(lengths) // 2]
+    too_long = [(ids, mask) for ids, mask in zip(rows["input_ids"], rows["loss_mask"]) if len(ids) > limit]
+    assert too_long
+    out = tmp_path / "out"
+    log = succeeded(capsys, "prepare", "--profile", "cpu-mini", "--target", kimi_target, "--data",
+                    SAMPLES / "conversations.jsonl", "--output", out, "--max-seq-len", limit, "--on-too-long", mode)
+    counts = manifest(out)["counts"]
+    if mode == "drop":
+        assert counts["dropped_too_long"] == len(too_long) and counts["truncated_too_long"] == 0
+        assert counts["rows"] == len(lengths) - len(too_long)
+    else:  # a truncated row is kept only if loss tokens survive the cut; the others are dropped
+        kept = sum(1 for _, mask in too_long if any(mask[:limit]))
+        assert counts["truncated_too_long"] == kept and counts["dropped_too_long"] == len(too_long) - kept
+        assert counts["rows"] == len(lengths) - (len(too_long) - kept)
+    assert max(datasets.load_from_disk(str(out))["seq_len"]) <= limit
+
+
+def test_unwritable_output_directory_is_refused_before_any_work(capsys, kimi_target, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    out = blocker / "out"
+    code, error = refused(capsys, "prepare", "--profile", "cpu-mini", "--target", kimi_target, "--data",
+                          SAMPLES / "conversations.jsonl", "--output", out)
+    assert (code, error) == (1, f"{out}: output directory is not writable (Not a directory); fix --output")
+
+
+# --- 02: hidden states ------------------------------------------------------------------------------
+
+def _corrupt(hs: Path, how: str) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = hs / "hs_4.safetensors"
+    if how == "truncated":
+        raw = path.read_bytes()
+        path.write_bytes(raw[: len(raw) - 1000])
+        return
+    if how == "missing":
+        path.unlink()
+        return
+    data = load_file(str(path))
+    states, ids = data["hidden_states"], data["token_ids"]
+    if how == "nan":
+        states[1, 2, 3] = float("nan")
+    elif how == "inf":
+        states[0, 0, 0] = float("inf")
+    elif how == "all_zero":
+        states.zero_()
+    elif how == "final_layer_zero":
+        states[:, 3] = 0
+    elif how == "token_ids_differ":
+        ids = ids.clone()
+        ids[5] += 1
+    elif how == "final_layer_missing":
+        states = states[:, :3].contiguous()
+    elif how == "hidden_size_differs":
+        states = states[..., :64].contiguous()
+    elif how == "no_token_ids":
+        save_file({"hidden_states": states}, str(path))
+        return
+    save_file({"hidden_states": states, "token_ids": ids.to(torch.long)}, str(path))
+
+
+def _expected_hs_4(hs: Path, how: str, length: int) -> str:
+    path = hs / "hs_4.safetensors"
+    return {
+        "missing": "missing",
+        "nan": f"{path}: hidden_states contain NaN/Inf",
+        "inf": f"{path}: hidden_states contain NaN/Inf",
+        "all_zero": f"{path}: hidden_states layer slot(s) [0, 1, 2, 3] are all zero",
+        "final_layer_zero": f"{path}: hidden_states layer slot(s) [3] are all zero",
+        "token_ids_differ": f"{path}: token_ids do not equal the dataset row's input_ids",
+        "final_layer_missing": (f"{path}: hidden_states shape [{length}, 3, 128] != expected [{length}, 4, 128] (one layer "
+                                f"slot short: the final layer is missing, as vLLM before PR #46973 did for DeepSeek backbones)"),
+        "hidden_size_differs": f"{path}: hidden_states shape [{length}, 4, 64] != expected [{length}, 4, 128]",
+        "no_token_ids": f"{path}: missing tensors ['token_ids']",
+    }[how]
+
+
+HS_CASES = ["missing", "nan", "inf", "all_zero", "final_layer_zero", "token_ids_differ", "final_layer_missing",
+            "hidden_size_differs", "no_token_ids"]
+
+
+@pytest.mark.parametrize("how", HS_CASES)
+def test_validate_names_the_bad_hidden_state_file_and_drops_only_it(how, capsys, work, kimi_target):
+    hs = work["hs"]
+    length = len(json.loads(json.dumps(__import__("datasets").load_from_disk(str(work["data"]))[4]["input_ids"].tolist())))
+    _corrupt(hs, how)
+    others = {k: v for k, v in snapshot(hs).items() if k.startswith("hs_") and k != "hs_4.safetensors"}
+    code, error = refused(capsys, "extract", "--profile", "cpu-mini", "--target", kimi_target, "--data", work["data"],
+                          "--validate")
+    assert code == 1
+    assert error == (f"validation: 1 row(s) bad (listed in {hs / 'redo.json'}), first: row 4: "
+                     f"{_expected_hs_4(hs, how, length)}; rerun to redo them")
+    assert json.loads((hs / "redo.json").read_text())["rows"] == [4]
+    assert not (hs / "hs_4.safetensors").exists() and not (hs / "manifest.json").exists()
+    assert {k: v for k, v in snapshot(hs).items() if k.startswith("hs_")} == others  # nothing else touched
+
+
+def test_validate_names_a_truncated_file_with_safetensors_own_words(capsys, work, kimi_target):
+    from safetensors.torch import load_file
+
+    hs = work["hs"]
+    _corrupt(hs, "truncated")
+    try:
+        load_file(str(hs / "hs_4.safetensors"))
+        raise AssertionError("safetensors read a truncated file")
+    except Exception as exc:  # noqa: BLE001 - whatever safetensors raises is what the message quotes
+        detail = str(exc).splitlines()[0][:120]
+    code, error = refused(capsys, "extract", "--profile", "cpu-mini", "--target", kimi_target, "--data", work["data"],
+                          "--validate")
+    assert (code, error) == (1, f"validation: 1 row(s) bad (listed in {hs / 'redo.json'}), first: row 4: "
+                                f"{hs / 'hs_4.safetensors'}: unreadable safetensors ({detail}); rerun to redo them")
+
+
+def test_data_prepared_for_another_target_is_refused_and_states_kept(capsys, work, miniature):
+    from eagle3_pipeline.target import load_target_info
+
+    before = snapshot(work["data"])
+    kimi, llama = load_target_info(miniature["kimi"]), load_target_info(miniature["llama"])
+    code, error = refused(capsys, "extract", "--profile", "cpu-mini", "--target", miniature["llama"], "--data", work["data"])
+    assert (code, error) == (3, f"{work['data'] / 'manifest.json'}: target config mismatch (manifest has "
+                                f"{kimi.config_sha256}, this run has {llama.config_sha256}); rerun 01_prepare_dataset.py "
+                                f"for this target, or pass the --target it was prepared for")
+    assert snapshot(work["data"]) == before
+
+
+def test_data_prepared_with_another_tokenizer_is_refused(capsys, work, kimi_target, tmp_path):
+    from eagle3_pipeline.target import load_target_info
+
+    target = target_copy(kimi_target, tmp_path / "retokenized")
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    config["model_max_length"] = 1234  # any change to the tokenizer files
+    (target / "tokenizer_config.json").write_text(json.dumps(config))
+    ours, theirs = load_target_info(kimi_target), load_target_info(target)
+    assert ours.config_sha256 == theirs.config_sha256
+    code, error = refused(capsys, "extract", "--profile", "cpu-mini", "--target", target, "--data", work["data"])
+    assert (code, error) == (3, f"{work['data'] / 'manifest.json'}: tokenizer mismatch (manifest has "
+                                f"{ours.tokenizer_sha256}, this run has {theirs.tokenizer_sha256}); rerun "
+                                f"01_prepare_dataset.py for this target, or pass the --target it was prepared for")
+
+
+def test_states_of_other_layer_ids_are_never_mixed_in(capsys, work, kimi_target):
+    before = snapshot(work["hs"])
+    code, error = refused(capsys, "extract", "--profile", "cpu-mini", "--target", kimi_target, "--data", work["data"],
+                          "--layer-ids", 1, 2, 3)
+    hs = work["hs"]
+    assert (code, error) == (3, f"{hs / 'manifest.json'}: existing hidden states have layer_ids=[2, 3, 4, 6], this run "
+                                f"[1, 2, 3, 6]; move {hs} away (or rerun 01 into a new --output) to extract again")
+    assert snapshot(hs) == before
+
+
+def test_wrong_number_of_layer_ids_is_refused(capsys, work, kimi_target):
+    code, error = refused(capsys, "extract", "--profile", "cpu-mini", "--target", kimi_target, "--data", work["data"],
+                          "--layer-ids", 1, 2)
+    assert (code, error) == (4, "--layer-ids needs exactly 3 aux layer ids (the final layer is added), got [1, 2]")
+
+
+# --- 03: vocab ---------------------------------------------------------------------------------------
+
+def test_draft_vocab_larger_than_the_target_vocab_is_refused(capsys, work, tmp_path):
+    code, error = refused(capsys, "vocab", "--profile", "cpu-mini", "--data", work["data"], "--output", tmp_path / "v",
+                          "--draft-vocab-size", 4096)
+    assert (code, error) == (2, "--draft-vocab-size 4096 is larger than the target vocab (1024)")
+
+
+def test_vocab_from_unfinished_data_is_refused(capsys, tmp_path):
+    data = tmp_path / "half-prepared"
+    data.mkdir()
+    code, error = refused(capsys, "vocab", "--data", data, "--output", tmp_path / "v")
+    assert (code, error) == (3, f"{data / 'manifest.json'}: missing; {data} is not a finished 'prepare' output "
+                                f"(--data); run 01_prepare_dataset.py first")
+
+
+def test_vocab_without_token_frequencies_is_refused(capsys, work, tmp_path):
+    (work["data"] / "token_freq.pt").unlink()
+    code, error = refused(capsys, "vocab", "--profile", "cpu-mini", "--data", work["data"], "--output", tmp_path / "v")
+    assert (code, error) == (4, f"{work['data'] / 'token_freq.pt'}: token frequencies missing; rerun 01_prepare_dataset.py")
+
+
+# --- 04: training ------------------------------------------------------------------------------------
+
+def _draft_config(tmp_path: Path, **changes) -> Path:
+    from eagle3_pipeline.config import DEFAULT_DRAFT_CONFIG
+
+    config = {**json.loads(DEFAULT_DRAFT_CONFIG.read_text()), **changes}
+    path = tmp_path / "draft_config.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def _train(work: dict, kimi_target: Path, out: Path, *extra) -> list:
+    return ["train", "--profile", "cpu-mini", "--target", kimi_target, "--data", work["data"], "--vocab", work["vocab"],
+            "--output", out, "--logger", "", *extra]
+
+
+@pytest.mark.parametrize("key,value", [("hidden_size", 7168), ("target_vocab_size", 163840)])
+def test_draft_config_not_matching_the_target_is_refused(key, value, capsys, work, kimi_target, tmp_path):
+    draft = _draft_config(tmp_path, **{key: value})
+    actual = {"hidden_size": 128, "target_vocab_size": 1024}[key]
+    code, error = refused(capsys, *_train(work, kimi_target, tmp_path / "ckpt", "--draft-config", draft))
+    assert (code, error) == (2, f"{draft}: {key} {value} does not match the target's {actual} ({kimi_target}/config.json)")
+
+
+def test_vocab_mapping_built_from_other_data_is_refused(capsys, work, kimi_target, tmp_path):
+    other_data, other_vocab = tmp_path / "other-data", tmp_path / "other-vocab"
+    succeeded(capsys, "prepare", "--profile", "cpu-mini", "--target", kimi_target, "--data", SAMPLES / "sharegpt.jsonl",
+              "--output", other_data)
+    succeeded(capsys, "vocab", "--profile", "cpu-mini", "--data", other_data, "--output", other_vocab)
+    work = {**work, "vocab": other_vocab}
+    code, error = refused(capsys, *_train(work, kimi_target, tmp_path / "ckpt"))
+    assert (code, error) == (3, f"{other_vocab / 'manifest.json'}: built from a different 'prepare' output than "
+                                f"{work['data'] / 'manifest.json'} (other data, or it was rerun since); "
+                                f"rerun 03_build_vocab_mapping.py")
+
+
+def test_training_without_hidden_states_is_refused(capsys, work, kimi_target, tmp_path):
+    shutil.rmtree(work["hs"])
+    code, error = refused(capsys, *_train(work, kimi_target, tmp_path / "ckpt"))
+    assert (code, error) == (3, f"{work['hs']}: no such directory (--data); run 02_extract_hidden_states.py first")
+
+
+def test_training_on_unfinished_hidden_states_is_refused(capsys, work, kimi_target, tmp_path):
+    path = work["hs"] / "manifest.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "complete": False}))  # as a killed 02 leaves it
+    code, error = refused(capsys, *_train(work, kimi_target, tmp_path / "ckpt"))
+    assert (code, error) == (3, f"{path}: stage 'extract' did not finish; rerun 02_extract_hidden_states.py")
+
+
+def test_checkpoints_from_another_draft_config_are_refused_and_kept(capsys, work, kimi_target, tmp_path):
+    draft = _draft_config(tmp_path, ttt_steps=2)
+    before = snapshot(work["checkpoints"])
+    code, error = refused(capsys, *_train(work, kimi_target, work["checkpoints"], "--draft-config", draft))
+    assert (code, error) == (3, f"{work['checkpoints'] / 'manifest.json'}: checkpoints here come from another draft "
+                                f"config; choose another --output or pass --overwrite")
+    assert snapshot(work["checkpoints"]) == before
+
+
+def test_unwritable_checkpoint_directory_is_refused(capsys, work, kimi_target, tmp_path):
+    (tmp_path / "a-file").write_text("")
+    out = tmp_path / "a-file" / "ckpt"
+    code, error = refused(capsys, *_train(work, kimi_target, out))
+    assert (code, error) == (1, f"{out}: output directory is not writable (Not a directory); fix --output")
+
+
+# --- 05: export --------------------------------------------------------------------------------------
+
+def test_export_of_a_checkpoint_that_does_not_exist_is_refused(capsys, work, tmp_path):
+    code, error = refused(capsys, "export", "--checkpoints", work["checkpoints"], "--output", tmp_path / "d",
+                          "--checkpoint", "7")
+    assert (code, error) == (3, f"{work['checkpoints']}: no checkpoint '7' with model.safetensors (--checkpoint)")
+
+
+def test_export_never_replaces_a_directory_it_did_not_write(capsys, work):
+    before = snapshot(work["vocab"])
+    code, error = refused(capsys, "export", "--checkpoints", work["checkpoints"], "--output", work["vocab"])
+    assert (code, error) == (2, f"{work['vocab']}: exists and is not an export made by 05_export.py (it would be "
+                                f"replaced as a whole); choose another --output")
+    assert snapshot(work["vocab"]) == before
+
+
+def test_export_of_unfinished_training_is_refused(capsys, work, tmp_path):
+    path = work["checkpoints"] / "manifest.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "complete": False}))
+    code, error = refused(capsys, "export", "--checkpoints", work["checkpoints"], "--output", tmp_path / "d")
+    assert (code, error) == (3, f"{path}: stage 'train' did not finish; rerun 04_train.py")
+
+
+# --- end to end: the real script, its exit code and its one line --------------------------------------
+
+def test_a_refusal_is_one_line_and_an_exit_code_from_the_real_script(kimi_target, tmp_path):
+    data = tmp_path / "bad.jsonl"
+    data.write_text(GOOD + "\n" + BAD_ROWS["unknown_role"][0] + "\n")
+    result = subprocess.run([sys.executable, str(SCRIPTS / STAGE_SCRIPTS["prepare"]), "--profile", "cpu-mini",
+                             "--target", str(kimi_target), "--data", str(data), "--output", str(tmp_path / "out")],
+                            capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert result.returncode == 4
+    assert [line for line in result.stderr.splitlines() if line.startswith("error")] == [
+        f"error: {data}:2: turn 0 has unknown role 'wizard'"]
+    assert "Traceback" not in result.stderr
+
+
+# --- preflight ---------------------------------------------------------------------------------------
+
+def test_preflight_refuses_kimi_hidden_states_that_do_not_fit_with_the_numbers(monkeypatch):
+    from eagle3_pipeline import preflight
+    from eagle3_pipeline.errors import PreflightError
+
+    monkeypatch.setattr(preflight, "disk_free", lambda path: 3_100_000_000_000)
+    with pytest.raises(PreflightError) as refusal:
+        preflight.check_hidden_states_disk(100_000, 100_000 * 2048, 4, 7168, "bfloat16", Path("/nvme/run/data/hidden_states"))
+    assert str(refusal.value) == ("disk: ~11.7 TB for 100,000 samples x 2,048 tokens (57,344 B/token = 4 layers x 7,168 x 2 B); "
+                                  "3.1 TB free at /nvme/run/data/hidden_states: refusing")
+    monkeypatch.setattr(preflight, "disk_free", lambda path: 20_000_000_000_000)
+    assert preflight.check_hidden_states_disk(100_000, 100_000 * 2048, 4, 7168, "bfloat16", Path("/nvme/x")).endswith(
+        "20.0 TB free at /nvme/x")
+
+
+def test_preflight_refuses_fewer_gpus_than_tensor_parallel_and_too_little_gpu_memory():
+    from eagle3_pipeline import preflight
+    from eagle3_pipeline.errors import PreflightError
+
+    with pytest.raises(PreflightError) as few:
+        preflight.check_gpu_count(4, 8, "--tensor-parallel-size")
+    assert str(few.value) == ("gpus: 4 visible, --tensor-parallel-size 8: refusing (need at least 8 GPUs; check "
+                              "CUDA_VISIBLE_DEVICES or lower --tensor-parallel-size)")
+    # Kimi-K2.5 (~595 GB) over 8 x 80 GB GPUs at 0.9 utilisation: 74.4 GB each > 72 GB usable.
+    with pytest.raises(PreflightError) as small:
+        preflight.check_memory("target weights", 595_000_000_000, 72_000_000_000, 8, "gpu")
+    assert str(small.value) == ("gpu memory: target weights 595.0 GB over 8 GPU(s) = 74.4 GB each; 72.0 GB usable "
+                                "per GPU: refusing")
+    assert preflight.check_memory("target weights", 595_000_000_000, 126_900_000_000, 8, "gpu").startswith("gpu memory")
+
+
+def test_extract_check_refuses_a_disk_too_small_and_writes_nothing(capsys, monkeypatch, work, kimi_target):
+    from eagle3_pipeline import preflight
+
+    shutil.rmtree(work["hs"])
+    monkeypatch.setattr(preflight, "disk_free", lambda path: 1_000)
+    code, error = refused(capsys, "extract", "--profile", "cpu-mini", "--target", kimi_target, "--data", work["data"],
+                          "--check")
+    tokens = manifest(work["data"])["counts"]["tokens"]
+    rows = manifest(work["data"])["counts"]["rows"]
+    assert code == 5
+    assert error == (f"disk: ~{preflight.human_bytes(tokens * 4 * 128 * 4)} for {rows:,} samples x {tokens / rows:,.0f} "
+                     f"tokens (2,048 B/token = 4 layers x 128 x 4 B); 1,000 B free at {work['hs']}: refusing")
+    assert not list(work["hs"].glob("*"))
+
+
+def test_extract_check_refuses_missing_gpus_memory_and_an_old_vllm(capsys, monkeypatch, work, kimi_target):
+    from eagle3_pipeline import preflight
+    from eagle3_pipeline.extract import vllm_backend
+
+    args = ["extract", "--profile", "cpu-mini", "--target", kimi_target, "--data", work["data"], "--check",
+            "--backend", "vllm"]
+    monkeypatch.setattr(preflight, "probe_gpus", lambda: [80_000_000_000] * 4)
+    code, error = refused(capsys, *args, "--tensor-parallel-size", 8)
+    assert (code, error) == (5, "gpus: 4 visible, --tensor-parallel-size 8: refusing (need at least 8 GPUs; check "
+                                "CUDA_VISIBLE_DEVICES or lower --tensor-parallel-size)")
+    monkeypatch.setattr(preflight, "target_weights_bytes", lambda path: 595_000_000_000)
+    code, error = refused(capsys, *args, "--tensor-parallel-size", 4)
+    assert (code, error) == (5, "gpu memory: target weights 595.0 GB over 4 GPU(s) = 148.8 GB each; 72.0 GB usable "
+                                "per GPU: refusing")
+    monkeypatch.setattr(preflight, "target_weights_bytes", lambda path: 1_000_000)
+    monkeypatch.setattr(vllm_backend, "vllm_installed_version", lambda: "0.24.0")
+    monkeypatch.setattr(vllm_backend, "_vllm_source", lambda relative: None)
+    code, error = refused(capsys, *args, "--tensor-parallel-size", 4)
+    assert (code, error) == (5, "versions: deepseek-final-layer: vLLM 0.24.0 does not return the final layer (6) for "
+                                "DeepSeek-style backbones (deepseek_v3); fixed by vLLM PR #46973, vLLM >= 0.25.0: "
+                                "upgrade vLLM: refusing")
+
+
+def test_train_check_refuses_a_transformers_without_the_kimi_config(capsys, monkeypatch, work, kimi_target, tmp_path):
+    from eagle3_pipeline import preflight
+
+    monkeypatch.setattr(preflight, "transformers_knows", lambda model_type: False)
+    code, error = refused(capsys, *_train(work, kimi_target, tmp_path / "ckpt", "--check"))
+    assert code == 5
+    assert error.startswith("versions: speculators 0.9.0, transformers ") and error.endswith(
+        ": refusing (transformers " + error.split("transformers ")[1].split(",")[0] + " has no 'kimi_k25' config, which "
+        "speculators needs to read the verifier; install transformers >= 5.19 (see requirements.txt))")
+    assert not (tmp_path / "ckpt" / "manifest.json").exists()
+
+
+def test_every_stage_check_prints_its_estimate_and_writes_nothing(capsys, work, kimi_target, tmp_path):
+    checks = {
+        "prepare": ["--profile", "cpu-mini", "--target", kimi_target, "--data", SAMPLES / "conversations.jsonl",
+                    "--output", tmp_path / "data"],
+        "vocab": ["--profile", "cpu-mini", "--data", work["data"], "--output", tmp_path / "vocab"],
+        "train": _train(work, kimi_target, tmp_path / "ckpt")[1:],
+        "export": ["--checkpoints", work["checkpoints"], "--output", tmp_path / "draft"],
+    }
+    for stage, args in checks.items():
+        log = succeeded(capsys, stage, *args, "--check")
+        assert "preflight disk: ~" in log, (stage, log[-2000:])
+    shutil.rmtree(work["hs"])
+    assert "preflight disk: ~" in succeeded(capsys, "extract", "--profile", "cpu-mini", "--target", kimi_target,
+                                            "--data", work["data"], "--check")
+    written = [p for p in tmp_path.rglob("*") if p.is_file() and p.parent.name in ("data", "vocab", "ckpt", "draft")]
+    assert written == [] and not (tmp_path / "draft").exists()

@@ -1,0 +1,293 @@
+"""run_all.sh: skip finished stages, stop on failures, survive kills and disconnects, resume.
+
+Most tests drive the real script with a stub interpreter (`--python STUB`) that stands in for the
+five stage scripts: it records each call and writes the stage's manifest, or fails, hangs, or
+stops early, as an environment variable tells it. They take a second or two each. The last test
+runs the real five stages on the Kimi-K2.5 miniature, kills everything mid-training with SIGKILL,
+and restarts the same command.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, SAMPLES
+
+RUN_ALL = REPO / "eagle3-train" / "run_all.sh"
+STAGES = ["01", "02", "03", "04", "05"]
+
+STUB = textwrap.dedent(r'''
+    #!{python}
+    """Stand-in for `python -u eagle3-train/0N_*.py ARGS`: FAKE_0N=ok|fail|incomplete|sleep:S|hang."""
+    import json, os, signal, sys, time
+    from pathlib import Path
+
+    args = sys.argv[1:]
+    if args and args[0] == "-u":
+        args = args[1:]
+    num, rest = Path(args[0]).name[:2], args[1:]
+    calls = Path(os.environ["FAKE_CALLS"])
+
+    def flag(name):
+        return rest[rest.index(name) + 1] if name in rest else None
+
+    def note(text):
+        with open(calls, "a") as handle:
+            handle.write(f"{{num}} {{text}}\n")
+
+    def on_term(signum, frame):
+        note("TERM")
+        sys.exit(143)
+
+    signal.signal(signal.SIGTERM, on_term)
+    note("start pid=%d pgid=%d %s" % (os.getpid(), os.getpgid(0), " ".join(rest)))
+    if "--print-config" in rest:
+        print(f"# stage {{num}} config (profile {{flag('--profile')}})")
+        sys.exit(0)
+    mode = os.environ.get(f"FAKE_{{num}}", "ok")
+    print(f"stage {{num}} working ({{mode}})", flush=True)
+    if mode == "fail":
+        print("error: stub failure", file=sys.stderr)
+        sys.exit(4)
+    if mode.startswith("sleep:"):
+        time.sleep(float(mode.split(":")[1]))
+    if mode == "hang":
+        while True:
+            time.sleep(0.1)
+    out = {{"01": flag("--output"), "02": f"{{flag('--data')}}/hidden_states", "03": flag("--output"),
+           "04": flag("--output"), "05": flag("--output")}}[num]
+    Path(out).mkdir(parents=True, exist_ok=True)
+    if num == "05":
+        (Path(out) / "serve_command.txt").write_text("vllm serve stub\n")
+    manifest = {{"stage": num, "complete": mode != "incomplete"}}
+    (Path(out) / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    note("done")
+''').lstrip()
+
+
+@pytest.fixture
+def stub(tmp_path):
+    path = tmp_path / "stub-python"
+    path.write_text(STUB.format(python=sys.executable))
+    path.chmod(0o755)
+    return path
+
+
+def driver(work: Path, stub: Path, *extra: str, env: dict | None = None, wait: bool = True, timeout: float = 60):
+    """Start run_all.sh on WORK with the stub; returns CompletedProcess (wait) or Popen."""
+    cmd = ["bash", str(RUN_ALL), "--profile", "cpu-mini", "--target", "/models/T", "--data", "d.jsonl",
+           "--work", str(work), "--python", str(stub), *extra]
+    full_env = {**os.environ, "FAKE_CALLS": str(work.parent / "calls.txt"), **(env or {})}
+    if wait:
+        return subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=timeout, cwd=REPO)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
+                            cwd=REPO, start_new_session=True)
+
+
+def calls(work: Path) -> list[str]:
+    path = work.parent / "calls.txt"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def started(work: Path) -> list[str]:
+    return [line.split()[0] for line in calls(work) if line.split()[1] == "start"]
+
+
+def wait_for(predicate, timeout: float = 30, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def current_stage(work: Path) -> tuple[str, int] | None:
+    try:
+        num, pid = (work / "logs" / "current_stage").read_text().split()
+        return num, int(pid)
+    except (OSError, ValueError):
+        return None
+
+
+def test_runs_five_stages_in_order_with_one_log_each_then_skips_them_all(tmp_path, stub):
+    work = tmp_path / "w"
+    first = driver(work, stub)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert started(work) == STAGES
+    for num, name in zip(STAGES, ["prepare", "extract", "vocab", "train", "export"]):
+        log = (work / "logs" / f"{num}_{name}.log").read_text()
+        assert f"stage {num} working" in log and "run_all attempt:" in log
+    assert "vllm serve stub" in first.stdout
+    second = driver(work, stub)
+    assert second.returncode == 0
+    assert started(work) == STAGES  # nothing ran again
+    assert second.stdout.count("finished earlier") == 5
+
+
+def test_stages_get_the_profile_the_wiring_and_their_extra_flags(tmp_path, stub):
+    work = tmp_path / "w"
+    result = driver(work, stub, "--trust-remote-code", "--args-04", "--epochs 3 --lr 5e-4")
+    assert result.returncode == 0, result.stderr
+    by_stage = {line.split()[0]: line for line in calls(work) if " start " in line}
+    assert all("--profile cpu-mini" in line for line in by_stage.values())
+    assert "--trust-remote-code" in by_stage["01"] and "--trust-remote-code" in by_stage["04"]
+    assert "--trust-remote-code" not in by_stage["03"] and "--trust-remote-code" not in by_stage["05"]
+    assert by_stage["04"].endswith("--epochs 3 --lr 5e-4")
+    assert f"--data {work}/data --vocab {work}/vocab --output {work}/checkpoints" in by_stage["04"]
+
+
+def test_a_failed_stage_stops_the_run_and_the_rerun_starts_at_it(tmp_path, stub):
+    work = tmp_path / "w"
+    failed = driver(work, stub, env={"FAKE_03": "fail"})
+    assert failed.returncode == 4
+    assert "03 vocab failed (exit 4)" in failed.stderr
+    assert started(work) == ["01", "02", "03"]
+    rerun = driver(work, stub)
+    assert rerun.returncode == 0
+    assert started(work) == ["01", "02", "03", "03", "04", "05"]
+    log = (work / "logs" / "03_vocab.log").read_text()
+    assert log.count("run_all attempt:") == 2 and "stub failure" in log  # appended, not overwritten
+
+
+def test_a_stage_that_exits_0_without_a_complete_manifest_stops_the_run(tmp_path, stub):
+    # e.g. stage 02 with --world-size 2: this rank is done, the other rank's rows are not
+    work = tmp_path / "w"
+    result = driver(work, stub, env={"FAKE_02": "incomplete"})
+    assert result.returncode == 3
+    assert "not complete" in result.stderr and "--world-size" in result.stderr
+    assert started(work) == ["01", "02"]
+
+
+def test_sigterm_stops_the_running_stage_and_the_rerun_continues(tmp_path, stub):
+    work = tmp_path / "w"
+    proc = driver(work, stub, env={"FAKE_02": "hang"}, wait=False)
+    wait_for(lambda: (current_stage(work) or ("",))[0] == "02" and "02" in started(work), what="stage 02")
+    num, pgid = current_stage(work)
+    assert os.getpgid(pgid) == pgid != os.getpgid(proc.pid)  # the stage has its own process group
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 130, out
+    assert "02 TERM" in calls(work)  # the stage got the signal and could clean up
+    assert "rerun the same command" in out
+    rerun = driver(work, stub)
+    assert rerun.returncode == 0
+    assert started(work) == ["01", "02", "02", "03", "04", "05"]
+
+
+def test_sighup_from_a_dropped_ssh_session_does_not_stop_the_run(tmp_path, stub):
+    work = tmp_path / "w"
+    proc = driver(work, stub, env={"FAKE_02": "sleep:1.5"}, wait=False)
+    wait_for(lambda: "02" in started(work), what="stage 02")
+    os.killpg(proc.pid, signal.SIGHUP)  # what the terminal sends to its session's process group
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    assert started(work) == STAGES
+    assert "all five stages finished" in (work / "logs" / "run_all.log").read_text()
+
+
+def test_restart_while_a_killed_drivers_stage_still_runs_is_refused_then_continues(tmp_path, stub):
+    work = tmp_path / "w"
+    proc = driver(work, stub, env={"FAKE_02": "sleep:2"}, wait=False)
+    wait_for(lambda: "02" in started(work), what="stage 02")
+    os.kill(proc.pid, signal.SIGKILL)  # the driver only: its stage keeps running in its own group
+    proc.wait(timeout=10)
+    refused = driver(work, stub)
+    assert refused.returncode == 75
+    assert "still running" in refused.stderr and "02" in refused.stderr
+    status = subprocess.run(["bash", str(RUN_ALL), "--status", "--work", str(work)], capture_output=True, text=True)
+    assert "running: stage 02" in status.stdout
+    wait_for(lambda: (work / "data" / "hidden_states" / "manifest.json").exists(), what="stage 02 to finish alone")
+    wait_for(lambda: driver(work, stub).returncode == 0, timeout=30, what="the lock to be released")
+    assert started(work) == STAGES  # 02 ran once, to the end, although its driver was killed
+
+
+def test_from_reruns_finished_stages_and_print_config_asks_every_stage(tmp_path, stub):
+    work = tmp_path / "w"
+    assert driver(work, stub).returncode == 0
+    assert driver(work, stub, "--from", "04").returncode == 0
+    assert started(work) == STAGES + ["04", "05"]
+    printed = driver(work, stub, "--print-config")
+    assert printed.returncode == 0
+    assert [line for line in printed.stdout.splitlines() if line.startswith("## ")] == [
+        "## 01_prepare", "## 02_extract", "## 03_vocab", "## 04_train", "## 05_export"]
+    assert printed.stdout.count("(profile cpu-mini)") == 5
+    status = subprocess.run(["bash", str(RUN_ALL), "--status", "--work", str(work)], capture_output=True, text=True)
+    assert [line.split()[2] for line in status.stdout.splitlines()] == ["finished"] * 5
+
+
+def test_help_shows_an_example_and_the_tmux_pattern():
+    result = subprocess.run(["bash", str(RUN_ALL), "--help"], capture_output=True, text=True)
+    assert result.returncode == 0
+    assert "--profile rtx-pro-6000-8x" in result.stdout and "tmux attach" in result.stdout and "nohup" in result.stdout
+
+
+# --- the real pipeline ------------------------------------------------------------------------
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def _manifest(path: Path) -> dict:
+    try:
+        return json.loads((path / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+@pytest.mark.slow
+@pytest.mark.reliability
+def test_driver_restarts_after_sigkill_mid_training_on_the_miniature(tmp_path, kimi_target):
+    """Kill -9 the driver and its running stage (a crash, a reboot) after training saved epoch 0,
+    then run the same command: 01-03 are skipped, 04 resumes from checkpoint 0, 05 exports."""
+    work = tmp_path / "run"
+    cmd = ["bash", str(RUN_ALL), "--profile", "cpu-mini", "--target", str(kimi_target),
+           "--data", str(SAMPLES / "conversations.jsonl"), "--work", str(work), "--python", sys.executable,
+           "--args-04", "--epochs 3 --logger="]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
+                            start_new_session=True)
+    epoch0 = work / "checkpoints" / "0" / "training_state.json"
+    try:
+        wait_for(lambda: epoch0.exists() or proc.poll() is not None, timeout=420, what="checkpoint 0")
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        stage = current_stage(work)
+        assert stage is not None and stage[0] == "04"
+        os.killpg(proc.pid, signal.SIGKILL)  # the driver (and its log viewer)
+        os.killpg(stage[1], signal.SIGKILL)  # the training process group
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=30)
+    wait_for(lambda: not _group_alive(stage[1]), timeout=60, what="the killed training processes to exit")
+    assert not _manifest(work / "checkpoints").get("complete")
+    assert all(_manifest(work / d).get("complete") for d in ("data", "data/hidden_states", "vocab"))
+
+    rerun = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=420)
+    assert rerun.returncode == 0, rerun.stdout[-4000:] + rerun.stderr[-2000:]
+    for num, name in (("01", "prepare"), ("02", "extract"), ("03", "vocab")):
+        assert f"== {num} {name}: finished earlier" in rerun.stdout
+    train_log = (work / "logs" / "04_train.log").read_text()
+    assert train_log.count("run_all attempt:") == 2
+    assert "Resuming" in train_log.split("run_all attempt:")[-1]  # speculators resumed, not restarted
+    trained = _manifest(work / "checkpoints")
+    assert trained.get("complete") and _manifest(work / "draft").get("complete")
+    records = [json.loads(line) for line in (work / "checkpoints" / "metrics.jsonl").read_text().splitlines()
+               if line.endswith("}")]
+    steps = [r["global_step"] for r in records if "train" in r and "global_step" in r]
+    assert max(steps) + 1 == len(set(steps))  # every step of the 3 epochs logged, none lost
+    assert (work / "checkpoints" / "plots" / "loss.png").stat().st_size > 10_000
+    assert "best checkpoint" in (work / "checkpoints" / "summary.txt").read_text()
