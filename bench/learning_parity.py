@@ -145,11 +145,10 @@ def main() -> None:
         records = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
         val = [r for r in records if "val" in r]
         train = [r for r in records if "train" in r and "global_step" in r]
-        tokens = sum(r["profile"]["tokens_per_s"] * r["profile"]["step_ms"] / 1000 for r in train
-                     if r.get("profile"))
         runs[name] = {
             "flags": argv[argv.index("--epochs"):], "exit": code, "wall_s": time.time() - start,
-            "steps": len(train), "train_tokens": tokens,
+            # logged every 25 steps: the last logged step bounds the optimizer steps taken
+            "optimizer_steps_at_least": max((r["global_step"] for r in train), default=-1) + 1,
             "val_loss_by_epoch": [r["val"].get("loss_epoch") for r in val],
             "val_full_acc_by_epoch": [{k: v for k, v in r["val"].items() if "full_acc" in k} for r in val],
         }

@@ -250,7 +250,7 @@ def main() -> None:
                        "--profile", args.ours_profile, "--target", str(verifier),
                        "--data", str(data), "--vocab", str(vocab), "--output", str(run_dir / "out"),
                        "--nproc", str(spec["gpus"]), "--epochs", "1",
-                       "--max-steps", str(spec["stop"])]
+                       "--max-steps", str(spec["stop"] + spec["log_freq"] + 2)]
             outcome = launch(name, command, gpus=gpus, log=run_dir / "log.txt",
                              timeout=args.run_timeout,
                              stop_when=lambda m=metrics, w=spec["warmup"]: window_complete(m, w, args.steps))

@@ -11,6 +11,7 @@ Run with --help for flags and an example.
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 from eagle3_pipeline.config import ExtractConfig, resolve_stage_config
@@ -18,7 +19,7 @@ from eagle3_pipeline.contract import input_record, read_manifest, require_equal,
 from eagle3_pipeline.errors import ContractError
 from eagle3_pipeline.extract.common import HS_DIRNAME, partition_indices, validate_all
 from eagle3_pipeline.extract.run import (
-    all_rows_landed, fail_rows, plan_extraction, preflight, read_json, run_extraction, validate_sample_of_files,
+    ROWS_PER_SLOT, all_rows_landed, fail_rows, plan_extraction, preflight, read_json, run_extraction, validate_sample_of_files,
 )
 from eagle3_pipeline.files import check_writable_dir, remove_stale_temps
 from eagle3_pipeline.prepared import load_rows
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.print_server_cmd:
         from eagle3_pipeline.extract.vllm_backend import server_command
 
-        print(" ".join(server_command(cfg, target, layer_ids, staging_dir(cfg, hs_dir), max_model_len)))
+        print(shlex.join(server_command(cfg, target, layer_ids, staging_dir(cfg, hs_dir), max_model_len)))
         return 0
     shaping = {"layer_ids": layer_ids, "dtype": cfg.dtype, "target_config_sha256": target.config_sha256}
     check_same_shaping(hs_dir, shaping)
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     if plan.todo:
         backend = make_backend(cfg, target, layer_ids, hs_dir, max_model_len, plan.dtype)
         try:
-            failures = run_extraction(backend, plan, hs_dir, cfg.retries)
+            failures = run_extraction(backend, plan, hs_dir, cfg.retries, batch_rows=ROWS_PER_SLOT * cfg.max_num_seqs)
         finally:
             backend.close()
         if failures:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from eagle3_pipeline.config import TrainConfig, load_draft_config, resolve_stage_config
 from eagle3_pipeline.contract import input_record, read_manifest, require_equal, require_upstream, write_manifest
-from eagle3_pipeline.errors import ConfigError, ContractError, StageError
+from eagle3_pipeline.errors import ConfigError, ContractError, Interrupted, StageError
 from eagle3_pipeline.extract.common import HS_DIRNAME
 from eagle3_pipeline.files import check_writable_dir, remove_stale_temps
 from eagle3_pipeline.preflight import preflight_train
@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     remove_stale_temps(out_dir)
     # speculators resumes from the newest <epoch>/ by itself; make sure that one is whole.
-    resume = prepare_resume(out_dir)
+    # One node tidies the (shared) checkpoint folder; the others must not race it.
+    resume = prepare_resume(out_dir) if cfg.node_rank == 0 else {"incomplete_removed": [], "interrupted": None}
     resume["from"] = latest_progress(out_dir)
     if resume["from"]:
         log.info("resuming from checkpoint %s (global step %s); the steps before it are not redone",
@@ -86,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
         run_in_process(spec_argv, out_dir / METRICS_FILE)
     else:
         result = subprocess.run(launch, env=launch_env())
+        if result.returncode == Interrupted.exit_code:
+            raise Interrupted(f"training interrupted; checkpoint saved in {out_dir / INTERRUPTED} if the save finished; "
+                              f"rerun the same command to resume")
         if result.returncode != 0:
             raise StageError(f"training processes exited with code {result.returncode} (see their log above); rerun to resume")
     if cfg.dry_run:

@@ -57,16 +57,16 @@ def mini():
 
 
 def _rows(target_dir: Path) -> list[tuple[int, list[int]]]:
-    """Chat-template rows from the sample conversations; rows 3/4 share a long prefix
-    (one row per assistant turn does that), exercising vLLM's prefix cache."""
+    """Chat-template rows from the sample conversations. Rows 2 and 3 are one conversation's first
+    turn and the whole conversation (one row per assistant turn makes such pairs): row 3 extends
+    row 2, the case prefix caching would short-cut."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(target_dir))
     convs = [json.loads(line)["messages"] for line in (REPO / "eagle3-train/samples/conversations.jsonl").read_text().splitlines()]
-    texts = [tok.apply_chat_template(c, tokenize=False) for c in convs[:3]]
     multi = next(c for c in convs if sum(m["role"] == "assistant" for m in c) >= 2)
     first_turn = multi[: [i for i, m in enumerate(multi) if m["role"] == "assistant"][0] + 1]
-    texts += [tok.apply_chat_template(first_turn, tokenize=False), tok.apply_chat_template(multi, tokenize=False)]
+    texts = [tok.apply_chat_template(c, tokenize=False) for c in (convs[0], convs[1], first_turn, multi, convs[2])]
     ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     ids.append(ids[0][:1])  # a one-token row
     return [(i * 10 + 3, row) for i, row in enumerate(ids)]  # sparse row indices, as after a resume
@@ -79,13 +79,17 @@ def _cfg(target: str, **overrides) -> ExtractConfig:
     return ExtractConfig(**values)
 
 
-def _land_all(backend, rows, hs_dir: Path, target) -> dict:
+def _land_all(backend, rows, hs_dir: Path, target, batches: int = 1) -> dict:
+    """Extract in `batches` calls: rows of a later call can hit prefixes cached by an earlier one."""
     ids = dict(rows)
     num_slots = 4
     started = time.monotonic()
     landed = {}
-    for sample in backend.extract(rows):
-        landed[sample.index] = land_sample(sample, hs_dir, ids[sample.index], num_slots, target.hidden_size, torch.float32)
+    cut = -(-len(rows) // batches)
+    for start in range(0, len(rows), cut):
+        for sample in backend.extract(rows[start:start + cut]):
+            landed[sample.index] = land_sample(sample, hs_dir, ids[sample.index], num_slots, target.hidden_size,
+                                               torch.float32)
     return {"landed": landed, "seconds": time.monotonic() - started, "failed": dict(backend.failed)}
 
 
@@ -98,7 +102,9 @@ def _run_in_process(name: str, mini, tmp_path_factory) -> dict:
     backend = vb.VllmBackend(_cfg(target.path), target, layer_ids, work / "staging", MAX_MODEL_LEN)
     engine_s = time.monotonic() - started
     try:
-        result = _land_all(backend, rows, work / "hidden_states", target)
+        # Two calls: row 3 (a whole multi-turn conversation) extends row 2 (its first turn), which
+        # an engine with prefix caching would serve from cache (the backend turns it off).
+        result = _land_all(backend, rows, work / "hidden_states", target, batches=2)
         staging_run_dir = backend.staging_dir
     finally:
         backend.close()
@@ -334,6 +340,9 @@ def test_preflight_names_the_deepseek_final_layer_fix(mini):
     assert vb.vllm_version_problem(kimi, version="0.24.0", deepseek_source=None, kv_cache_source=None).startswith("deepseek-final-layer")
     assert vb.vllm_version_problem(llama, version="0.24.0", deepseek_source=None, kv_cache_source=None) is None
     assert vb.vllm_version_problem(llama, version="0.17.1").startswith("vllm-extract")
+    # A dev build whose version says less but whose source has the fix's line passes.
+    fixed = before_fix + "        if self.end_layer in self.aux_hidden_state_layers:\n"
+    assert vb.vllm_version_problem(kimi, version="0.24.1.dev5", deepseek_source=fixed, kv_cache_source="") is None
 
 
 def test_preflight_flags_the_page_size_bug_for_real_kimi_geometry(mini):
@@ -359,7 +368,7 @@ def test_print_server_cmd_for_kimi_on_an_8_gpu_box(mini, tmp_path):
     assert argv[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
     for expected in ("--tensor-parallel-size 8", "--language-model-only", "--trust-remote-code",
                      "--attention-backend TRITON_MLA", "--max-model-len 8193", "--port 8123", "--host 127.0.0.1",
-                     "--gpu-memory-utilization 0.9", "--dtype bfloat16"):
+                     "--gpu-memory-utilization 0.9", "--dtype bfloat16", "--no-enable-prefix-caching"):
         assert expected in text
     spec = json.loads(argv[argv.index("--speculative-config") + 1])
     assert spec["method"] == "extract_hidden_states"
@@ -371,6 +380,34 @@ def test_print_server_cmd_for_kimi_on_an_8_gpu_box(mini, tmp_path):
     cpu_argv = vb.server_command(cfg, target, layer_ids, tmp_path / "staging", 8193, on_cpu=True)
     assert cpu_argv[0] == "env" and any(a.startswith("VLLM_CPU_KVCACHE_SPACE=") for a in cpu_argv)
     assert "CpuHiddenStatesConnector" in shlex.join(cpu_argv)
+
+
+def test_layer_id_0_is_refused_for_deepseek_backbones_before_an_engine_starts(mini, tmp_path):
+    kimi = load_target_info(mini["kimi"])
+    with pytest.raises(Exception, match="layer id 0"):
+        vb.VllmBackend(_cfg(kimi.path), kimi, [0, 2, 4, 6], tmp_path, MAX_MODEL_LEN)
+    with pytest.raises(Exception, match="layer id 0"):
+        vb.server_command(_cfg(kimi.path), kimi, [0, 2, 4, 6], tmp_path, MAX_MODEL_LEN, on_cpu=False)
+    assert vb.layer_ids_problem(load_target_info(mini["llama"]), [0, 2, 4, 6]) is None
+
+
+def test_cpu_connector_is_pinned_to_the_tested_vllm():
+    from eagle3_pipeline.compat import cpu_hidden_states_connector as cpu
+
+    assert cpu.gate_problem() is None  # the installed vllm-cpu is the tested one
+    problem = cpu.gate_problem(installed="0.33.0", allow_untested=False)
+    assert "0.32.0" in problem and cpu.ALLOW_UNTESTED_ENV in problem
+    assert cpu.gate_problem(installed="0.33.0", allow_untested=True) is None
+    assert vb.vllm_installed_version() in cpu.TESTED_VLLM
+
+
+def test_gpu_gets_the_stock_connector_and_cpu_the_compat_one(tmp_path):
+    gpu = vb.connector_config(tmp_path, on_cpu=False)
+    assert gpu == {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
+                   "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)}}
+    cpu = vb.connector_config(tmp_path, on_cpu=True)
+    assert cpu["kv_connector"] == "CpuHiddenStatesConnector"
+    assert cpu["kv_connector_module_path"] == "eagle3_pipeline.compat.cpu_hidden_states_connector"
 
 
 # --- the server path ------------------------------------------------------------------------------

@@ -452,12 +452,17 @@ def test_export_of_a_checkpoint_that_does_not_exist_is_refused(capsys, work, tmp
     assert (code, error) == (3, f"{work['checkpoints']}: no checkpoint '7' with model.safetensors (--checkpoint)")
 
 
-def test_export_never_replaces_a_directory_it_did_not_write(capsys, work):
-    before = snapshot(work["vocab"])
-    code, error = refused(capsys, "export", "--checkpoints", work["checkpoints"], "--output", work["vocab"])
-    assert (code, error) == (2, f"{work['vocab']}: exists and is not an export made by 05_export.py (it would be "
-                                f"replaced as a whole); choose another --output")
-    assert snapshot(work["vocab"]) == before
+def test_export_never_replaces_a_directory_it_did_not_write(capsys, work, tmp_path):
+    """The export swaps its whole --output directory: not even --overwrite lets it take another one."""
+    mine = tmp_path / "my-notes"
+    mine.mkdir()
+    (mine / "todo.txt").write_text("keep me")
+    for out in (mine, work["vocab"]):
+        before = snapshot(out)
+        code, error = refused(capsys, "export", "--checkpoints", work["checkpoints"], "--output", out, "--overwrite")
+        assert (code, error) == (2, f"{out}: exists and is not an export made by 05_export.py (it would be "
+                                    f"replaced as a whole); choose another --output")
+        assert snapshot(out) == before
 
 
 def test_export_of_unfinished_training_is_refused(capsys, work, tmp_path):
@@ -517,14 +522,14 @@ def test_extract_check_refuses_a_disk_too_small_and_writes_nothing(capsys, monke
     from eagle3_pipeline import preflight
 
     shutil.rmtree(work["hs"])
-    monkeypatch.setattr(preflight, "disk_free", lambda path: 1_000)
+    monkeypatch.setattr(preflight, "disk_free", lambda path: 1_500)
     code, error = refused(capsys, "extract", "--profile", "cpu-mini", "--target", kimi_target, "--data", work["data"],
                           "--check")
     tokens = manifest(work["data"])["counts"]["tokens"]
     rows = manifest(work["data"])["counts"]["rows"]
     assert code == 5
     assert error == (f"disk: ~{preflight.human_bytes(tokens * 4 * 128 * 4)} for {rows:,} samples x {tokens / rows:,.0f} "
-                     f"tokens (2,048 B/token = 4 layers x 128 x 4 B); 1,000 B free at {work['hs']}: refusing")
+                     f"tokens (2,048 B/token = 4 layers x 128 x 4 B); 1.5 KB free at {work['hs']}: refusing")
     assert not list(work["hs"].glob("*"))
 
 
@@ -563,7 +568,11 @@ def test_train_check_refuses_a_transformers_without_the_kimi_config(capsys, monk
     assert not (tmp_path / "ckpt" / "manifest.json").exists()
 
 
-def test_every_stage_check_prints_its_estimate_and_writes_nothing(capsys, work, kimi_target, tmp_path):
+def test_every_stage_check_prints_its_estimate_and_writes_nothing(capsys, caplog, work, kimi_target, tmp_path):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="eagle3")
+    tmp_path = tmp_path / "new"
     checks = {
         "prepare": ["--profile", "cpu-mini", "--target", kimi_target, "--data", SAMPLES / "conversations.jsonl",
                     "--output", tmp_path / "data"],
@@ -572,10 +581,12 @@ def test_every_stage_check_prints_its_estimate_and_writes_nothing(capsys, work, 
         "export": ["--checkpoints", work["checkpoints"], "--output", tmp_path / "draft"],
     }
     for stage, args in checks.items():
-        log = succeeded(capsys, stage, *args, "--check")
-        assert "preflight disk: ~" in log, (stage, log[-2000:])
+        caplog.clear()
+        succeeded(capsys, stage, *args, "--check")
+        assert "preflight disk: ~" in caplog.text, (stage, caplog.text[-2000:])
     shutil.rmtree(work["hs"])
-    assert "preflight disk: ~" in succeeded(capsys, "extract", "--profile", "cpu-mini", "--target", kimi_target,
-                                            "--data", work["data"], "--check")
+    caplog.clear()
+    succeeded(capsys, "extract", "--profile", "cpu-mini", "--target", kimi_target, "--data", work["data"], "--check")
+    assert "preflight disk: ~" in caplog.text and "preflight host memory: target weights" in caplog.text
     written = [p for p in tmp_path.rglob("*") if p.is_file() and p.parent.name in ("data", "vocab", "ckpt", "draft")]
     assert written == [] and not (tmp_path / "draft").exists()

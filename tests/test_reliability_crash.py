@@ -406,7 +406,9 @@ def test_train_sigterm_then_kill_during_checkpoint_write_resumes_each_time(ref, 
     assert not temp_files(work) and not (ckpt / "interrupted").exists()
 
     # Same result as the uninterrupted run: same checkpoints and tensors; values equal up to the
-    # bf16 rounding of resuming from a saved checkpoint (twice).
+    # bf16 rounding of resuming from a saved checkpoint (twice; measured: <= 0.9% of a tensor's
+    # largest value, 4 of 17 tensors bit-equal). A restart from scratch would match exactly, which
+    # is why the step counts above, not this comparison, prove that it resumed.
     ref_ckpt = ref["checkpoints"]
     assert sorted(p.name for p in ckpt.iterdir() if p.name.isdigit()) == sorted(p.name for p in ref_ckpt.iterdir() if p.name.isdigit())
     assert os.readlink(ckpt / "checkpoint_best") in ("0", "1")
@@ -419,7 +421,7 @@ def test_train_sigterm_then_kill_during_checkpoint_write_resumes_each_time(ref, 
             assert mine[name].shape == theirs[name].shape and mine[name].dtype == theirs[name].dtype
             diff = (mine[name].float() - theirs[name].float()).abs().max().item()
             scale = theirs[name].float().abs().max().item() or 1.0
-            assert diff <= 0.05 * scale, (epoch, name, diff, scale)
+            assert diff <= 0.025 * scale, (epoch, name, diff, scale)
 
 
 # --- 05 --------------------------------------------------------------------------------------------

@@ -352,3 +352,14 @@ def test_device_prefetch_loader_yields_the_same_batches_on_the_device():
     assert len(loader) == 5 and loader.batch_sampler == "sampler"
     seen = [(batch["n"], batch["x"].device.type, float(batch["x"].sum())) for batch in loader]
     assert seen == [(i, "cuda", 4 * 1024 * i) for i in range(5)]
+    for batch in loader:  # an early break (--max-steps) ends the producer before the next epoch
+        break
+    assert [batch["n"] for batch in loader] == list(range(5))
+
+
+@gpu
+@needs_cuda
+def test_device_prefetch_stages_the_per_step_scalar_on_the_device():
+    loader = throughput.DevicePrefetchLoader([{"error_records": 3}], torch.device("cuda", 0))
+    (batch,) = list(loader)
+    assert batch["error_records"].device.type == "cuda" and int(batch["error_records"]) == 3

@@ -129,9 +129,12 @@ def check_gpu_count(visible: int, required: int, flag: str) -> str:
 def check_memory(what: str, need: int, per_device: int, devices: int, kind: str) -> str:
     """`KIND memory: WHAT NEED over N device(s) = X each; Y usable per device`; refused when X > Y."""
     each = need / max(devices, 1)
-    device = "GPU" if kind == "gpu" else "host"
-    line = (f"{kind} memory: {what} {human_bytes(need)} over {devices} {device}(s) = "
-            f"{human_bytes(each)} each; {human_bytes(per_device)} usable per {device}")
+    if devices > 1:
+        line = (f"{kind} memory: {what} {human_bytes(need)} over {devices} GPU(s) = "
+                f"{human_bytes(each)} each; {human_bytes(per_device)} usable per GPU")
+    else:
+        where = "on one GPU" if kind == "gpu" else "in this machine"
+        line = f"{kind} memory: {what} {human_bytes(need)}; {human_bytes(per_device)} usable {where}"
     if each > per_device:
         raise refuse(line)
     return line

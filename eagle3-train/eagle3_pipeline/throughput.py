@@ -570,6 +570,16 @@ class DevicePrefetchLoader:
         stop = threading.Event()
         done = object()
 
+        def offer(item: Any) -> bool:
+            """Queue `item` unless the consumer has gone (then give up without blocking)."""
+            while not stop.is_set():
+                try:
+                    ready.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
         def produce() -> None:
             torch.cuda.set_device(device)
             stream = torch.cuda.Stream(device)
@@ -583,17 +593,11 @@ class DevicePrefetchLoader:
                                 moved[key] = torch.tensor(moved[key], device=device)
                         event = torch.cuda.Event()
                         event.record(stream)
-                    while not stop.is_set():
-                        try:
-                            ready.put((moved, event), timeout=0.1)
-                            break
-                        except queue.Full:
-                            continue
-                    if stop.is_set():
+                    if not offer((moved, event)):
                         return
-                ready.put(done)
+                offer(done)
             except BaseException as error:  # hand loader errors to the training thread
-                ready.put(error)
+                offer(error)
 
         thread = threading.Thread(target=produce, daemon=True, name="device-prefetch")
         thread.start()
@@ -612,7 +616,11 @@ class DevicePrefetchLoader:
                         value.record_stream(compute)
                 yield moved
         finally:
+            # A loader with persistent workers hands the next epoch's iter() the same worker
+            # iterator: the producer must be gone before the trainer starts another epoch
+            # (after an early break, e.g. --max-steps, it may still be fetching a batch).
             stop.set()
+            thread.join(timeout=120)
 
 
 # --------------------------------------------------------------------------------------

@@ -19,7 +19,9 @@ from .common import BadHiddenStates, ExtractionBackend, hs_file, land_sample, pa
 log = logging.getLogger("eagle3")
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-BATCH_ROWS = 64  # rows handed to a backend at once (vLLM batches them internally)
+# Rows handed to a backend per call, per request slot: vLLM schedules them continuously, so only
+# the tail of each call idles the GPUs; 4 calls' worth of slots keeps that tail small.
+ROWS_PER_SLOT = 4
 
 
 @dataclass
@@ -67,15 +69,16 @@ def preflight(cfg: ExtractConfig, plan: ExtractPlan, target: TargetInfo, hs_dir:
     return preflight_extract(cfg, target, plan.num_slots, len(plan.todo), tokens, hs_dir)
 
 
-def run_extraction(backend: ExtractionBackend, plan: ExtractPlan, hs_dir: Path, retries: int) -> dict[int, str]:
+def run_extraction(backend: ExtractionBackend, plan: ExtractPlan, hs_dir: Path, retries: int,
+                   batch_rows: int = 64) -> dict[int, str]:
     """Extract plan.todo; each failed row is retried `retries` times. Returns {row: reason} of rows that never passed."""
     pending = list(plan.todo)
     failures: dict[int, str] = {}
     with tqdm(total=len(plan.todo), desc="extract", unit="row") as bar:
         for attempt in range(retries + 1):
             failures = {}
-            for start in range(0, len(pending), BATCH_ROWS):
-                batch = [(i, plan.rows[i]) for i in pending[start:start + BATCH_ROWS]]
+            for start in range(0, len(pending), batch_rows):
+                batch = [(i, plan.rows[i]) for i in pending[start:start + batch_rows]]
                 for sample in backend.extract(batch):
                     try:
                         land_sample(sample, hs_dir, plan.rows[sample.index], plan.num_slots, plan.hidden_size, plan.dtype)
@@ -83,7 +86,8 @@ def run_extraction(backend: ExtractionBackend, plan: ExtractPlan, hs_dir: Path, 
                     except BadHiddenStates as exc:
                         failures[sample.index] = str(exc)
                 missing = [i for i, _ in batch if i not in failures and not hs_file(hs_dir, i).is_file()]
-                failures.update(dict.fromkeys(missing, "backend returned no file"))
+                reasons = getattr(backend, "failed", {})  # a backend may say why it skipped a row
+                failures.update({i: reasons.get(i, "backend returned no file") for i in missing})
                 bar.set_postfix(failed=len(failures), attempt=attempt + 1)
             if not failures:
                 return {}

