@@ -231,6 +231,24 @@ def prompt_token_ids(target_dir: str | os.PathLike, prompts_path: str | os.PathL
     return out
 
 
+def repeated_ngram_fraction(outputs: Sequence[Sequence[int]], n: int = 4) -> float:
+    """Fraction of generated tokens that end an n-gram already seen earlier in the same output.
+
+    A looping target (small greedy models repeat themselves) makes drafting easy, so tau on
+    repetitive text overstates what a draft does on fresh text; this says how much of the
+    measured text was repetition.
+    """
+    repeated, total = 0, 0
+    for tokens in outputs:
+        seen: set[tuple[int, ...]] = set()
+        for i in range(n - 1, len(tokens)):
+            gram = tuple(tokens[i - n + 1 : i + 1])
+            repeated += gram in seen
+            seen.add(gram)
+        total += len(tokens)
+    return repeated / max(1, total)
+
+
 def run_engine(target_dir: str, draft_dir: str | None, num_speculative_tokens: int,
                prompts: list[list[int]], settings: VllmSettings) -> dict:
     """One engine, in this process: greedy generation on `prompts`, timed, with counters.
@@ -280,6 +298,7 @@ def run_engine(target_dir: str, draft_dir: str | None, num_speculative_tokens: i
         "generate_s": generate_s,
         "tokens_per_s": num_tokens / generate_s,
         "engine_start_s": engine_start_s,
+        "repeated_4gram_fraction": repeated_ngram_fraction(generated, 4),
         "generated_token_ids": generated,
     }
     if draft_dir:
