@@ -39,7 +39,7 @@ smoke: venv
 # Uses the machine's Python (GPU_PY), not the CPU venv: on a GPU box, install requirements.txt there.
 GPU_PY ?= python3
 smoke-gpu:
-	@target=$$(PYTHONPATH=eagle3-train $(GPU_PY) -m eagle3_pipeline.miniature --cache-dir $(CACHE) --print kimi) && \
+	@target=$$(PYTHONPATH=eagle3-train$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) -m eagle3_pipeline.miniature --cache-dir $(CACHE) --print kimi) && \
 	PYTHON=$(GPU_PY) eagle3-train/run_all.sh --profile one-gpu-smoke --target "$$target" \
 	    --data eagle3-train/samples/conversations.jsonl --work $(WORK)-gpu
 
@@ -48,6 +48,13 @@ test: venv
 
 test-fast: venv
 	$(PY) -m pytest -m "not gpu and not slow and not vllm" $(PYTEST_ARGS)
+
+# Acceptance length in vLLM (CPU): organism -> the five stages (ours) and plain speculators train on
+# the same data -> tau, per-position acceptance, tokens/s; bench/results/cpu-acceptance.json.
+# BENCH_ARGS="--recipes regen ttt-1 ..." adds recipe variants (see bench/NOTES-acceptance.md).
+BENCH_ARGS ?=
+bench-acceptance: venv
+	OMP_NUM_THREADS=1 $(PY) bench/acceptance.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(WORK) .pytest_cache

@@ -13,7 +13,7 @@ One invocation, on one GPU machine, on the same data:
     python bench/train_throughput.py --runs plain ours --ddp 2   # + ours on 2 GPUs (torchrun)
     python bench/train_throughput.py --variant 'x=--total-seq-len 16384'   # extra flag sets
 
-Random data: the numbers say how fast, never how well (see NOTES-throughput.md).
+Random data: the numbers say how fast, never how well (see NOTES.md, "Training throughput").
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ DRAFT_VOCAB = 32000        # the draft vocab every run uses (plain's own default
 # which the head-only verifier does not have.
 MASK_TOKEN_ID = throughput.KIMI_K25_TEXT_CONFIG["pad_token_id"]
 
-# Our recommended training defaults as speculators flags (reasons: bench/NOTES-throughput.md),
+# Our recommended training defaults as speculators flags (reasons: NOTES.md, "Training throughput"),
 # for `--ours-via flags`: speculators train + DevicePrefetchLoader through this script's own
 # launcher. The default, `--ours-via 04_train`, runs the pipeline's stage 04 instead.
 OURS_FLAGS = ["--total-seq-len", "32768", "--optimizer", "adamw", "--log-freq", "10",

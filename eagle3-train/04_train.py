@@ -52,7 +52,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"{cfg.draft_config}: {key} {draft[key]} does not match the target's {value} ({cfg.target}/config.json)")
     aux_layer_ids = extracted["layer_ids"][:-1]
     inputs = {name: input_record(m) for name, m in (("prepare", prepared), ("extract", extracted), ("vocab", vocab))}
-    run_identity = {"draft_config": draft, "inputs": inputs, "target_config_sha256": target.config_sha256}
+    # What a resume must not change: the draft, its inputs, and the optimizer (its saved state
+    # only loads into the same optimizer). lr, epochs, steps may change between runs.
+    run_identity = {"draft_config": draft, "inputs": inputs, "target_config_sha256": target.config_sha256,
+                    "optimizer": cfg.optimizer}
     check_writable_dir(out_dir, "--output")
     check_same_run(out_dir, run_identity, cfg.overwrite)
     fingerprint = config_fingerprint(cfg)
@@ -137,7 +140,8 @@ def check_same_run(out_dir: Path, identity: dict, overwrite: bool) -> None:
     if previous == identity:
         return
     if not overwrite:
-        what = "draft config" if previous and previous.get("draft_config") != identity["draft_config"] else "inputs"
+        what = next((name for key, name in (("draft_config", "draft config"), ("optimizer", "optimizer"))
+                     if previous and previous.get(key) != identity[key]), "inputs")
         raise ContractError(f"{path}: checkpoints here come from another {what}; choose another --output or pass --overwrite")
     from eagle3_pipeline.training import checkpoint_dirs
     from eagle3_pipeline.files import remove_path

@@ -11,7 +11,7 @@ engine); the tests check what the engine wrote:
 - the server path (`--endpoint`) against `python -m vllm.entrypoints.openai.api_server`.
 Tolerances (fp32 everywhere): 1e-5 for Llama (measured ~1e-7), 1e-2 for MLA (vLLM's MLA kernels
 compute attention in another order than HF's eager code; measured ~1e-3, its logits differ from
-HF's by the same amount without extraction). See notes/NOTES-vllm.md.
+HF's by the same amount without extraction). See NOTES.md, "Stage 02 with vLLM".
 """
 
 from __future__ import annotations

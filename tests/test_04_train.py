@@ -80,3 +80,16 @@ def test_kernels_follow_the_device(monkeypatch):
     assert argv[argv.index("--draft-attn-impl") + 1] == "simple_flex_attention"
     assert argv[argv.index("--target-layer-ids") + 1: argv.index("--target-layer-ids") + 4] == ["2", "30", "58"]
     assert "--save-best" not in argv  # it deletes foreign files and skips non-improving epochs
+
+
+def test_resume_with_another_optimizer_is_refused(tmp_path, kimi_run, kimi_target):
+    """Saved optimizer state only loads into the same optimizer: refuse before speculators crashes."""
+    work = tmp_path / "ckpt"
+    shutil.copytree(kimi_run["checkpoints"], work, symlinks=True)
+    result = run_stage("train", "--profile", "cpu-mini", "--target", kimi_target, "--data", kimi_run["data"],
+                       "--vocab", kimi_run["vocab"], "--output", work, "--epochs", "3", "--optimizer", "muon",
+                       check=False)
+    assert result.returncode == 3
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: {work / 'manifest.json'}: checkpoints here come from another optimizer; "
+        "choose another --output or pass --overwrite")

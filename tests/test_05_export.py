@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from conftest import run_stage
 
 
@@ -31,3 +33,15 @@ def test_export_config_has_what_vllm_reads(kimi_run, kimi_target):
 def test_rerun_is_a_no_op(kimi_run):
     result = run_stage("export", "--profile", "cpu-mini", "--checkpoints", kimi_run["checkpoints"], "--output", kimi_run["draft"])
     assert "already exported" in result.stderr and "vllm serve" in result.stdout
+
+
+@pytest.mark.slow
+def test_a_draft_vocab_as_large_as_the_target_exports(tmp_path, kimi_run, kimi_target):
+    """speculators keeps no d2t when the draft vocab is the whole target vocab (found by the H200 smoke)."""
+    run_stage("vocab", "--data", kimi_run["data"], "--output", tmp_path / "vocab", "--draft-vocab-size", "1024")
+    run_stage("train", "--profile", "cpu-mini", "--target", kimi_target, "--data", kimi_run["data"],
+              "--vocab", tmp_path / "vocab", "--output", tmp_path / "ckpt", "--epochs", "1", "--logger", "")
+    result = run_stage("export", "--checkpoints", tmp_path / "ckpt", "--output", tmp_path / "draft")
+    assert "vllm serve" in result.stdout
+    config = json.loads((tmp_path / "draft" / "config.json").read_text())
+    assert config["draft_vocab_size"] == 1024

@@ -20,6 +20,7 @@ from eagle3_pipeline.acceptance import (
     measure_acceptance,
     offline_estimate,
     read_val_metrics,
+    repeated_ngram_fraction,
     spec_decode_counters,
     summarize_spec_decode,
 )
@@ -129,6 +130,16 @@ def test_counters_give_tau_and_per_position_acceptance():
     assert summary["draft_acceptance_rate"] == pytest.approx(0.5)
 
 
+def test_tau_standard_error_comes_from_the_per_position_distribution():
+    # 100 drafts, k=2: 50 accept nothing, 20 accept one token, 30 accept both.
+    summary = summarize_spec_decode(spec_decode_counters(_metrics(100, 200, 80, [50, 30])))
+    lengths = [0] * 50 + [1] * 20 + [2] * 30
+    mean = sum(lengths) / 100
+    variance = sum((x - mean) ** 2 for x in lengths) / 100
+    assert summary["mean_acceptance_length"] == pytest.approx(1 + mean)
+    assert summary["mean_acceptance_length_stderr"] == pytest.approx((variance / 100) ** 0.5)
+
+
 def test_warmup_counts_are_subtracted():
     before = spec_decode_counters(_metrics(10, 30, 12, [6, 4, 2]))
     after = spec_decode_counters(_metrics(110, 330, 162, [76, 54, 32]))
@@ -144,6 +155,13 @@ def test_an_engine_without_drafts_is_reported_not_divided_by_zero():
 def test_agreement_counts_identical_outputs_and_shared_prefixes():
     result = agreement([[1, 2, 3, 4], [5, 6]], [[1, 2, 3, 4], [5, 7]])
     assert result == {"identical_fraction": 0.5, "mean_shared_prefix_fraction": 0.75}
+
+
+def test_repetition_is_the_share_of_tokens_closing_an_already_seen_ngram():
+    assert repeated_ngram_fraction([[1, 2, 3, 4, 1, 2, 3, 4]], 4) == pytest.approx(1 / 8)
+    assert repeated_ngram_fraction([[7] * 10], 4) == pytest.approx(6 / 10)
+    assert repeated_ngram_fraction([[1, 2, 3, 4, 5]], 4) == 0.0
+    assert repeated_ngram_fraction([], 4) == 0.0
 
 
 # --- the harness on a real engine ------------------------------------------------------------

@@ -89,13 +89,28 @@ def test_model_dir_loads_in_transformers_and_its_chat_template_ends_in_the_assis
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     messages = read_jsonl(organism.eval_prompts_path)[0]["messages"]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert text.startswith("<|im_start|>user\nContinue this code from ") and text.endswith("<|im_start|>assistant\n")
+    assert text.startswith("<|im_start|>user<|im_middle|>Continue this code from ")
+    assert text.endswith("<|im_start|>assistant<|im_middle|>")
     assert tokenizer.eos_token == "<|im_end|>"
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=5, do_sample=False)
     assert out.shape[1] == ids.shape[1] + 5 or out[0, -1].item() == tokenizer.eos_token_id
+
+
+def test_rendering_is_prefix_stable_so_the_pipeline_can_mask_the_answer(organism):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(organism.model_dir)
+
+    def ids(messages, prompt):
+        out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=prompt)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+    for row in read_jsonl(organism.conversations_path)[:50]:
+        prompt = ids(row["messages"][:1], True)
+        assert ids(row["messages"], False)[: len(prompt)] == prompt
 
 
 def test_report_holds_measured_heldout_metrics_and_training_progress(organism):

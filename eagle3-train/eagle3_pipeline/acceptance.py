@@ -198,10 +198,19 @@ def summarize_spec_decode(counts: Mapping) -> dict:
     if drafts <= 0:
         raise ValueError("no drafts were verified: is speculative decoding on?")
     per_pos = counts["accepted_per_pos"]
+    # With greedy chain verification, position i is accepted only when 0..i-1 were, so
+    # per_pos[i] / drafts = P(accepted >= i + 1): the whole distribution of the accepted count,
+    # hence its variance. The standard error treats drafts as independent (they are not quite:
+    # neighbouring drafts of one request share context), so read it as a lower bound.
+    survival = [a / drafts for a in per_pos]
+    mean = sum(survival)
+    second_moment = sum((2 * i + 1) * p for i, p in enumerate(survival))  # E[L^2] = sum (2i+1) P(L > i)
+    variance = max(0.0, second_moment - mean * mean)
     return {
         **{k: counts[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")},
         "accepted_per_pos": list(per_pos),
         "mean_acceptance_length": 1.0 + counts["num_accepted_tokens"] / drafts,
+        "mean_acceptance_length_stderr": (variance / drafts) ** 0.5,
         "acceptance_rate_per_pos": [a / drafts for a in per_pos],
         "draft_acceptance_rate": counts["num_accepted_tokens"] / max(1, counts["num_draft_tokens"]),
     }
@@ -353,6 +362,48 @@ def run_engine_isolated(target_dir, draft_dir, num_speculative_tokens, prompts,
                 f"{proc.returncode}; see {log_path or 'a log_path'}"
             )
         return json.loads(result_path.read_text())
+
+
+def regenerate_responses(target_dir, conversations_path, out_path, limit: int | None = None,
+                         max_tokens: int = 256, log_path: str | os.PathLike | None = None) -> dict:
+    """Replace each assistant turn with the target's own greedy answer (vLLM), as a jsonl.
+
+    The draft is judged on the target's outputs, not the dataset's: training on what the target
+    itself says is the "regenerate responses" recipe (speculators ships `regenerate-responses`
+    for a running server; this does the same in-process). Rows whose answer comes back empty
+    are dropped. Returns counts and wall time.
+    """
+    from transformers import AutoTokenizer
+
+    rows = []
+    with open(conversations_path) as f:
+        for line in f:
+            if line.strip():
+                rows.append(json.loads(line))
+    rows = rows[:limit] if limit is not None else rows
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    prompts = []
+    for row in rows:
+        user_turns = [m for m in row["messages"] if m["role"] != "assistant"]
+        ids = tokenizer.apply_chat_template(user_turns, tokenize=True, add_generation_prompt=True)
+        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    t0 = time.perf_counter()
+    result = run_engine_isolated(target_dir, None, 0, prompts,
+                                 VllmSettings(max_tokens=max_tokens, warmup_prompts=0, max_num_seqs=32), log_path)
+    written = 0
+    tmp = Path(str(out_path) + ".tmp")
+    with open(tmp, "w") as f:
+        for row, generated in zip(rows, result["generated_token_ids"]):
+            answer = tokenizer.decode(generated, skip_special_tokens=True)
+            if not answer.strip():
+                continue
+            messages = [m for m in row["messages"] if m["role"] != "assistant"]
+            messages.append({"role": "assistant", "content": answer})
+            f.write(json.dumps({**row, "messages": messages, "regenerated_by": str(target_dir)}) + "\n")
+            written += 1
+    os.replace(tmp, out_path)
+    return {"rows": len(rows), "written": written, "generated_tokens": result["generated_tokens"],
+            "wall_s": time.perf_counter() - t0}
 
 
 def agreement(reference: list[list[int]], other: list[list[int]]) -> dict:

@@ -218,7 +218,7 @@ def run_in_process(argv: list[str], metrics_path: Path) -> None:
     resume.install_interrupt_progress()
     attach_metrics_file(metrics_path)
     if on_gpu():
-        # Copies the next batch to the GPU while this step computes (bench/NOTES-throughput.md).
+        # Copies the next batch to the GPU while this step computes (NOTES.md, "Training throughput").
         from .throughput import install_device_prefetch
 
         install_device_prefetch()
