@@ -13,7 +13,7 @@ One invocation, on the CPU, with vLLM's CPU build:
      and writes bench/results/cpu-acceptance.json.
 
     python bench/acceptance.py                        # ours vs plain (make bench-acceptance)
-    python bench/acceptance.py --recipes vocab-1024 ttt-1 layers-2 data-2x
+    python bench/acceptance.py --recipes regen ttt-1 layers-2 vocab-full data-2x
                                                       # + recipe variants of ours
     python bench/acceptance.py --ks 1 2 3             # measure every k (one engine per k)
 
@@ -38,8 +38,11 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "eagle3-train"
 sys.path.insert(0, str(SCRIPTS))
 
+import numpy as np  # noqa: E402
+
 from eagle3_pipeline.acceptance import (  # noqa: E402
-    VllmSettings, measure_acceptance, offline_estimate, read_val_metrics, regenerate_responses,
+    VllmSettings, draft_vocab_coverage, measure_acceptance, offline_estimate, read_val_metrics,
+    regenerate_responses,
 )
 from eagle3_pipeline.organism import OrganismSettings, build_organism  # noqa: E402
 
@@ -62,8 +65,9 @@ KIMI_DRAFT_VOCAB_FRACTION = 32000 / 163840
 # Recipe variants of ours: extra flags per stage. Each trains a draft on the same prepared data
 # (data-2x prepares twice the conversations) for the same number of epochs.
 RECIPES = {
-    "vocab-1024": {"vocab": ["--draft-vocab-size", "1024"]},    # 50% of the target vocab (ours: 20%)
-    "vocab-200": {"vocab": ["--draft-vocab-size", "200"]},      # 10%
+    "vocab-full": {"vocab_fraction": 1.0},                      # the whole target vocab (plain's default)
+    "vocab-half": {"vocab_fraction": 0.5},                      # ours is ~20%
+    "vocab-10pct": {"vocab_fraction": 0.1},
     "ttt-1": {"train": ["--ttt-steps", "1"]},                   # no test-time training beyond step 0
     "ttt-5": {"train": ["--ttt-steps", "5"]},
     "layers-2": {"draft_config": {"num_layers": 2}},            # two draft decoder layers
@@ -98,6 +102,7 @@ def prepare_data(organism, work: Path, samples: int, layer_ids: list[int], logs:
     data = work / "data"
     times = {}
     conversations = organism.conversations_path
+    work.mkdir(parents=True, exist_ok=True)
     if regenerate:
         conversations = work / "conversations-regenerated.jsonl"
         if not conversations.exists():
@@ -107,7 +112,6 @@ def prepare_data(organism, work: Path, samples: int, layer_ids: list[int], logs:
             times["regenerate"] = time.perf_counter() - t0
             print(f"  regenerate ({counts['written']} of {counts['rows']} answers, vLLM): "
                   f"{times['regenerate']:.0f} s", flush=True)
-    work.mkdir(parents=True, exist_ok=True)
     times["01_prepare"] = run(stage("01_prepare_dataset.py", "--target", organism.model_dir, "--data",
                                     conversations, "--output", data, "--max-samples", samples,
                                     "--max-seq-len", 1024), logs / "01_prepare.log", f"01 prepare ({samples} conversations)")
@@ -120,7 +124,9 @@ def prepare_data(organism, work: Path, samples: int, layer_ids: list[int], logs:
 def train_ours(organism, data: Path, out: Path, epochs: int, logs: Path, recipe: dict, draft_vocab: int) -> dict:
     """Stages 03-05 with the pipeline defaults (plus the recipe's overrides); returns the draft."""
     out.mkdir(parents=True, exist_ok=True)
-    vocab_args = recipe.get("vocab") or ["--draft-vocab-size", draft_vocab]
+    if recipe.get("vocab_fraction"):
+        draft_vocab = round(organism.report()["vocab_size"] * recipe["vocab_fraction"])
+    vocab_args = ["--draft-vocab-size", draft_vocab]
     config_args = []
     if recipe.get("draft_config"):
         draft_config = {**json.loads((REPO / "draft_config.json").read_text()), **recipe["draft_config"]}
@@ -218,6 +224,12 @@ def main() -> int:
                                   settings=VllmSettings(max_tokens=args.max_tokens), num_prompts=args.prompts,
                                   log_dir=logs)
     vllm_s = time.perf_counter() - t0
+    reference = measured.pop("baseline_token_ids")
+    for name, r in runs.items():
+        # Tokens the target generated that the draft can never propose (plain: full vocabulary).
+        t2d_path = work / name / "vocab" / "t2d.npy"
+        r["draft_vocab_coverage_of_target_outputs"] = (
+            draft_vocab_coverage(reference, np.load(t2d_path)) if t2d_path.is_file() and name != "plain" else 1.0)
 
     # 5. Table and results.
     k_main = max(args.ks)

@@ -14,6 +14,7 @@ from eagle3_pipeline.acceptance import (
     VllmSettings,
     agreement,
     counters_delta,
+    draft_vocab_coverage,
     expected_accepted_length,
     expected_accepted_lengths,
     full_acc_by_step,
@@ -155,6 +156,15 @@ def test_an_engine_without_drafts_is_reported_not_divided_by_zero():
 def test_agreement_counts_identical_outputs_and_shared_prefixes():
     result = agreement([[1, 2, 3, 4], [5, 6]], [[1, 2, 3, 4], [5, 7]])
     assert result == {"identical_fraction": 0.5, "mean_shared_prefix_fraction": 0.75}
+
+
+def test_coverage_is_the_share_of_generated_tokens_inside_the_draft_vocab():
+    import numpy as np
+
+    t2d = np.zeros(10, dtype=bool)
+    t2d[[1, 2, 3]] = True
+    assert draft_vocab_coverage([[1, 2, 9], [3]], t2d) == pytest.approx(3 / 4)
+    assert draft_vocab_coverage([], t2d) == 0.0
 
 
 def test_repetition_is_the_share_of_tokens_closing_an_already_seen_ngram():

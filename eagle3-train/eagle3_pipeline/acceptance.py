@@ -84,7 +84,13 @@ def expected_accepted_length(full_acc: Sequence[float], num_speculative_tokens: 
         earlier hidden states the same way, but along the *dataset's* text, while in vLLM the
         continuation is the target's own greedy output;
       * validation rows resemble the prompts measured (same distribution, no truncation bias);
-      * k <= the number of TTT steps trained (positions beyond were never measured).
+      * k <= the number of TTT steps trained (positions beyond were never measured);
+      * the draft vocabulary covers the target's choices: speculators cuts the verifier's
+        lm_head to the draft vocabulary before taking the target's argmax, so where the
+        target's real choice lies outside the draft vocabulary the step counts as right when
+        the draft picks the best in-vocabulary token, while vLLM always rejects it. With a
+        pruned vocabulary the estimate is optimistic by up to the uncovered share of tokens
+        (`draft_vocab_coverage` measures that share on the target's own outputs).
     full_acc_i is a ratio over the positions valid at step i (the last i positions of a row
     have no target), so the steps' denominators differ slightly; the sum ignores that.
     """
@@ -467,7 +473,22 @@ def measure_acceptance(target_dir, drafts: Mapping[str, str], prompts_path,
         "settings": asdict(settings),
         "baseline": baseline,
         "runs": runs,
+        # The target's own greedy tokens, for diagnostics such as draft_vocab_coverage; too
+        # large for a results file, drop before writing.
+        "baseline_token_ids": reference,
     }
+
+
+def draft_vocab_coverage(token_ids: Sequence[Sequence[int]], t2d) -> float:
+    """Fraction of the target's generated tokens that the draft vocabulary contains.
+
+    A token outside it can never be drafted, so 1 - coverage bounds the acceptance at every
+    position from above; it is also where the offline estimate is optimistic (see
+    `expected_accepted_length`). `t2d` is stage 03's boolean mask over the target vocabulary.
+    """
+    total = sum(len(t) for t in token_ids)
+    inside = sum(bool(t2d[i]) for tokens in token_ids for i in tokens)
+    return inside / max(1, total)
 
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--child":
