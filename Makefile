@@ -51,7 +51,7 @@ test-fast: venv
 
 # Acceptance length in vLLM (CPU): organism -> the five stages (ours) and plain speculators train on
 # the same data -> tau, per-position acceptance, tokens/s; bench/results/cpu-acceptance.json.
-# BENCH_ARGS="--recipes regen ttt-1 ..." adds recipe variants (see bench/NOTES-acceptance.md).
+# BENCH_ARGS="--recipes regen ttt-1 ..." adds recipe variants (see NOTES.md, "Acceptance").
 BENCH_ARGS ?=
 bench-acceptance: venv
 	OMP_NUM_THREADS=1 $(PY) bench/acceptance.py $(BENCH_ARGS)
