@@ -55,7 +55,7 @@ def gpu_slug(name: str) -> str:
 class GpuMemoryPoller:
     """Peak `nvidia-smi` memory.used on the given GPUs while a run lasts (any process)."""
 
-    def __init__(self, gpus: list[int], interval: float = 0.5):
+    def __init__(self, gpus: list[str], interval: float = 0.5):
         self.gpus, self.interval, self.peak_mib = gpus, interval, 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
@@ -101,11 +101,13 @@ def launch(name: str, command: list[str], *, gpus: list[int], log: Path, timeout
     """Run one training command; with `stop_when`, kill its process group once that is true
     (a benchmark needs neither the final checkpoint nor the validation pass)."""
     print(f"[{name}] {shlex.join(command)}", flush=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
-           "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))}
+    # Run indices count within the bench's own CUDA_VISIBLE_DEVICES (so one bench can run on
+    # GPU 1 while something else uses GPU 0); nvidia-smi wants the physical ids.
+    physical = visible_gpus(gpus)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ",".join(physical)}
     start = time.perf_counter()
     code: int | str | None = None
-    with GpuMemoryPoller(gpus) as poller, open(log, "w") as log_file:
+    with GpuMemoryPoller(physical) as poller, open(log, "w") as log_file:
         proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env,
                                 cwd=REPO, start_new_session=True)
         while code is None:
@@ -122,6 +124,17 @@ def launch(name: str, command: list[str], *, gpus: list[int], log: Path, timeout
                 time.sleep(1)
     return {"exit": code, "wall_s": time.perf_counter() - start,
             "peak_gpu_memory_used_gib": poller.peak_mib / 1024}
+
+
+def visible_gpus(gpus: list[int]) -> list[str]:
+    """The physical GPU ids of run indices `gpus`, through an inherited CUDA_VISIBLE_DEVICES."""
+    inherited = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+    if not inherited:
+        return [str(g) for g in gpus]
+    if max(gpus, default=-1) >= len(inherited):
+        raise SystemExit(f"a run needs {max(gpus) + 1} GPUs, CUDA_VISIBLE_DEVICES={','.join(inherited)} has "
+                         f"{len(inherited)}")
+    return [inherited[g].strip() for g in gpus]
 
 
 def window_complete(metrics: Path, warmup: int, steps: int) -> bool:

@@ -206,6 +206,16 @@ def test_bench_stops_a_run_once_two_logged_steps_span_the_window(tmp_path):
     assert 15 <= steps[-1] < 200
 
 
+def test_run_gpu_indices_go_through_an_inherited_cuda_visible_devices(monkeypatch):
+    bench = _bench_module()
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert bench.visible_gpus([0, 1]) == ["0", "1"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")  # the bench on GPU 1, something else on GPU 0
+    assert bench.visible_gpus([0]) == ["1"]
+    with pytest.raises(SystemExit, match="needs 2 GPUs, CUDA_VISIBLE_DEVICES=1 has 1"):
+        bench.visible_gpus([0, 1])
+
+
 def test_synthetic_manifests_satisfy_04_train_contracts(tmp_path):
     throughput.write_head_only_verifier(tmp_path / "verifier", text_overrides=TINY_TEXT)
     throughput.write_synthetic_prepared_dataset(tmp_path / "data", num_rows=12, seq_len=32,
