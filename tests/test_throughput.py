@@ -303,8 +303,15 @@ _COMPILED_FUSED_LOSS = textwrap.dedent("""
     from speculators.losses.eager import kl_div_loss
 
     @torch.compile
-    def three_steps(logits, targets):  # like the draft: the loss once per TTT step
-        return sum(fused_kl_div_loss(logits * (1 + s), targets).sum() for s in range(3))
+    def three_steps(logits, targets):
+        # Like the draft's compiled forward: the loss once per TTT step, with a graph break
+        # between steps (speculators' extend_mask_for_draft_tokens is compiler-disabled), so
+        # each graph holds one loss call with its forward and backward kernel.
+        total = 0
+        for s in range(3):
+            total = total + fused_kl_div_loss(logits * (1 + s), targets).sum()
+            torch._dynamo.graph_break()
+        return total
 
     torch.manual_seed(0)
     logits = torch.randn(1, 256, 32000, device="cuda", requires_grad=True)

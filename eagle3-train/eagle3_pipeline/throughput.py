@@ -629,27 +629,30 @@ class DevicePrefetchLoader:
 
 
 class MetricsJsonlHandler(logging.Handler):
-    """Writes speculators' per-step (and per-epoch val) metric dicts as JSON lines, stamped.
+    """Writes speculators' metric dicts (run config, per-step train, per-epoch val) as JSON lines.
 
     The trainer logs {"train": ..., "profile": {fetch_ms, fwd_ms, bwd_ms, opt_ms, ...},
     "global_step": n} on `speculators.metrics` every `log_freq` steps, right after a
-    device synchronize, so the stamp marks the end of that step's work on the GPU.
+    device synchronize, so the "time" stamp (wall clock, comparable across processes)
+    marks the end of that step's work on the GPU. With `rank_zero_only` the other DDP
+    ranks write nothing (04_train's metrics.jsonl); the benchmark's child writes one file
+    per rank instead.
     """
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, *, rank_zero_only: bool = False):
         super().__init__()
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.silent = rank_zero_only and int(os.environ.get("RANK", "0")) != 0
 
     def emit(self, record: logging.LogRecord) -> None:
-        message = record.msg
-        if not isinstance(message, Mapping) or not {"global_step", "val"} & message.keys():
-            return  # the run config and other dicts: not per-step metrics
-        entry = {"time": time.perf_counter(), "wall_time": time.time(), **message}
+        if self.silent or not isinstance(record.msg, Mapping):
+            return
+        entry = {"time": time.time(), **record.msg}
         try:
             import torch
 
-            if torch.cuda.is_available():
+            if torch.cuda.is_available() and "global_step" in entry:
                 entry["max_memory_allocated"] = torch.cuda.max_memory_allocated()
                 entry["max_memory_reserved"] = torch.cuda.max_memory_reserved()
         except ImportError:
@@ -657,7 +660,14 @@ class MetricsJsonlHandler(logging.Handler):
         # Opened per record: speculators' dictConfig closes every handler that exists when
         # it runs, and a line per step is cheap next to a training step.
         with open(self.path, "a") as handle:
-            handle.write(json.dumps(entry, default=float) + "\n")
+            handle.write(json.dumps(entry, default=_json_scalar) + "\n")
+
+
+def _json_scalar(value: Any) -> Any:
+    """Tensors and numpy scalars in metric dicts as plain numbers; anything else as text."""
+    if hasattr(value, "item"):
+        return value.item()
+    return str(value)
 
 
 def read_metrics_jsonl(path: str | Path) -> list[dict[str, Any]]:

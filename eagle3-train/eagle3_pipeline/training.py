@@ -14,7 +14,6 @@ import logging
 import os
 import shlex
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -22,6 +21,7 @@ import torch
 from .config import SCRIPTS_DIR, TrainConfig
 from .errors import ConfigError
 from .files import atomic_write_text
+from .throughput import MetricsJsonlHandler
 from .vocab import D2T_NAME, T2D_NAME
 
 log = logging.getLogger("eagle3")
@@ -177,31 +177,11 @@ def attach_metrics_file(metrics_path: Path) -> None:
 
     def setup_with_jsonl(*args, **kwargs):
         original(*args, **kwargs)
-        handler = JsonlMetricsHandler(metrics_path)
+        # Rank 0 only: every DDP rank logs the same step (bench/ scales by the world size).
+        handler = MetricsJsonlHandler(metrics_path, rank_zero_only=True)
         logging.getLogger("speculators.metrics").addHandler(handler)
 
     cli.setup_metric_logger = setup_with_jsonl
-
-
-class JsonlMetricsHandler(logging.Handler):
-    def __init__(self, path: Path):
-        super().__init__()
-        self.path = Path(path)
-        self.rank = int(os.environ.get("RANK", "0"))
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if self.rank != 0 or not isinstance(record.msg, dict):
-            return
-        # "time" (wall clock, after the trainer's device sync) lets bench/ turn two logged
-        # steps into tokens/s over every step between them.
-        with open(self.path, "a") as handle:
-            handle.write(json.dumps({"time": time.time(), **record.msg}, default=_to_float) + "\n")
-
-
-def _to_float(value):
-    if isinstance(value, torch.Tensor):
-        return value.item()
-    return str(value)
 
 
 def run_in_process(argv: list[str], metrics_path: Path) -> None:

@@ -9,7 +9,10 @@ the one list twice and fails: "ListVariable(length=21) is already tracked for mu
 `VariableBuilder.__call__`); torch 2.11, on the H200 image, predates it.
 
 The fix: give the backward kernel its own copy of the list. Same configs, same tuning, no
-behaviour change; it only removes the aliasing.
+behaviour change; it only removes the aliasing. It covers one loss call per compiled graph,
+which is what the draft's forward makes (a graph break per TTT step at speculators'
+compiler-disabled `extend_mask_for_draft_tokens`); two calls in one graph still fail on
+torch 2.11 (the forward kernel's own list, seen twice: measured on the H200).
 
 Applied only when both hold: the kernels share one list (speculators' layout; a later
 speculators that stops sharing needs nothing) and the installed torch has the unfixed
