@@ -24,6 +24,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -106,24 +107,40 @@ def launch(name: str, command: list[str], *, gpus: list[int], log: Path, timeout
     physical = visible_gpus(gpus)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ",".join(physical)}
     start = time.perf_counter()
-    code: int | str | None = None
     with GpuMemoryPoller(physical) as poller, open(log, "w") as log_file:
         proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env,
                                 cwd=REPO, start_new_session=True)
-        while code is None:
-            code = proc.poll()
-            if code is None and stop_when is not None and stop_when():
+        # The run has its own session (so a stop kills torchrun and every rank); if the bench
+        # itself is stopped, take the run down too: an orphan kept training and writing
+        # checkpoints into the next run's directory (seen on the H200).
+        previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        try:
+            code = _wait(proc, start, timeout, stop_when)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            if proc.poll() is None:
                 os.killpg(proc.pid, 9)
                 proc.wait()
-                code = "stopped after the measured window"
-            elif code is None and time.perf_counter() - start > timeout:
-                os.killpg(proc.pid, 9)
-                proc.wait()
-                code = "timeout"
-            elif code is None:
-                time.sleep(1)
     return {"exit": code, "wall_s": time.perf_counter() - start,
             "peak_gpu_memory_used_gib": poller.peak_mib / 1024}
+
+
+def _wait(proc: subprocess.Popen, start: float, timeout: float, stop_when) -> int | str:
+    """The run's exit code, or why it was stopped (measured window complete, timeout)."""
+    code: int | str | None = None
+    while code is None:
+        code = proc.poll()
+        if code is None and stop_when is not None and stop_when():
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            code = "stopped after the measured window"
+        elif code is None and time.perf_counter() - start > timeout:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            code = "timeout"
+        elif code is None:
+            time.sleep(1)
+    return code
 
 
 def visible_gpus(gpus: list[int]) -> list[str]:
@@ -169,7 +186,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/eagle3-train-bench"))
     parser.add_argument("--results", type=Path, default=REPO / "bench" / "results")
-    parser.add_argument("--runs", nargs="+", default=["plain", "ours"])
+    parser.add_argument("--runs", nargs="*", default=["plain", "ours"],
+                        help="one-GPU runs (none: only the --ddp run)")
     parser.add_argument("--variant", action="append", default=[],
                         help="NAME=FLAGS: an extra run of speculators train with these flags")
     parser.add_argument("--warmup-steps", type=int, default=3,
@@ -321,19 +339,19 @@ def _plan_runs(args: argparse.Namespace) -> dict[str, dict]:
     """
     specs: dict[str, dict] = {}
     via_04 = args.ours_via == "04_train"
+    ours = ({"via_04": True, "flags": [], "prefetch": True} if via_04
+            else {"flags": list(OURS_FLAGS), "prefetch": True})
     for name in args.runs:
         if name == "plain":
             specs[name] = {"flags": [], "prefetch": False, "gpus": 1}
         elif name == "ours":
-            specs[name] = ({"via_04": True, "flags": [], "prefetch": True, "gpus": 1} if via_04
-                           else {"flags": list(OURS_FLAGS), "prefetch": True, "gpus": 1})
+            specs[name] = {**ours, "gpus": 1}
     for item in args.variant:
         name, _, flags = item.partition("=")
         specs[name] = {"flags": shlex.split(flags.replace("+prefetch", "")),
                        "prefetch": "+prefetch" in flags, "gpus": 1}
     if args.ddp > 1:
-        specs[f"ours-{args.ddp}gpu"] = {**specs.get("ours", {"flags": list(OURS_FLAGS),
-                                                             "prefetch": True}), "gpus": args.ddp}
+        specs[f"ours-{args.ddp}gpu"] = {**ours, "gpus": args.ddp}
     resolved = _resolved_04_config(args) if via_04 else {}
     for spec in specs.values():
         flags = spec["flags"]
