@@ -64,6 +64,25 @@ def test_rerun_with_more_epochs_resumes_from_the_last_checkpoint(tmp_path, kimi_
     assert epochs_trained == {0, 1, 2}  # epoch 2 appended; 0 and 1 came from the first run
 
 
+@pytest.mark.slow
+def test_two_process_ddp_trains_logs_once_and_resumes(tmp_path, kimi_run, kimi_target):
+    # The multi-GPU path (torchrun + speculators' DDP) with gloo on the CPU: one metrics line
+    # per logged step (rank 0 only), a checkpoint per epoch, and a rerun that resumes.
+    out = tmp_path / "ddp"
+    args = ("--profile", "cpu-mini", "--target", kimi_target, "--data", kimi_run["data"],
+            "--vocab", kimi_run["vocab"], "--output", out, "--nproc", "2", "--logger", "")
+    first = run_stage("train", *args, "--epochs", "1")
+    assert "torch.distributed.run" in (out / "command.txt").read_text() + first.stdout + first.stderr
+    assert (first.stdout + first.stderr).count("Destroyed distributed process group") == 2  # two ranks
+    records = read_metrics(out / "metrics.jsonl")
+    steps = [r["global_step"] for r in records if "train" in r]
+    assert steps and len(steps) == len(set(steps))  # not one line per rank
+    assert [p.name for p in checkpoint_dirs(out)] == ["0"]
+    second = run_stage("train", *args, "--epochs", "2")
+    assert "Found checkpoint" in second.stdout + second.stderr
+    assert [p.name for p in checkpoint_dirs(out)] == ["0", "1"]
+
+
 def test_cpu_layer_applies_only_without_an_accelerator(monkeypatch):
     assert not cpu_trainer.accelerator_present()
     assert cpu_trainer.apply() is True

@@ -1,11 +1,14 @@
 """CPU compatibility layer for speculators 0.9.0's trainer (CI, laptops: no accelerator).
 
-speculators' Trainer assumes an accelerator in four places: it moves the model to
+speculators' Trainer assumes an accelerator in five places: it moves the model to
 `local_rank` (an int, i.e. cuda:0), autocasts with device_type "cuda" when no accelerator
 is found, its step timer calls `torch.accelerator.synchronize()` (which raises without
-one), and its checkpointer maps loads to `get_current_device()` = "cuda:0". This module
-swaps exactly those for CPU equivalents. Nothing else changes: the same model, loss,
-optimizer, data loader, checkpoints, resume and metrics run.
+one), its checkpointer maps loads to `get_current_device()` = "cuda:0", and under torchrun
+its `maybe_setup_distributed` selects the accelerator's device and backend (NCCL). This
+module swaps exactly those for CPU equivalents (gloo for the process group, so
+`04_train.py --nproc 2` runs DDP on a CPU: the launch, rank-0 metrics, checkpoints and
+resume of the multi-GPU path are tested in CI). Nothing else changes: the same model, loss,
+optimizer, data loader, DDP wrapper, checkpoints, resume and metrics run.
 
 It is safe because `apply()` refuses to do anything when an accelerator is present (the
 GPU path must run speculators untouched) and checks the speculators version it was
@@ -15,6 +18,7 @@ written against. flex_attention has no CPU backward, so the CPU path also select
 
 from __future__ import annotations
 
+import os
 import time
 from importlib import metadata
 
@@ -61,7 +65,25 @@ def apply() -> bool:
         def now(self) -> float | None:
             return time.perf_counter() if self.enabled else None
 
+    import speculators.train.distributed as distributed
+
+    setup_distributed = distributed.maybe_setup_distributed
+
+    def cpu_maybe_setup_distributed(sp_size: int = 1) -> None:
+        # speculators' own function, with gloo and no device selection (its first two steps).
+        if "LOCAL_RANK" not in os.environ:
+            return setup_distributed(sp_size)
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        distributed._local_rank = int(os.environ["LOCAL_RANK"])
+        distributed._is_distributed = True
+        distributed._rank, distributed._world_size = dist.get_rank(), dist.get_world_size()
+        distributed._init_sp_process_groups(distributed._rank, distributed._world_size, sp_size)
+        return None
+
     cli.Trainer = CpuTrainer
+    cli.maybe_setup_distributed = cpu_maybe_setup_distributed
     trainer._StepTimer = CpuStepTimer
     checkpointer.get_current_device = lambda: "cpu"
     _applied = True
