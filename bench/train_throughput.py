@@ -11,7 +11,8 @@ One invocation, on one GPU machine, on the same data:
 
     python bench/train_throughput.py                       # plain vs ours, one GPU
     python bench/train_throughput.py --runs plain ours --ddp 2   # + ours on 2 GPUs (torchrun)
-    python bench/train_throughput.py --variant 'x=--total-seq-len 16384'   # extra flag sets
+    python bench/train_throughput.py --variant 'x=--total-seq-len 16384'   # speculators flag sets
+    python bench/train_throughput.py --runs ours --ours-variant '48k=--total-seq-len 49152'  # 04_train + flags
 
 Random data: the numbers say how fast, never how well (see NOTES.md, "Training throughput").
 """
@@ -193,6 +194,8 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=3,
                         help="steps left out of the measurement (compile, autotune, caches)")
     parser.add_argument("--steps", type=int, default=10, help="measured steps per run (min)")
+    parser.add_argument("--ours-variant", action="append", default=[],
+                        help="NAME=FLAGS: an extra one-GPU run of 04_train.py with these flags added")
     parser.add_argument("--ddp", type=int, default=0, help="also run ours on N GPUs (torchrun)")
     parser.add_argument("--distinct-files", type=int, default=48,
                         help="distinct hidden-state files (rows beyond share them by hard link)")
@@ -281,7 +284,7 @@ def main() -> None:
                        "--profile", args.ours_profile, "--target", str(verifier),
                        "--data", str(data), "--vocab", str(vocab), "--output", str(run_dir / "out"),
                        "--nproc", str(spec["gpus"]), "--epochs", "1",
-                       "--max-steps", str(spec["stop"] + spec["log_freq"] + 2)]
+                       "--max-steps", str(spec["stop"] + spec["log_freq"] + 2), *spec["flags"]]
             outcome = launch(name, command, gpus=gpus, log=run_dir / "log.txt",
                              timeout=args.run_timeout,
                              stop_when=lambda m=metrics, w=spec["warmup"]: window_complete(m, w, args.steps))
@@ -350,17 +353,21 @@ def _plan_runs(args: argparse.Namespace) -> dict[str, dict]:
         name, _, flags = item.partition("=")
         specs[name] = {"flags": shlex.split(flags.replace("+prefetch", "")),
                        "prefetch": "+prefetch" in flags, "gpus": 1}
+    for item in args.ours_variant:
+        name, _, flags = item.partition("=")
+        specs[name] = {"via_04": True, "flags": shlex.split(flags), "prefetch": True, "gpus": 1}
     if args.ddp > 1:
         specs[f"ours-{args.ddp}gpu"] = {**ours, "gpus": args.ddp}
-    resolved = _resolved_04_config(args) if via_04 else {}
+    resolved = _resolved_04_config(args) if any(spec.get("via_04") for spec in specs.values()) else {}
     for spec in specs.values():
         flags = spec["flags"]
-        if spec.get("via_04"):
+        if spec.get("via_04"):  # 04_train's resolved config, unless the run's own flags set it
             log_freq = int(resolved.get("log_freq", 50))  # unknown: allow up to 50
             seq = int(resolved.get("total_seq_len", 32768))
-        else:
-            log_freq = int(flags[flags.index("--log-freq") + 1]) if "--log-freq" in flags else 1
-            seq = int(flags[flags.index("--total-seq-len") + 1]) if "--total-seq-len" in flags else 8192
+        else:  # speculators' defaults
+            log_freq, seq = 1, 8192
+        log_freq = int(flags[flags.index("--log-freq") + 1]) if "--log-freq" in flags else log_freq
+        seq = int(flags[flags.index("--total-seq-len") + 1]) if "--total-seq-len" in flags else seq
         warmup = -(-args.warmup_steps // log_freq) * log_freq
         stop = warmup + max(-(-args.steps // log_freq), 1) * log_freq
         spec.update(warmup=warmup, stop=stop, log_freq=log_freq,

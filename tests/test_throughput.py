@@ -216,6 +216,23 @@ def test_run_gpu_indices_go_through_an_inherited_cuda_visible_devices(monkeypatc
         bench.visible_gpus([0, 1])
 
 
+def test_bench_plans_each_run_from_its_own_flags(monkeypatch):
+    import argparse
+
+    bench = _bench_module()
+    monkeypatch.setattr(bench, "_resolved_04_config", lambda args: {"log_freq": "10", "total_seq_len": "32768"})
+    args = argparse.Namespace(runs=["plain", "ours"], variant=[], ddp=2, ours_via="04_train",
+                              ours_variant=["48k=--total-seq-len 49152 --lr 2.4e-3"], warmup_steps=2, steps=8)
+    plan = bench._plan_runs(args)
+    assert list(plan) == ["plain", "ours", "48k", "ours-2gpu"]
+    assert (plan["plain"]["log_freq"], plan["plain"]["stop"]) == (1, 10)  # speculators logs every step
+    assert (plan["ours"]["log_freq"], plan["ours"]["warmup"], plan["ours"]["stop"]) == (10, 10, 20)
+    assert plan["48k"]["flags"] == ["--total-seq-len", "49152", "--lr", "2.4e-3"] and plan["48k"]["via_04"]
+    # rows for the run's steps + 3 at its tokens/step (2048-token rows), over the 90% train split
+    assert plan["48k"]["rows"] == int(23 * 24 / 0.9) + 2 and plan["ours"]["rows"] == int(23 * 16 / 0.9) + 2
+    assert plan["ours-2gpu"]["gpus"] == 2 and plan["ours-2gpu"]["rows"] == int(23 * 16 * 2 / 0.9) + 2
+
+
 def test_synthetic_manifests_satisfy_04_train_contracts(tmp_path):
     throughput.write_head_only_verifier(tmp_path / "verifier", text_overrides=TINY_TEXT)
     throughput.write_synthetic_prepared_dataset(tmp_path / "data", num_rows=12, seq_len=32,
