@@ -411,9 +411,14 @@ def _dataset_rows(data: Path) -> int:
 
 
 def _git_commit() -> str | None:
+    """HEAD, with "+modified" when tracked files differ from it (a copied working tree can
+    carry an older .git than its files: the H200 copies did)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30).stdout.strip()
+
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                              capture_output=True, text=True, timeout=5).stdout.strip() or None
+        head = git("rev-parse", "--short", "HEAD")
+        return (head + ("+modified" if git("status", "--porcelain", "--untracked-files=no") else "")) or None
     except (OSError, subprocess.TimeoutExpired):
         return None
 
