@@ -18,7 +18,8 @@ from eagle3_pipeline.prepared import TOKEN_FREQ_NAME, load_prepared
 from eagle3_pipeline.preflight import preflight_vocab
 from eagle3_pipeline.stage import config_fingerprint, finished_with_same_inputs, log, retire_manifest, stage_main
 from eagle3_pipeline.vocab import (
-    D2T_NAME, T2D_NAME, build_mapping, count_loss_tokens, coverage, load_token_freq, resolve_draft_vocab_size,
+    D2T_NAME, T2D_NAME, build_mapping, count_loss_tokens, coverage, coverage_warning, load_token_freq,
+    resolve_draft_vocab_size,
 )
 
 
@@ -69,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     log.info("draft vocab %d of %d (%s): covers %.1f%% of loss-masked train tokens, %.1f%% of val -> %s",
              draft_vocab, target_vocab, source, 100 * report["train_coverage"], 100 * report["val_coverage"], out_dir)
+    warning = coverage_warning(report)
+    if warning:
+        log.warning("%s", warning)
     return 0
 
 

@@ -36,3 +36,11 @@ def test_mapping_pads_with_low_ids_when_data_has_few_tokens():
     d2t, t2d = build_mapping({7: 3, 9: 1}, 4, 16)
     assert np.flatnonzero(t2d).tolist() == [0, 1, 7, 9]
     assert (np.arange(4) + d2t).tolist() == [0, 1, 7, 9]
+
+
+def test_low_val_coverage_is_warned_about():
+    from eagle3_pipeline.vocab import coverage_warning
+
+    report = {"draft_vocab_size": 400, "val_coverage": 0.794, "train_coverage": 0.793}
+    assert "covers only 79.4% of the loss-masked val tokens" in coverage_warning(report)
+    assert coverage_warning({**report, "val_coverage": 0.996}) is None
