@@ -4,7 +4,9 @@
 Reads a HF datasets name or a local .jsonl/.json/.parquet file of OpenAI `messages` or
 ShareGPT `conversations`, renders each with the target's chat template, and writes the
 dataset speculators' trainer reads (save_to_disk: input_ids, loss_mask, seq_len) plus
-token_freq.pt and manifest.json. Run with --help for flags and an example.
+token_freq.pt and manifest.json. Rows already tokenized for the target (`input_ids` +
+`loss_mask`, e.g. speculators' `regenerate-responses` output) pass through after
+validation. Run with --help for flags and an example.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from tqdm import tqdm
 from eagle3_pipeline.config import PrepareConfig, resolve_stage_config
 from eagle3_pipeline.contract import write_manifest
 from eagle3_pipeline.errors import InputError
-from eagle3_pipeline.conversations import ChatTokenizer, fit_length, read_records, rows_for_conversation, to_messages
+from eagle3_pipeline.conversations import (
+    ChatTokenizer, check_record, conversation_key, fit_length, is_pretokenized, read_records, rows_for_record,
+)
 from eagle3_pipeline.files import check_writable_dir, remove_stale_temps
 from eagle3_pipeline.preflight import hidden_states_estimate_line, preflight_prepare
 from eagle3_pipeline.prepared import order_rows, split_conversations, train_data_ratio, write_prepared
@@ -48,27 +52,31 @@ def main(argv: list[str] | None = None) -> int:
             for where, record in read_records(cfg.data):
                 if cfg.max_samples is not None and checked >= cfg.max_samples:
                     break
-                to_messages(record, where)
+                check_record(record, target.vocab_size, where)
                 checked += 1
             log.info("preflight rows: %d conversation(s) in %s are well-formed", checked, cfg.data)
         return 0
     remove_stale_temps(out_dir)
 
     # 3. Work: read, validate and tokenize every conversation.
-    rows, conversations, dropped_too_long, truncated_too_long = [], 0, 0, 0
+    rows, dropped_too_long, truncated_too_long, pretokenized = [], 0, 0, 0
+    conversation_of: dict[str, int] = {}  # conversation key -> index (the split is by conversation)
     records = read_records(cfg.data, cfg.data_split, cfg.data_subset, cfg.trust_remote_code)
-    for where, record in tqdm(records, desc="prepare", unit="conv", total=cfg.max_samples):
-        if cfg.max_samples is not None and conversations >= cfg.max_samples:
-            break
-        messages = to_messages(record, where)
-        for row in rows_for_conversation(chat, messages, conversations, cfg.rows_per, where):
+    for where, record in tqdm(records, desc="prepare", unit="row", total=cfg.max_samples):
+        key = conversation_key(record, where)
+        if key not in conversation_of:
+            if cfg.max_samples is not None and len(conversation_of) >= cfg.max_samples:
+                break
+            conversation_of[key] = len(conversation_of)
+        pretokenized += is_pretokenized(record)
+        for row in rows_for_record(chat, record, conversation_of[key], cfg.rows_per, target.vocab_size, where):
             fitted = fit_length(row, cfg.max_seq_len, cfg.on_too_long)
             if fitted is None:
                 dropped_too_long += 1
             else:
                 truncated_too_long += len(fitted.input_ids) < len(row.input_ids)
                 rows.append(fitted)
-        conversations += 1
+    conversations = len(conversation_of)
     if not rows:
         raise InputError(f"{cfg.data}: no rows left from {conversations} conversation(s) "
                          f"({dropped_too_long} longer than --max-seq-len {cfg.max_seq_len})")
@@ -91,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         out_dir, "prepare",
         config=cfg.model_dump(), config_sha256=fingerprint, inputs=inputs,
         target=target.summary(),
-        counts={"conversations": conversations, "dropped_too_long": dropped_too_long,
+        counts={"conversations": conversations, "pretokenized_rows": pretokenized, "dropped_too_long": dropped_too_long,
                 "truncated_too_long": truncated_too_long, **stats},
         train_data_ratio=train_data_ratio(num_train, len(rows)),
         max_seq_len=cfg.max_seq_len,

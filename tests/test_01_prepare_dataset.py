@@ -101,6 +101,60 @@ def test_token_freq_counts_loss_masked_train_tokens_only(kimi_run):
     assert {int(k): int(v) for k, v in freq.items()} == expected
 
 
+def _regenerated_rows(chat, conversations):
+    """Rows as speculators' `regenerate-responses` writes them (its own builder): one per
+    assistant turn, prompt tokens rendered by the target's template, the answer the target gave."""
+    from speculators.cli.regenerate_responses import build_boundary_sample
+
+    rows = []
+    for c, messages in enumerate(conversations):
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            prompt = chat.encode(messages[:i], add_generation_prompt=True)
+            answer = chat.tokenizer(message["content"] + "<|im_end|>", add_special_tokens=False)["input_ids"]
+            input_ids, loss_mask = build_boundary_sample(prompt, answer)
+            rows.append({"id": f"c{c}_gen{i}", "primary_id": f"c{c}", "input_ids": input_ids,
+                         "loss_mask": loss_mask, "text": "", "metadata": {"idx": c}})
+    return rows
+
+
+@pytest.mark.slow
+def test_regenerated_token_rows_pass_through_grouped_by_conversation(tmp_path, kimi_target, chat):
+    import datasets
+
+    conversations = [MULTI_TURN] + [
+        [{"role": "user", "content": f"Count to {n}."}, {"role": "assistant", "content": " ".join(map(str, range(n)))}]
+        for n in range(2, 7)]
+    rows = _regenerated_rows(chat, conversations)
+    source = tmp_path / "regenerated.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_stage("prepare", "--target", kimi_target, "--data", source, "--output", tmp_path / "out", "--val-ratio", "0.3")
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    counts = manifest["counts"]
+    assert (counts["conversations"], counts["rows"], counts["pretokenized_rows"]) == (6, 7, 7)  # MULTI_TURN: 2 rows
+    dataset = datasets.load_from_disk(str(tmp_path / "out")).with_format(None)
+    given = {tuple(r["input_ids"]): r["loss_mask"] for r in rows}
+    assert {tuple(ids): mask for ids, mask in zip(dataset["input_ids"], dataset["loss_mask"])} == given
+    # MULTI_TURN's two rows stay on one side of the split (its rows share a primary_id)
+    multi = [i for i, ids in enumerate(dataset["input_ids"]) if tuple(ids) in {tuple(r["input_ids"]) for r in rows[:2]}]
+    assert len(multi) == 2 and (max(multi) < counts["train_rows"]) == (min(multi) < counts["train_rows"])
+    # --max-samples counts conversations, not rows
+    run_stage("prepare", "--target", kimi_target, "--data", source, "--output", tmp_path / "two",
+              "--max-samples", "2", "--val-ratio", "0.5")
+    assert json.loads((tmp_path / "two" / "manifest.json").read_text())["counts"]["rows"] == 3
+
+
+def test_token_rows_for_another_vocabulary_are_refused_with_file_and_line(tmp_path, kimi_target):
+    source = tmp_path / "bad.jsonl"
+    source.write_text(json.dumps({"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}) + "\n"
+                      + json.dumps({"input_ids": [1, 2, 99999], "loss_mask": [0, 1, 1]}) + "\n")
+    result = run_stage("prepare", "--target", kimi_target, "--data", source, "--output", tmp_path / "out", check=False)
+    assert result.returncode != 0
+    assert f"{source}:2: token id 99999 is outside the target's vocabulary" in result.stderr
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
 @pytest.mark.slow
 def test_parquet_json_and_sharegpt_inputs_prepare(tmp_path, kimi_target):
     import pyarrow as pa

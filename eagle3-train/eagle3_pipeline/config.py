@@ -51,7 +51,9 @@ class PrepareConfig(StageConfig):
     )
     target: str = _field(..., "target model directory (its tokenizer + chat template are used)")
     tokenizer: Optional[str] = _field(None, "tokenizer directory if not the target's")
-    data: str = _field(..., "conversations: a HF datasets name or a local .jsonl/.json/.parquet file")
+    data: str = _field(..., "conversations: a HF datasets name or a local .jsonl/.json/.parquet file "
+                            "(OpenAI messages, ShareGPT, or rows already tokenized for the target: "
+                            "input_ids + loss_mask, as speculators regenerate-responses writes)")
     data_split: str = _field("train", "split to read when --data is a HF datasets name")
     data_subset: Optional[str] = _field(None, "HF datasets config/subset name")
     output: str = _field(..., "output directory (the prepared dataset; stage 02 adds hidden_states/ inside it)")

@@ -2,6 +2,9 @@
 
 Input shapes: OpenAI `messages` ([{role, content, reasoning_content?}]) and ShareGPT
 `conversations` ([{from, value}]). Rows are tokenized with the *target's* chat template.
+Rows that are already tokens (`input_ids` + `loss_mask`, the shape speculators'
+`regenerate-responses` writes: one row per regenerated assistant turn, grouped by
+`primary_id`) pass through after validation.
 
 The loss mask is computed without trusting `{% generation %}` tags (most templates, Kimi's
 included, have none): for assistant turn i, render the conversation up to turn i with the
@@ -139,6 +142,48 @@ def to_messages(record: Any, where: str) -> list[dict]:
     return messages
 
 
+# --- rows that are already tokens ---------------------------------------------------------
+
+def is_pretokenized(record: Any) -> bool:
+    return isinstance(record, dict) and "input_ids" in record and "loss_mask" in record
+
+
+def conversation_key(record: Any, where: str) -> str:
+    """Rows with one key belong to one conversation (kept on one side of the train/val split):
+    speculators' regenerated rows share their conversation's `primary_id`; any other row is
+    its own conversation."""
+    if is_pretokenized(record) and record.get("primary_id") is not None:
+        return f"primary_id:{record['primary_id']}"
+    return f"row:{where}"
+
+
+def pretokenized_row(record: dict, conversation: int, vocab_size: int, where: str) -> Row:
+    """Validate an `input_ids` + `loss_mask` row against the target's vocabulary."""
+    ids, mask = record["input_ids"], record["loss_mask"]
+    if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise InputError(f"{where}: input_ids is not a non-empty list of integers")
+    if not isinstance(mask, list) or len(mask) != len(ids):
+        raise InputError(f"{where}: loss_mask has {len(mask) if isinstance(mask, list) else 'no'} entries, "
+                         f"input_ids {len(ids)}")
+    if any(m not in (0, 1) for m in mask):
+        raise InputError(f"{where}: loss_mask holds values other than 0/1")
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InputError(f"{where}: token id {bad} is outside the target's vocabulary (0..{vocab_size - 1}): "
+                         f"tokenized for another model?")
+    if not any(mask):
+        raise InputError(f"{where}: loss_mask has no 1 (no assistant tokens to train on)")
+    return Row(conversation, -1, list(ids), [int(m) for m in mask])
+
+
+def check_record(record: Any, vocab_size: int, where: str) -> None:
+    """Everything about a row that can be checked without tokenizing (stage 01 --check)."""
+    if is_pretokenized(record):
+        pretokenized_row(record, 0, vocab_size, where)
+    else:
+        to_messages(record, where)
+
+
 # --- tokenizing ---------------------------------------------------------------------------
 
 class ChatTokenizer:
@@ -190,6 +235,14 @@ def rows_for_conversation(chat: ChatTokenizer, messages: list[dict], conversatio
             )
         mask[start:end] = [1] * (end - start)
     return [Row(conversation, -1, full, mask)]
+
+
+def rows_for_record(chat: ChatTokenizer, record: Any, conversation: int, rows_per: str,
+                    vocab_size: int, where: str) -> list[Row]:
+    """Training rows of one input row: tokens as given, or a conversation through the template."""
+    if is_pretokenized(record):
+        return [pretokenized_row(record, conversation, vocab_size, where)]
+    return rows_for_conversation(chat, to_messages(record, where), conversation, rows_per, where)
 
 
 def fit_length(row: Row, max_seq_len: int, on_too_long: str) -> Row | None:
