@@ -6,9 +6,14 @@ is downloaded.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -33,6 +38,40 @@ def run_stage(stage: str, *args: str, check: bool = True, timeout: float = 600, 
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
     return result
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def http_server(argv: list[str], port: int, log: Path, start_timeout_s: float = 240):
+    """Start a server (its own process group), yield its base URL once /health answers, stop it."""
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + start_timeout_s
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"server not ready in {start_timeout_s}s:\n{log.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2):
+                    break
+            except OSError:
+                time.sleep(1)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 @pytest.fixture(scope="session")

