@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         # Rerunning would train extra steps (--max-steps) and rewrite the manifest stage 05 was built on.
         log.info("%s: already trained with these settings and inputs; nothing to do", out_dir)
         return 0
-    for line in preflight_train(cfg, draft, target, vocab["draft_vocab_size"], out_dir):
+    for line in preflight_train(cfg, draft, target, vocab["draft_vocab_size"], out_dir,
+                                prepared.get("counts", {}).get("tokens", 0)):  # synthetic bench data: none
         log.info("preflight %s", line)
     if cfg.check:
         return 0

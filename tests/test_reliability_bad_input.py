@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -516,6 +517,41 @@ def test_preflight_refuses_fewer_gpus_than_tensor_parallel_and_too_little_gpu_me
     assert str(small.value) == ("gpu memory: target weights 595.0 GB over 8 GPU(s) = 74.4 GB each; 72.0 GB usable "
                                 "per GPU: refusing")
     assert preflight.check_memory("target weights", 595_000_000_000, 126_900_000_000, 8, "gpu").startswith("gpu memory")
+
+
+def test_preflight_hidden_state_read_probe_warns_when_the_disk_is_slower_than_the_gpus(monkeypatch, tmp_path):
+    from eagle3_pipeline import preflight, throughput
+
+    hs = tmp_path / "hidden_states"
+    hs.mkdir()
+    for i in range(10):
+        (hs / f"hs_{i}.safetensors").write_bytes(os.urandom(1 << 20))  # 10 files x 1 MiB
+    tokens = 10 * (1 << 20) // 57_344  # Kimi-K2.5 bf16: 57,344 B/token
+    assert preflight.check_hidden_state_reads(hs, tokens, 8).startswith(
+        "hidden-state reads: not probed (10.5 MB of hidden states: the page cache holds them)")
+    read, disk = [], {"gb_per_s": 1.16}  # what 8 readers got on the H200 machine's disk
+    monkeypatch.setattr(throughput, "measure_cold_read_bandwidth",
+                        lambda files, threads: read.append((len(files), threads)) or
+                        {**disk, "threads": threads, "bytes": len(files) << 20})
+    line = preflight.check_hidden_state_reads(hs, tokens, 8, probe_bytes=4 << 20, min_total_bytes=0)
+    assert read == [(4, 4)]  # a spread of ~probe_bytes, one reader per file up to 8
+    per_token = 10 * (1 << 20) / tokens
+    assert f"8 GPU(s) at ~35,000 tokens/s each need {8 * 35_000 * per_token / 1e9:.2f} GB/s" in line
+    assert f"WARNING: the disk would cap training at ~{1.16e9 / per_token / 8:,.0f} tokens/s per GPU" in line
+    disk["gb_per_s"] = 16.5  # striped NVMe: enough for 8 GPUs (16.1 GB/s)
+    assert "WARNING" not in preflight.check_hidden_state_reads(hs, tokens, 8, probe_bytes=4 << 20, min_total_bytes=0)
+
+
+def test_preflight_hidden_state_read_probe_really_reads_or_says_why_not(tmp_path):
+    from eagle3_pipeline import preflight
+
+    hs = tmp_path / "hidden_states"
+    hs.mkdir()
+    for i in range(3):
+        (hs / f"hs_{i}.safetensors").write_bytes(os.urandom(4 << 20))
+    line = preflight.check_hidden_state_reads(hs, 3 * (4 << 20) // 57_344, 1, min_total_bytes=0)
+    # O_DIRECT works on ext4/xfs; tmpfs and some overlay mounts refuse it, which is reported.
+    assert "GB/s from" in line and "(3 readers, 12.6 MB)" in line or "reads that bypass the page cache are refused" in line
 
 
 def test_extract_check_refuses_a_disk_too_small_and_writes_nothing(capsys, monkeypatch, work, kimi_target):

@@ -14,6 +14,9 @@ What is checked (the numbers come from the target's config and the run's setting
 - GPUs visible vs --tensor-parallel-size / --nproc;
 - GPU memory vs the target's weights per GPU (extraction) or the frozen verifier head + draft
   (training); host memory instead when no GPU is visible;
+- hidden-state read speed (training on GPUs): a short read of the hidden states that bypasses
+  the page cache, against what --nproc GPUs consume at the training speed measured on an H200
+  (a warning, not a refusal: a slow disk slows the run, it does not break it);
 - package versions known to be broken for this target (a vLLM that drops the final layer of
   DeepSeek-style backbones, a transformers without the kimi_k25 config, ...).
 Units are decimal (1 TB = 10^12 B), as disks are sold. The probes (`disk_free`, `probe_gpus`,
@@ -38,6 +41,14 @@ PREPARED_BYTES_PER_INPUT_BYTE = 4
 # (Muon: one momentum buffer; AdamW: two moments).
 CHECKPOINT_BYTES = 2
 OPTIMIZER_STATES = {"muon": 1, "adamw": 2}
+# Training tokens/s per GPU that 04_train's defaults reached at Kimi-K2.5 geometry on an H200
+# (NOTES.md, "Training throughput": 35,046 on one, 34,218 per GPU on two): the rate the
+# hidden-state reads must keep up with.
+TRAIN_TOKENS_PER_S_PER_GPU = 35_000
+# The read probe: at most this much (~3 s at the 0.65 GB/s one reader got on the H200 machine's
+# disk), and none below the floor (hidden states that small live in the page cache).
+READ_PROBE_BYTES = 2 * 10**9
+READ_PROBE_MIN_TOTAL_BYTES = 10**9
 # The trainer's activations/caches beyond weights, as a fraction of GPU memory kept free.
 TRAIN_MEMORY_HEADROOM = 0.5
 SPECULATORS_TESTED = ("0.9.0",)
@@ -115,6 +126,41 @@ def check_hidden_states_disk(num_samples: int, num_tokens: int, num_slots: int, 
     detail = (f"{num_samples:,} samples x {avg:,.0f} tokens "
               f"({per_token:,} B/token = {num_slots} layers x {hidden_size:,} x {DTYPE_BYTES[dtype]} B)")
     return check_disk("", num_tokens * per_token, detail, hs_dir)
+
+
+def check_hidden_state_reads(hs_dir: Path, total_tokens: int, nproc: int, *,
+                             probe_bytes: int = READ_PROBE_BYTES,
+                             min_total_bytes: int = READ_PROBE_MIN_TOTAL_BYTES, readers: int = 8) -> str:
+    """`hidden-state reads: X GB/s ...; N GPU(s) ... need Y GB/s`, with a warning when X < Y.
+
+    Reads a spread of the files with O_DIRECT (the page cache holds a fraction of a real run's
+    hidden states, so cached reads would flatter the disk), `readers` at a time as the loader
+    workers do. Filesystems without O_DIRECT (tmpfs, some network mounts) are reported, not probed.
+    """
+    from .throughput import measure_cold_read_bandwidth
+
+    files = sorted(Path(hs_dir).glob("hs_*.safetensors"))
+    total = sum(f.stat().st_size for f in files)
+    if total < min_total_bytes:
+        return f"hidden-state reads: not probed ({human_bytes(total)} of hidden states: the page cache holds them)"
+    per_token = total / max(total_tokens, 1)
+    need = nproc * TRAIN_TOKENS_PER_S_PER_GPU * per_token / 1e9
+    count = max(1, min(len(files), round(probe_bytes * len(files) / total)))  # ~probe_bytes in all
+    sample = [files[round(i * len(files) / count)] for i in range(count)]  # spread over the directory
+    try:
+        measured = measure_cold_read_bandwidth(sample, threads=min(readers, len(sample)))
+    except OSError as exc:
+        return (f"hidden-state reads: not probed ({hs_dir}: reads that bypass the page cache are refused here, "
+                f"{exc.strerror or exc}); {nproc} GPU(s) need ~{need:.2f} GB/s")
+    got = measured["gb_per_s"]
+    line = (f"hidden-state reads: {got:.2f} GB/s from {hs_dir} without the page cache "
+            f"({measured['threads']} readers, {human_bytes(measured['bytes'])}); {nproc} GPU(s) at "
+            f"~{TRAIN_TOKENS_PER_S_PER_GPU:,} tokens/s each need {need:.2f} GB/s ({per_token:,.0f} B/token)")
+    if got < need:
+        capped = got * 1e9 / per_token / nproc
+        line += (f"; WARNING: the disk would cap training at ~{capped:,.0f} tokens/s per GPU "
+                 f"(NOTES.md, 'Disk': local NVMe striped, or fewer GPUs per node)")
+    return line
 
 
 # --- GPUs and memory ----------------------------------------------------------------------------
@@ -272,8 +318,9 @@ def draft_parameters(hidden_size: int, target_vocab: int, draft_vocab: int, num_
     return trainable + target_vocab * h, trainable
 
 
-def preflight_train(cfg, draft: dict, target, draft_vocab: int, out_dir: Path) -> list[str]:
-    """Stage 04: disk for the checkpoints, GPUs vs --nproc, memory for verifier head + draft, versions."""
+def preflight_train(cfg, draft: dict, target, draft_vocab: int, out_dir: Path, total_tokens: int = 0) -> list[str]:
+    """Stage 04: disk for the checkpoints, GPUs vs --nproc, memory for verifier head + draft,
+    hidden-state read speed (`total_tokens`: the prepared dataset's), versions."""
     saved, trainable = draft_parameters(target.hidden_size, target.vocab_size, draft_vocab,
                                         int(draft.get("num_layers", 1)), draft.get("intermediate_size"))
     per_checkpoint = saved * CHECKPOINT_BYTES + trainable * CHECKPOINT_BYTES * OPTIMIZER_STATES[cfg.optimizer]
@@ -287,6 +334,10 @@ def preflight_train(cfg, draft: dict, target, draft_vocab: int, out_dir: Path) -
     if gpus:
         lines.append(check_gpu_count(len(gpus), cfg.nproc, "--nproc"))
         lines.append(check_memory("draft + frozen verifier head", need, int(min(gpus) * TRAIN_MEMORY_HEADROOM), 1, "gpu"))
+        if total_tokens:
+            from .extract.common import HS_DIRNAME
+
+            lines.append(check_hidden_state_reads(Path(cfg.data) / HS_DIRNAME, total_tokens, cfg.nproc))
     else:
         lines.append("gpus: none visible; training runs on the CPU (miniature/testing only)")
         lines.append(check_memory("draft + frozen verifier head", need, host_memory(), 1, "host"))
