@@ -65,14 +65,17 @@ def test_rerun_with_more_epochs_resumes_from_the_last_checkpoint(tmp_path, kimi_
 
 
 @pytest.mark.slow
-def test_two_process_ddp_trains_logs_once_and_resumes(tmp_path, kimi_run, kimi_target):
-    # The multi-GPU path (torchrun + speculators' DDP) with gloo on the CPU: one metrics line
-    # per logged step (rank 0 only), a checkpoint per epoch, and a rerun that resumes.
-    out = tmp_path / "ddp"
+@pytest.mark.parametrize("sharding", [[], ["--fsdp"]], ids=["ddp", "fsdp"])
+def test_two_process_training_logs_once_resumes_and_exports(tmp_path, kimi_run, kimi_target, sharding):
+    # The multi-GPU path (torchrun + speculators' DDP, or FSDP2) with gloo on the CPU: one
+    # metrics line per logged step (rank 0 only), a checkpoint per epoch, a rerun that
+    # resumes, and a checkpoint stage 05 exports.
+    out = tmp_path / "ckpt"
     args = ("--profile", "cpu-mini", "--target", kimi_target, "--data", kimi_run["data"],
-            "--vocab", kimi_run["vocab"], "--output", out, "--nproc", "2", "--logger", "")
+            "--vocab", kimi_run["vocab"], "--output", out, "--nproc", "2", "--logger", "", *sharding)
     first = run_stage("train", *args, "--epochs", "1")
-    assert "torch.distributed.run" in (out / "command.txt").read_text() + first.stdout + first.stderr
+    command = (out / "command.txt").read_text()
+    assert "torch.distributed.run" in command and ("--fsdp-shard" in command) == bool(sharding)
     assert (first.stdout + first.stderr).count("Destroyed distributed process group") == 2  # two ranks
     records = read_metrics(out / "metrics.jsonl")
     steps = [r["global_step"] for r in records if "train" in r]
@@ -81,6 +84,8 @@ def test_two_process_ddp_trains_logs_once_and_resumes(tmp_path, kimi_run, kimi_t
     second = run_stage("train", *args, "--epochs", "2")
     assert "Found checkpoint" in second.stdout + second.stderr
     assert [p.name for p in checkpoint_dirs(out)] == ["0", "1"]
+    run_stage("export", "--checkpoints", out, "--output", tmp_path / "draft")
+    assert (tmp_path / "draft" / "model.safetensors").is_file()
 
 
 def test_cpu_layer_applies_only_without_an_accelerator(monkeypatch):
