@@ -127,20 +127,14 @@ def launch(name: str, command: list[str], *, gpus: list[int], log: Path, timeout
 
 
 def _wait(proc: subprocess.Popen, start: float, timeout: float, stop_when) -> int | str:
-    """The run's exit code, or why it was stopped (measured window complete, timeout)."""
-    code: int | str | None = None
-    while code is None:
-        code = proc.poll()
-        if code is None and stop_when is not None and stop_when():
-            os.killpg(proc.pid, 9)
-            proc.wait()
-            code = "stopped after the measured window"
-        elif code is None and time.perf_counter() - start > timeout:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-            code = "timeout"
-        elif code is None:
-            time.sleep(1)
+    """The run's exit code, or why it must be stopped (measured window complete, timeout);
+    `launch` kills a run that is still alive."""
+    while (code := proc.poll()) is None:
+        if stop_when is not None and stop_when():
+            return "stopped after the measured window"
+        if time.perf_counter() - start > timeout:
+            return "timeout"
+        time.sleep(1)
     return code
 
 

@@ -217,7 +217,7 @@ def summarize_spec_decode(counts: Mapping) -> dict:
         "accepted_per_pos": list(per_pos),
         "mean_acceptance_length": 1.0 + counts["num_accepted_tokens"] / drafts,
         "mean_acceptance_length_stderr": (variance / drafts) ** 0.5,
-        "acceptance_rate_per_pos": [a / drafts for a in per_pos],
+        "acceptance_rate_per_pos": survival,
         "draft_acceptance_rate": counts["num_accepted_tokens"] / max(1, counts["num_draft_tokens"]),
     }
 
