@@ -13,6 +13,7 @@ One invocation, on one GPU machine, on the same data:
     python bench/train_throughput.py --runs plain ours --ddp 2   # + ours on 2 GPUs (torchrun)
     python bench/train_throughput.py --variant 'x=--total-seq-len 16384'   # speculators flag sets
     python bench/train_throughput.py --runs ours --ours-variant '48k=--total-seq-len 49152'  # 04_train + flags
+    python bench/train_throughput.py --runs --trace   # where ours' step time goes, per GPU kernel
 
 Random data: the numbers say how fast, never how well (see NOTES.md, "Training throughput").
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import gzip
 import json
 import os
 import shlex
@@ -96,6 +98,85 @@ def run_child(args: argparse.Namespace) -> None:
     metrics = Path(f"{args.metrics}.rank{rank}")
     throughput.run_speculators_train(args.train_argv, metrics, stop_after_step=args.stop_after,
                                      device_prefetch=args.device_prefetch)
+
+
+def run_trace_child(args: argparse.Namespace) -> None:
+    """Inside a `--trace` run's subprocess: 04_train.py in this process, with torch.profiler
+    recording GPU kernels over `--steps` steps after `--after-step` (unlogged steps, so the
+    logged steps' synchronisation is not in the picture). Writes the kernel table there."""
+    import runpy
+
+    import torch
+    from speculators.train.trainer import Trainer
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                  torch.profiler.ProfilerActivity.CUDA])
+    original = Trainer._optimizers_step
+    state = {"step": 0}
+
+    def step_with_profiler(self):
+        original(self)
+        state["step"] += 1
+        if state["step"] in (args.after_step, args.after_step + args.steps) and torch.cuda.is_available():
+            torch.cuda.synchronize()  # the window holds exactly its steps' kernels
+        if state["step"] == args.after_step:
+            profiler.start()
+            state["start"] = time.perf_counter()
+        elif state["step"] == args.after_step + args.steps:
+            wall_ms = (time.perf_counter() - state["start"]) * 1e3 / args.steps
+            profiler.stop()
+            write_kernel_report(profiler, out, args.steps, wall_ms)
+
+    Trainer._optimizers_step = step_with_profiler
+    sys.argv = [args.script, *args.script_argv]
+    runpy.run_path(args.script, run_name="__main__")
+
+
+def write_kernel_report(profiler, out: Path, steps: int, wall_ms: float) -> None:
+    """GPU time per kernel class and the top kernels, per step (kernels.json, kernels.txt),
+    and the trace itself (trace.json.gz, for chrome://tracing or Perfetto). Wall time minus
+    kernel time is the GPU's idle time (launch gaps, waits for data, host syncs)."""
+    events = [e for e in profiler.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
+    by_class: dict[str, float] = {}
+    for e in events:
+        by_class[kernel_class(e.key)] = by_class.get(kernel_class(e.key), 0.0) + e.self_device_time_total / 1e3 / steps
+    top = sorted(events, key=lambda e: -e.self_device_time_total)[:60]
+    report = {"steps": steps, "wall_ms_per_step": wall_ms, "gpu_ms_per_step": sum(by_class.values()),
+              "ms_per_step_by_class": dict(sorted(by_class.items(), key=lambda kv: -kv[1])),
+              "top_kernels": [{"name": e.key[:200], "class": kernel_class(e.key), "calls_per_step": e.count / steps,
+                               "ms_per_step": e.self_device_time_total / 1e3 / steps} for e in top]}
+    lines = [f"{report['gpu_ms_per_step']:.1f} ms of GPU kernels per step of {wall_ms:.1f} ms wall (profiled)"]
+    lines += [f"  {name:<22}{ms:9.1f} ms" for name, ms in report["ms_per_step_by_class"].items()]
+    lines += ["top kernels (ms/step, calls/step):"]
+    lines += [f"  {k['ms_per_step']:8.2f} {k['calls_per_step']:6.1f}  [{k['class']}] {k['name'][:110]}"
+              for k in report["top_kernels"]]
+    (out / "kernels.txt").write_text("\n".join(lines) + "\n")
+    trace = out / "trace.json"
+    profiler.export_chrome_trace(str(trace))
+    with open(trace, "rb") as raw, gzip.open(out / "trace.json.gz", "wb") as packed:
+        shutil.copyfileobj(raw, packed)
+    trace.unlink()
+    # Last: the bench stops the run as soon as kernels.json exists (a stop during the gzip cut
+    # a trace short on the H200).
+    (out / "kernels.json").write_text(json.dumps(report, indent=2) + "\n")
+    print("\n".join(lines), flush=True)
+
+
+def kernel_class(name: str) -> str:
+    """A coarse class for a CUDA kernel name (cuBLAS/CUTLASS GEMM, flex attention, Triton
+    fusions, copies, ...), for the per-class split of `--trace`."""
+    lowered = name.lower()
+    rules = (("memcpy", "copy"), ("memset", "memset"), ("nccl", "nccl"),
+             # Inductor's only Triton templates without max-autotune are flex attention's.
+             ("flex", "flex_attention"), ("triton_tem", "flex_attention"),
+             ("gemm", "gemm"), ("nvjet", "gemm"), ("xmma", "gemm"), ("cutlass", "gemm"), ("wgmma", "gemm"),
+             ("triton_red", "triton_reduction"), ("triton_per", "triton_reduction"),
+             ("triton_poi", "triton_pointwise"), ("triton", "triton_other"),
+             ("reduce", "aten_reduction"), ("elementwise", "aten_elementwise"),
+             ("cat", "aten_cat_copy"), ("copy", "aten_cat_copy"))
+    return next((cls for key, cls in rules if key in lowered), "other")
 
 
 def launch(name: str, command: list[str], *, gpus: list[int], log: Path, timeout: float,
@@ -200,6 +281,9 @@ def main() -> None:
     parser.add_argument("--ours-profile", default="h200-8x",
                         help="04_train profile for ours (--nproc is set per run)")
     parser.add_argument("--skip-disk", action="store_true")
+    parser.add_argument("--trace", action="store_true",
+                        help="also run ours once under torch.profiler (not measured): GPU time per "
+                        "kernel class and the top kernels -> <results>/trace-ours/kernels.{txt,json}")
     parser.add_argument("--run-timeout", type=float, default=420)
     sub = parser.add_subparsers(dest="child")
     child = sub.add_parser("_child")
@@ -207,7 +291,15 @@ def main() -> None:
     child.add_argument("--stop-after", type=int, required=True)
     child.add_argument("--device-prefetch", action="store_true")
     child.add_argument("train_argv", nargs=argparse.REMAINDER)
+    trace = sub.add_parser("_trace")
+    trace.add_argument("--out", required=True)
+    trace.add_argument("--after-step", type=int, required=True)
+    trace.add_argument("--steps", type=int, default=3)
+    trace.add_argument("script")
+    trace.add_argument("script_argv", nargs=argparse.REMAINDER)
     args = parser.parse_args()
+    if args.child == "_trace":
+        return run_trace_child(args)
     if args.child == "_child":
         args.train_argv = [a for a in args.train_argv if a != "--"]
         return run_child(args)
@@ -279,6 +371,16 @@ def main() -> None:
                        "--data", str(data), "--vocab", str(vocab), "--output", str(run_dir / "out"),
                        "--nproc", str(spec["gpus"]), "--epochs", "1",
                        "--max-steps", str(spec["stop"] + spec["log_freq"] + 2), *spec["flags"]]
+            if spec.get("trace"):
+                trace_dir = args.results / "trace-ours"
+                shutil.rmtree(trace_dir, ignore_errors=True)
+                command = [sys.executable, __file__, "_trace", "--out", str(trace_dir),
+                           "--after-step", str(spec["warmup"] + 1), *command[1:]]
+                outcome = launch(name, command, gpus=gpus, log=run_dir / "log.txt", timeout=args.run_timeout,
+                                 stop_when=lambda d=trace_dir: (d / "kernels.json").is_file())
+                print((trace_dir / "kernels.txt").read_text() if (trace_dir / "kernels.txt").is_file()
+                      else (run_dir / "log.txt").read_text()[-4000:], flush=True)
+                continue
             outcome = launch(name, command, gpus=gpus, log=run_dir / "log.txt",
                              timeout=args.run_timeout,
                              stop_when=lambda m=metrics, w=spec["warmup"]: window_complete(m, w, args.steps))
@@ -352,6 +454,8 @@ def _plan_runs(args: argparse.Namespace) -> dict[str, dict]:
         specs[name] = {"via_04": True, "flags": shlex.split(flags), "prefetch": True, "gpus": 1}
     if args.ddp > 1:
         specs[f"ours-{args.ddp}gpu"] = {**ours, "gpus": args.ddp}
+    if getattr(args, "trace", False):
+        specs["trace"] = {"via_04": True, "flags": [], "prefetch": True, "gpus": 1, "trace": True}
     resolved = _resolved_04_config(args) if any(spec.get("via_04") for spec in specs.values()) else {}
     for spec in specs.values():
         flags = spec["flags"]

@@ -1,5 +1,6 @@
 """Throughput helpers: the FLOP count, the head-only verifier, the synthetic data, the
-fused-loss fix's gate (CPU), and the GPU-only pieces (marked `gpu`, skipped without CUDA)."""
+fused-loss fix's gate (CPU), the bench's planning and kernel trace, and the GPU-only
+pieces (marked `gpu`, skipped without CUDA)."""
 
 from __future__ import annotations
 
@@ -231,6 +232,55 @@ def test_bench_plans_each_run_from_its_own_flags(monkeypatch):
     # rows for the run's steps + 3 at its tokens/step (2048-token rows), over the 90% train split
     assert plan["48k"]["rows"] == int(23 * 24 / 0.9) + 2 and plan["ours"]["rows"] == int(23 * 16 / 0.9) + 2
     assert plan["ours-2gpu"]["gpus"] == 2 and plan["ours-2gpu"]["rows"] == int(23 * 16 * 2 / 0.9) + 2
+
+
+def test_bench_trace_run_profiles_ours_after_the_warm_up(monkeypatch):
+    import argparse
+
+    bench = _bench_module()
+    monkeypatch.setattr(bench, "_resolved_04_config", lambda args: {"log_freq": "10", "total_seq_len": "32768"})
+    args = argparse.Namespace(runs=[], variant=[], ddp=0, ours_via="04_train", ours_variant=[],
+                              warmup_steps=3, steps=10, trace=True)
+    plan = bench._plan_runs(args)
+    assert list(plan) == ["trace"] and plan["trace"]["via_04"] and plan["trace"]["warmup"] == 10
+
+
+def test_kernel_classes_of_the_names_seen_on_the_h200():
+    bench = _bench_module()
+    seen = {  # names from bench/results/h200-trace-ours-kernels.json
+        "nvjet_sm90_tst_192x192_64x3_2x1_v_bz_coopB_NNN": "gemm",
+        "triton_tem_fused_flex_attention_4": "flex_attention",
+        "triton_tem_fused__to_copy_add_flex_attention_backward_transpose_view_6": "flex_attention",
+        "triton_per_fused_flex_attention_backward_transpose_view_5": "flex_attention",
+        "Memcpy HtoD (Pinned -> Device)": "copy",
+        "triton_red_fused_argmax_2": "triton_reduction",
+        "triton_poi_fused__unsafe_view_mul_silu_silu_backward_view_2": "triton_pointwise",
+        "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<c10::BFloat16>>": "aten_reduction",
+        "loss_forward_kernel": "other",
+    }
+    assert {name: bench.kernel_class(name) for name in seen} == seen
+    recorded = json.loads((Path(bench.__file__).parent / "results" / "h200-trace-ours-kernels.json").read_text())
+    assert all(bench.kernel_class(k["name"]) == k["class"] for k in recorded["top_kernels"])
+
+
+@pytest.mark.slow
+def test_bench_trace_child_profiles_04_train_in_process(tmp_path, kimi_run, kimi_target):
+    """`_trace` runs 04_train.py in its own process under torch.profiler (on the CPU: no
+    GPU kernels, but the same path: the step hook, the report, the trace file)."""
+    out = tmp_path / "trace"
+    result = subprocess.run(
+        [sys.executable, str(_bench_module().__file__), "_trace", "--out", str(out), "--after-step", "1",
+         "--steps", "1", str(Path(__file__).parents[1] / "eagle3-train" / "04_train.py"), "--profile", "cpu-mini",
+         "--target", str(kimi_target), "--data", str(kimi_run["data"]), "--vocab", str(kimi_run["vocab"]),
+         "--output", str(tmp_path / "run"), "--epochs", "1", "--logger", ""],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "eagle3-train")})
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((out / "kernels.json").read_text())
+    assert report["steps"] == 1 and report["wall_ms_per_step"] > 0
+    assert (out / "kernels.txt").read_text().startswith(f"{report['gpu_ms_per_step']:.1f} ms of GPU kernels")
+    import gzip
+
+    assert json.loads(gzip.decompress((out / "trace.json.gz").read_bytes()))["traceEvents"]
 
 
 def test_synthetic_manifests_satisfy_04_train_contracts(tmp_path):
