@@ -141,7 +141,8 @@ def write_kernel_report(profiler, out: Path, steps: int, wall_ms: float) -> None
     events = [e for e in profiler.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
     by_class: dict[str, float] = {}
     for e in events:
-        by_class[kernel_class(e.key)] = by_class.get(kernel_class(e.key), 0.0) + e.self_device_time_total / 1e3 / steps
+        cls = kernel_class(e.key)
+        by_class[cls] = by_class.get(cls, 0.0) + e.self_device_time_total / 1e3 / steps
     top = sorted(events, key=lambda e: -e.self_device_time_total)[:60]
     report = {"steps": steps, "wall_ms_per_step": wall_ms, "gpu_ms_per_step": sum(by_class.values()),
               "ms_per_step_by_class": dict(sorted(by_class.items(), key=lambda kv: -kv[1])),
@@ -283,7 +284,7 @@ def main() -> None:
     parser.add_argument("--skip-disk", action="store_true")
     parser.add_argument("--trace", action="store_true",
                         help="also run ours once under torch.profiler (not measured): GPU time per "
-                        "kernel class and the top kernels -> <results>/trace-ours/kernels.{txt,json}")
+                        "kernel class and the top kernels -> <results>/trace-ours/kernels.{txt,json}, trace.json.gz")
     parser.add_argument("--run-timeout", type=float, default=420)
     sub = parser.add_subparsers(dest="child")
     child = sub.add_parser("_child")
