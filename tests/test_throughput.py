@@ -1,5 +1,5 @@
 """Throughput helpers: the FLOP count, the head-only verifier, the synthetic data, the
-fused-loss fix's gate (CPU), the bench's planning and kernel trace, and the GPU-only
+fused-loss fix's gate and the flex forward config's gate and wrapper (CPU), the bench's planning and kernel trace, and the GPU-only
 pieces (marked `gpu`, skipped without CUDA)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from eagle3_pipeline import throughput
-from eagle3_pipeline.compat import fused_loss
+from eagle3_pipeline.compat import flex_forward_config, fused_loss
 from eagle3_pipeline.throughput import (
     DraftGeometry,
     kimi_k25_config,
@@ -356,6 +356,68 @@ def test_fix_is_a_no_op_on_the_installed_torch_when_it_has_dynamos_fix():
         assert (fused.loss_backward_kernel.configs is fused.loss_forward_kernel.configs) == shared_before
 
 
+# ---------------------------------------------------------------- flex forward config
+
+
+def test_flex_forward_config_applies_only_where_it_was_measured():
+    assert not flex_forward_config.decide(None).apply
+    hopper = flex_forward_config.decide((9, 0))
+    assert hopper.apply and hopper.options == {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 128,
+                                               "fwd_num_warps": 4, "fwd_num_stages": 3}
+    for unmeasured in [(8, 0), (10, 0), (12, 0)]:  # A100, B200/B300, RTX PRO 6000
+        decision = flex_forward_config.decide(unmeasured)
+        assert not decision.apply and "no measured forward config" in decision.reason
+    if not torch.cuda.is_available():
+        assert flex_forward_config.apply() is False
+
+
+def test_flex_wrapper_adds_the_config_for_head_dim_64_and_keeps_the_callers_options():
+    calls = []
+
+    def flex(query, key, value, *args, kernel_options=None, **kwargs):
+        calls.append(kernel_options)
+        return query
+
+    wrapped = flex_forward_config.with_forward_config(flex, {"fwd_BLOCK_M": 64, "fwd_num_warps": 4})
+    wrapped(torch.zeros(1, 2, 8, 64), torch.zeros(1, 2, 8, 64), torch.zeros(1, 2, 8, 64), block_mask=None)
+    wrapped(torch.zeros(1, 2, 8, 64), torch.zeros(1, 2, 8, 64), torch.zeros(1, 2, 8, 64),
+            kernel_options={"fwd_num_warps": 8})
+    wrapped(torch.zeros(1, 2, 8, 128), torch.zeros(1, 2, 8, 128), torch.zeros(1, 2, 8, 128))
+    assert calls == [{"fwd_BLOCK_M": 64, "fwd_num_warps": 4}, {"fwd_BLOCK_M": 64, "fwd_num_warps": 8}, None]
+
+
+def test_flex_config_reaches_the_flex_node_dynamo_traces_from_speculators_attention(monkeypatch):
+    """The wrapper must be what speculators' registered attention calls when Dynamo traces
+    the draft's forward: the flex_attention node of the traced graph carries the options."""
+    from speculators.models import attention
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    monkeypatch.setattr(attention, "flex_attention", attention.flex_attention)  # undone after the test
+    monkeypatch.setattr(flex_forward_config, "TRACED_CALLS", {})
+    options = flex_forward_config.FORWARD_CONFIGS[(9, 0)]
+    flex_forward_config.install(options)
+    flex_forward_config.install(options)  # idempotent: wraps speculators' original once
+    assert not hasattr(attention.flex_attention.wrapped, "wrapped")
+
+    graphs = []
+
+    def recording_backend(graph_module, _inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    attend = attention.ALL_ATTENTION_FUNCTIONS["simple_flex_attention"]
+    mask = create_block_mask(lambda _b, _h, q, kv: q >= kv, None, None, 256, 256, device="cpu")
+    query = torch.randn(1, 2, 256, 64)
+    compiled = torch.compile(lambda q: attend(None, q, q, q, mask)[0], backend=recording_backend, fullgraph=True)
+    assert compiled(query).shape == (1, 256, 2, 64)
+    flex_nodes = [node for graph in graphs for node in graph.graph.nodes
+                  if node.op == "call_function" and "flex_attention" in str(node.target)]
+    assert len(flex_nodes) == 1
+    node_options = next(arg for arg in flex_nodes[0].args if isinstance(arg, dict))
+    assert {key: node_options[key] for key in options} == options
+    assert "q/k/v torch.float32/torch.float32/torch.float32 q[1, 2, 256, 64]" in flex_forward_config.traced_calls_summary()
+
+
 # ---------------------------------------------------------------- GPU only
 
 gpu = pytest.mark.gpu
@@ -394,11 +456,16 @@ _COMPILED_FUSED_LOSS = textwrap.dedent("""
 """)
 
 
-def _run_compiled_fused_loss(mode: str) -> subprocess.CompletedProcess:
+def _run_script(script: str, *args: str) -> subprocess.CompletedProcess:
+    """A fresh process (its own Dynamo and Triton state), with the library importable."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(Path(__file__).parents[1] / "eagle3-train"), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-c", _COMPILED_FUSED_LOSS, mode], env=env,
+    return subprocess.run([sys.executable, "-c", script, *args], env=env,
                           capture_output=True, text=True, timeout=600)
+
+
+def _run_compiled_fused_loss(mode: str) -> subprocess.CompletedProcess:
+    return _run_script(_COMPILED_FUSED_LOSS, mode)
 
 
 @gpu
@@ -447,3 +514,47 @@ def test_device_prefetch_stages_the_per_step_scalar_on_the_device():
     loader = throughput.DevicePrefetchLoader([{"error_records": 3}], torch.device("cuda", 0))
     (batch,) = list(loader)
     assert batch["error_records"].device.type == "cuda" and int(batch["error_records"]) == 3
+
+
+_COMPILED_FLEX = textwrap.dedent("""
+    import sys, torch
+    from speculators.models.eagle3.attention import create_combined_mask_mod
+    from torch._inductor.utils import run_and_get_code
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from eagle3_pipeline.compat.flex_forward_config import decide, with_forward_config
+
+    tokens, heads = 8192, 64  # speculators' mask at 2,047-token documents, window 2048
+    doc_ids = torch.arange(tokens, device="cuda") // 2047
+    mask = create_block_mask(create_combined_mask_mod(doc_ids, tokens, 2048), None, None, tokens, tokens,
+                             device="cuda")
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, heads, tokens, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    grad_out = torch.randn(1, heads, tokens, 64, device="cuda", dtype=torch.bfloat16)
+
+    def forward_backward(attend):
+        out = torch.compile(lambda q, k, v: attend(q, k, v, block_mask=mask))(q, k, v)
+        grads = torch.autograd.grad(out, (q, k, v), grad_out)
+        torch._dynamo.reset()
+        return out, grads
+
+    decision = decide(torch.cuda.get_device_capability())
+    print(decision.reason)
+    reference, reference_grads = forward_backward(flex_attention)
+    if decision.apply:
+        attend = with_forward_config(flex_attention, decision.options)
+        (out, grads), code = run_and_get_code(forward_backward, attend)
+        assert "BLOCK_M : tl.constexpr = %d" % decision.options["fwd_BLOCK_M"] in "".join(code), "config not in the kernel"
+        rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())
+        diffs = [rel(out, reference)] + [rel(g, r) for g, r in zip(grads, reference_grads)]
+        print("rel diffs out/dq/dk/dv", diffs)
+        assert max(diffs) < 1e-2, diffs
+""")
+
+
+@gpu
+@needs_cuda
+def test_flex_forward_config_reaches_the_kernel_and_keeps_outputs_and_grads():
+    result = _run_script(_COMPILED_FLEX)
+    assert result.returncode == 0, result.stderr[-3000:]
+    print(result.stdout)

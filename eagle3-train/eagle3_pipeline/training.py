@@ -166,6 +166,10 @@ def apply_compat() -> list[str]:
         fused_loss = None
     if fused_loss is not None and fused_loss.apply():
         applied.append("fused_loss")
+    from .compat import flex_forward_config
+
+    if flex_forward_config.apply():
+        applied.append("flex_forward_config")
     return applied
 
 
@@ -203,6 +207,10 @@ def run_in_process(argv: list[str], metrics_path: Path) -> None:
 
         install_device_prefetch()
     speculators_main(SpeculatorsTrainConfig.resolve(argv))
+    if "flex_forward_config" in applied:
+        from .compat.flex_forward_config import traced_calls_summary
+
+        log.info("flex_attention calls in the compiled draft: %s", traced_calls_summary())
     # speculators returns normally after SIGTERM/Ctrl-C: never let that pass for a finished run.
     stopped = resume.interruption()
     if stopped:
