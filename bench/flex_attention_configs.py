@@ -2,13 +2,15 @@
 
 The draft's attention at Kimi-K2.5 geometry: 64 heads of 64, 32,768 packed tokens of
 2,047-token documents, sliding window 2048, speculators' own document + causal + window mask
-(step 0 of TTT). `bench/train_throughput.py --trace` showed the forward kernel of PyTorch's
-default config on the H200 taking ~28 ms per TTT step at 255 registers per thread (4 warps
-for a 128x128 tile); this times the candidate configs against it, in one process.
+(step 0 of TTT), bf16 q/k/v (what the kernel gets in training: torch's flex_attention casts
+to the autocast dtype itself). `bench/train_throughput.py --trace` showed the forward kernel
+of PyTorch's default config on the H200 taking ~28 ms per TTT step at 255 registers per
+thread (4 warps for a 128x128 tile); this times the candidate configs against it, in one
+process. The winner on a GPU kind becomes its row in
+`eagle3_pipeline/compat/flex_forward_config.py`'s FORWARD_CONFIGS.
 
-    python bench/flex_attention_configs.py                          # bf16 q/k/v (NOTES.md table)
-    python bench/flex_attention_configs.py --input-dtype float32 \
-        --configs "fwd 64x128 4w 3s"        # fp32 q/k/v as speculators 0.9.0 passes them, + bf16 casts
+    python bench/flex_attention_configs.py
+    python bench/flex_attention_configs.py --configs "fwd 64x128 4w 3s"
 """
 
 from __future__ import annotations
@@ -38,8 +40,6 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=64)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--window", type=int, default=2048)
-    parser.add_argument("--input-dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                        help="q/k/v dtype (float32: what speculators 0.9.0 passes under bf16 autocast)")
     parser.add_argument("--configs", nargs="*", help="subset of the candidates (default: all)")
     parser.add_argument("--results", type=Path,
                         help="output JSON (default: bench/results/<gpu>-flex-attention-configs.json)")
@@ -60,20 +60,14 @@ def main() -> None:
     blocks = int(mask.kv_num_blocks.sum()) + int(mask.full_kv_num_blocks.sum())
     block_flops = blocks * 128 * 128 * args.heads * args.head_dim * 4  # QK^T + PV over visited blocks
     gen = torch.Generator(device="cuda").manual_seed(0)
-    dtype = getattr(torch, args.input_dtype)
-    q, k, v = (torch.randn(1, args.heads, tokens, args.head_dim, device="cuda", dtype=dtype,
+    q, k, v = (torch.randn(1, args.heads, tokens, args.head_dim, device="cuda", dtype=torch.bfloat16,
                            generator=gen) for _ in range(3))
     report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "tokens": tokens,
-              "input_dtype": args.input_dtype,
               "visited_blocks": blocks, "block_tflop": block_flops / 1e12, "configs": {}}
     reference = None
     candidates = {"torch default": None, **{n: o for n, o in CANDIDATES.items() if not args.configs or n in args.configs}}
-    if args.input_dtype != "bfloat16":  # each config again with q/k/v cast to bf16 first
-        candidates.update({f"bf16 cast + {n}": o for n, o in list(candidates.items())})
     for name, options in candidates.items():
-        def attend(q, k, v, options=options, cast=name.startswith("bf16 cast")):
-            if cast:
-                q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+        def attend(q, k, v, options=options):
             return flex_attention(q, k, v, block_mask=mask, kernel_options=options)
 
         try:

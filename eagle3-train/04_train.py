@@ -24,7 +24,8 @@ from eagle3_pipeline.resume import INTERRUPTED, epoch_folders, latest_progress, 
 from eagle3_pipeline.stage import config_fingerprint, log, stage_main
 from eagle3_pipeline.target import load_target_info
 from eagle3_pipeline.training import (
-    METRICS_FILE, best_checkpoint, launch_command, launch_env, run_in_process, speculators_argv, write_command_file,
+    METRICS_FILE, best_checkpoint, export_compat_settings, launch_command, launch_env, run_in_process,
+    speculators_argv, write_command_file,
 )
 from eagle3_pipeline.plots import PLOTS_DIRNAME, write_plots
 from eagle3_pipeline.train_report import summarize, write_summary
@@ -87,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # 3. Work: speculators' trainer (it resumes from the newest checkpoint by itself).
     log.info("training with speculators (%s); command in %s", "in-process" if launch is None else launch[0], out_dir / "command.txt")
+    export_compat_settings(cfg)
     if launch is None:
         run_in_process(spec_argv, out_dir / METRICS_FILE)
     else:

@@ -371,6 +371,32 @@ def test_flex_forward_config_applies_only_where_it_was_measured():
         assert flex_forward_config.apply() is False
 
 
+def test_flex_forward_config_setting_off_and_given_options():
+    given = {"fwd_BLOCK_M": 64, "fwd_num_warps": 8}
+    assert not flex_forward_config.decide((9, 0), "off").apply
+    assert flex_forward_config.decide((12, 0), given).options == given  # a measured winner on a new GPU
+    assert not flex_forward_config.decide(None, given).apply
+    assert flex_forward_config.parse_setting('{"fwd_BLOCK_M": 64, "fwd_num_warps": 8}') == given
+    for bad in ['{"BLOCK_M": 64}', '{"fwd_BLOCK_M": "64"}', '{"fwd_BLOCK_M": 6.4}', "{}", "[64]", "fast"]:
+        with pytest.raises(ValueError, match="expected auto, off, or a JSON object of fwd_ kernel options"):
+            flex_forward_config.parse_setting(bad)
+
+
+def test_04_train_flag_reaches_every_training_process_through_the_environment(monkeypatch):
+    from eagle3_pipeline.config import TrainConfig, resolve_stage_config
+    from eagle3_pipeline.errors import ConfigError
+    from eagle3_pipeline.training import export_compat_settings, launch_env
+
+    required = ["--target", "t", "--data", "d", "--vocab", "v", "--output", "o"]
+    with pytest.raises(ConfigError, match=r"--flex-forward-config \(flag\).*expected auto, off"):
+        resolve_stage_config(TrainConfig, required + ["--flex-forward-config", '{"BLOCK_M": 64}'])
+    cfg, _ = resolve_stage_config(TrainConfig, required + ["--flex-forward-config", '{"fwd_BLOCK_M": 64}'])
+    monkeypatch.delenv(flex_forward_config.ENV, raising=False)
+    export_compat_settings(cfg)
+    assert launch_env()[flex_forward_config.ENV] == '{"fwd_BLOCK_M": 64}'
+    assert flex_forward_config.parse_setting(os.environ[flex_forward_config.ENV]) == {"fwd_BLOCK_M": 64}
+
+
 def test_flex_wrapper_adds_the_config_for_head_dim_64_and_keeps_the_callers_options():
     calls = []
 
@@ -384,6 +410,9 @@ def test_flex_wrapper_adds_the_config_for_head_dim_64_and_keeps_the_callers_opti
             kernel_options={"fwd_num_warps": 8})
     wrapped(torch.zeros(1, 2, 8, 128), torch.zeros(1, 2, 8, 128), torch.zeros(1, 2, 8, 128))
     assert calls == [{"fwd_BLOCK_M": 64, "fwd_num_warps": 4}, {"fwd_BLOCK_M": 64, "fwd_num_warps": 8}, None]
+    every_call = flex_forward_config.with_forward_config(flex, {"fwd_BLOCK_M": 32}, head_dim=None)
+    every_call(torch.zeros(1, 2, 8, 128), torch.zeros(1, 2, 8, 128), torch.zeros(1, 2, 8, 128))
+    assert calls[-1] == {"fwd_BLOCK_M": 32}
 
 
 def test_flex_config_reaches_the_flex_node_dynamo_traces_from_speculators_attention(monkeypatch):

@@ -16,8 +16,9 @@ import typing
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from .compat.flex_forward_config import parse_setting as parse_flex_forward_config
 from .errors import ConfigError
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -153,6 +154,7 @@ class TrainConfig(StageConfig):
     attn_impl: Literal["auto", "simple_flex_attention", "sdpa", "eager"] = _field("auto", "draft attention; auto = flex_attention on GPU, sdpa on CPU")
     loss_impl: Literal["auto", "fused", "eager"] = _field("auto", "loss kernel; auto = fused (Triton) on GPU, eager on CPU")
     hidden_states_dtype: Literal["auto", "bfloat16", "float32"] = _field("auto", "training compute dtype for hidden states (speculators autocast); auto = bfloat16 on GPU, float32 on CPU")
+    flex_forward_config: str = _field("auto", "flex_attention forward kernel options: auto = the config measured for this GPU kind (sm90: 64x128 tile, 4 warps, 3 stages; none measured elsewhere), off = PyTorch's default, or a JSON object of fwd_ options found with bench/flex_attention_configs.py")
     num_workers: int = _field(8, "dataloader workers per GPU", ge=0)
     prefetch_factor: int = _field(2, "dataloader prefetch per worker (each batch holds total_seq_len x 57 KB of hidden states for Kimi)", ge=1)
     nproc: int = _field(1, "GPUs (torchrun processes) on this node", ge=1)
@@ -171,6 +173,12 @@ class TrainConfig(StageConfig):
     extra_args: list[str] = _field([], "further speculators train flags, passed through verbatim (e.g. --extra-args=--muon-lr --extra-args=0.02)")
     overwrite: bool = _field(False, "discard checkpoints made from other inputs")
     check: bool = _field(False, "preflight only: print the disk/GPU/version estimate and exit")
+
+    @field_validator("flex_forward_config")
+    @classmethod
+    def _flex_forward_config_parses(cls, value: str) -> str:
+        parse_flex_forward_config(value)  # fail at the flag, not in the training processes
+        return value
 
 
 class ExportConfig(StageConfig):

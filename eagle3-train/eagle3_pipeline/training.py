@@ -146,6 +146,14 @@ def _split_endpoint(endpoint: str) -> tuple[str, str]:
     return host.strip("[]"), port
 
 
+def export_compat_settings(cfg: TrainConfig) -> None:
+    """Settings of the compat fixes, for this process and every training process it starts
+    (`run_in_process` only gets speculators' flags, which have no place for them)."""
+    from .compat import flex_forward_config
+
+    os.environ[flex_forward_config.ENV] = cfg.flex_forward_config
+
+
 def launch_env() -> dict[str, str]:
     """Child processes must import eagle3_pipeline (the library beside the scripts)."""
     env = dict(os.environ)
