@@ -417,34 +417,46 @@ def test_flex_wrapper_adds_the_config_for_head_dim_64_and_keeps_the_callers_opti
 
 def test_flex_config_reaches_the_flex_node_dynamo_traces_from_speculators_attention(monkeypatch):
     """The wrapper must be what speculators' registered attention calls when Dynamo traces
-    the draft's forward: the flex_attention node of the traced graph carries the options."""
+    the draft's forward: the flex_attention node of the traced graph carries the options, and
+    the wrapper adds no recompiles across sequence lengths (a recompile per length ends in
+    Dynamo's limit and an eager, unfused flex attention)."""
     from speculators.models import attention
     from torch.nn.attention.flex_attention import create_block_mask
 
     monkeypatch.setattr(attention, "flex_attention", attention.flex_attention)  # undone after the test
     monkeypatch.setattr(flex_forward_config, "TRACED_CALLS", {})
+    attend = attention.ALL_ATTENTION_FUNCTIONS["simple_flex_attention"]
+
+    def trace_lengths(lengths):
+        torch._dynamo.reset()
+        graphs = []
+
+        def recording_backend(graph_module, _inputs):
+            graphs.append(graph_module)
+            return graph_module.forward
+
+        compiled = torch.compile(lambda q, mask: attend(None, q, q, q, mask)[0], backend=recording_backend)
+        for length in lengths:
+            mask = create_block_mask(lambda _b, _h, q, kv: q >= kv, None, None, length, length, device="cpu")
+            assert compiled(torch.randn(1, 2, length, 64), mask).shape == (1, length, 2, 64)
+        return graphs
+
+    lengths = [256, 384, 512, 640]
+    compiles_without = len(trace_lengths(lengths))
     options = flex_forward_config.FORWARD_CONFIGS[(9, 0)]
     flex_forward_config.install(options)
     flex_forward_config.install(options)  # idempotent: wraps speculators' original once
     assert not hasattr(attention.flex_attention.wrapped, "wrapped")
-
-    graphs = []
-
-    def recording_backend(graph_module, _inputs):
-        graphs.append(graph_module)
-        return graph_module.forward
-
-    attend = attention.ALL_ATTENTION_FUNCTIONS["simple_flex_attention"]
-    mask = create_block_mask(lambda _b, _h, q, kv: q >= kv, None, None, 256, 256, device="cpu")
-    query = torch.randn(1, 2, 256, 64)
-    compiled = torch.compile(lambda q: attend(None, q, q, q, mask)[0], backend=recording_backend, fullgraph=True)
-    assert compiled(query).shape == (1, 256, 2, 64)
+    graphs = trace_lengths(lengths)
+    assert len(graphs) == compiles_without
     flex_nodes = [node for graph in graphs for node in graph.graph.nodes
                   if node.op == "call_function" and "flex_attention" in str(node.target)]
-    assert len(flex_nodes) == 1
-    node_options = next(arg for arg in flex_nodes[0].args if isinstance(arg, dict))
-    assert {key: node_options[key] for key in options} == options
-    assert "q/k/v torch.float32/torch.float32/torch.float32 q[1, 2, 256, 64]" in flex_forward_config.traced_calls_summary()
+    assert flex_nodes
+    for node in flex_nodes:
+        node_options = next(arg for arg in node.args if isinstance(arg, dict))
+        assert {key: node_options[key] for key in options} == options
+    assert flex_forward_config.traced_calls_summary() == (
+        f"q/k/v torch.float32/torch.float32/torch.float32 head_dim 64 options {dict(sorted(options.items()))}")
 
 
 # ---------------------------------------------------------------- GPU only

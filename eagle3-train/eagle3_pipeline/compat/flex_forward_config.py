@@ -40,9 +40,11 @@ FORWARD_CONFIGS: dict[tuple[int, int], dict[str, int]] = {
     (9, 0): {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 128, "fwd_num_warps": 4, "fwd_num_stages": 3},
 }
 
-# Keys (query dtype, key dtype, value dtype, query shape, key shape, options passed), one per
-# distinct call: what the compiled graphs hand flex_attention (Dynamo replays the store on
-# every call of a graph, so a dict, not a list). Read by `traced_calls_summary`.
+# Keys (query dtype, key dtype, value dtype, head_dim, options passed), one per distinct call:
+# what the compiled graphs hand flex_attention (Dynamo replays the store on every call of a
+# graph, so a dict, not a list). No sequence lengths: making a key of them would specialise
+# the graph on them, i.e. one recompile per length until Dynamo's limit, then eager flex
+# attention. Read by `traced_calls_summary`.
 TRACED_CALLS: dict[tuple, bool] = {}
 
 
@@ -88,7 +90,7 @@ def with_forward_config(flex_attention, options: dict[str, int], head_dim: int |
     def flex_attention_with_config(query, key, value, *args, kernel_options=None, **kwargs):
         if head_dim is None or query.shape[-1] == head_dim:
             kernel_options = {**options, **(kernel_options or {})}
-        TRACED_CALLS[(query.dtype, key.dtype, value.dtype, tuple(query.shape), tuple(key.shape),
+        TRACED_CALLS[(query.dtype, key.dtype, value.dtype, query.shape[-1],
                       tuple(sorted((kernel_options or {}).items())))] = True
         return flex_attention(query, key, value, *args, kernel_options=kernel_options, **kwargs)
 
@@ -107,8 +109,8 @@ def install(options: dict[str, int], head_dim: int | None = HEAD_DIM) -> None:
 
 def traced_calls_summary() -> str:
     """What the compiled graphs handed flex_attention, one line per distinct call."""
-    return "; ".join(f"q/k/v {q}/{k}/{v} q{list(qs)} k{list(ks)} options {dict(opts)}"
-                     for (q, k, v, qs, ks, opts) in TRACED_CALLS) or "no flex_attention call traced"
+    return "; ".join(f"q/k/v {q}/{k}/{v} head_dim {head_dim} options {dict(opts)}"
+                     for (q, k, v, head_dim, opts) in TRACED_CALLS) or "no flex_attention call traced"
 
 
 def apply() -> bool:
