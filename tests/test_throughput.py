@@ -382,14 +382,17 @@ def test_flex_forward_config_setting_off_and_given_options():
             flex_forward_config.parse_setting(bad)
 
 
-def test_04_train_flag_reaches_every_training_process_through_the_environment(monkeypatch):
+def test_04_train_flex_flag_is_checked_and_reaches_every_training_process(monkeypatch, capsys):
     from eagle3_pipeline.config import TrainConfig, resolve_stage_config
-    from eagle3_pipeline.errors import ConfigError
     from eagle3_pipeline.training import export_compat_settings, launch_env
 
     required = ["--target", "t", "--data", "d", "--vocab", "v", "--output", "o"]
-    with pytest.raises(ConfigError, match=r"--flex-forward-config \(flag\).*expected auto, off"):
+    with pytest.raises(SystemExit) as stopped:
         resolve_stage_config(TrainConfig, required + ["--flex-forward-config", '{"BLOCK_M": 64}'])
+    assert stopped.value.code == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and error.startswith("error: --flex-forward-config (flag):")
+    assert "expected auto, off, or a JSON object of fwd_ kernel options" in error
     cfg, _ = resolve_stage_config(TrainConfig, required + ["--flex-forward-config", '{"fwd_BLOCK_M": 64}'])
     monkeypatch.delenv(flex_forward_config.ENV, raising=False)
     export_compat_settings(cfg)
