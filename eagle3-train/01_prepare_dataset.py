@@ -17,14 +17,12 @@ from tqdm import tqdm
 
 from eagle3_pipeline.config import PrepareConfig, resolve_stage_config
 from eagle3_pipeline.contract import write_manifest
+from eagle3_pipeline.conversations import ChatTokenizer, build_rows, read_records, refuse_too_many_bad, report_check
 from eagle3_pipeline.errors import InputError
-from eagle3_pipeline.conversations import (
-    ChatTokenizer, check_record, conversation_key, fit_length, is_pretokenized, read_records, rows_for_record,
-)
 from eagle3_pipeline.files import check_writable_dir, remove_stale_temps
 from eagle3_pipeline.preflight import hidden_states_estimate_line, preflight_prepare
-from eagle3_pipeline.prepared import order_rows, split_conversations, train_data_ratio, write_prepared
-from eagle3_pipeline.stage import config_fingerprint, finished_with_same_inputs, log, retire_manifest, stage_main
+from eagle3_pipeline.prepared import REJECTED_NAME, order_rows, split_conversations, train_data_ratio, write_prepared
+from eagle3_pipeline.stage import config_fingerprint, data_identity, finished, log, retire_manifest, stage_identity, stage_main
 from eagle3_pipeline.target import load_target_info
 
 
@@ -40,72 +38,61 @@ def main(argv: list[str] | None = None) -> int:
 
     # 2. Contract: nothing upstream but the raw data; skip if this exact result exists.
     check_writable_dir(out_dir, "--output")
-    if finished_with_same_inputs(out_dir, fingerprint, inputs, cfg.overwrite):
+    identity = stage_identity(cfg, {"data": data_identity(cfg.data), "target_config": target.config_sha256,
+                                    "tokenizer": target.tokenizer_sha256})
+    if finished(out_dir, "prepare", identity, cfg.overwrite, cfg.check):
         log.info("%s: already prepared with these settings; nothing to do", out_dir)
         return 0
     chat = ChatTokenizer(cfg.tokenizer or cfg.target, cfg.trust_remote_code)
     for line in preflight_prepare(cfg.data, cfg.max_samples, cfg.max_seq_len, target, out_dir):
         log.info("preflight %s", line)
-    if cfg.check:  # also read every local row once: bad rows are refused in seconds, not after tokenizing
-        if Path(cfg.data).is_file():
-            checked = 0
-            for where, record in read_records(cfg.data):
-                if cfg.max_samples is not None and checked >= cfg.max_samples:
-                    break
-                check_record(record, target.vocab_size, where)
-                checked += 1
-            log.info("preflight rows: %d conversation(s) in %s are well-formed", checked, cfg.data)
-        return 0
-    remove_stale_temps(out_dir)
 
-    # 3. Work: read, validate and tokenize every conversation.
-    rows, dropped_too_long, truncated_too_long, pretokenized = [], 0, 0, 0
-    conversation_of: dict[str, int] = {}  # conversation key -> index (the split is by conversation)
+    # 3. Work: read, validate, render and tokenize every row (--check: the same, writing nothing).
     records = read_records(cfg.data, cfg.data_split, cfg.data_subset, cfg.trust_remote_code)
-    for where, record in tqdm(records, desc="prepare", unit="row", total=cfg.max_samples):
-        key = conversation_key(record, where)
-        if key not in conversation_of:
-            if cfg.max_samples is not None and len(conversation_of) >= cfg.max_samples:
-                break
-            conversation_of[key] = len(conversation_of)
-        pretokenized += is_pretokenized(record)
-        for row in rows_for_record(chat, record, conversation_of[key], cfg.rows_per, target.vocab_size, where):
-            fitted = fit_length(row, cfg.max_seq_len, cfg.on_too_long)
-            if fitted is None:
-                dropped_too_long += 1
-            else:
-                truncated_too_long += len(fitted.input_ids) < len(row.input_ids)
-                rows.append(fitted)
-    conversations = len(conversation_of)
+    prepared = build_rows(chat, records, rows_per=cfg.rows_per, vocab_size=target.vocab_size,
+                          max_samples=cfg.max_samples, max_seq_len=cfg.max_seq_len, on_too_long=cfg.on_too_long,
+                          keep_bad=cfg.check or cfg.on_bad_row == "skip",
+                          progress=lambda it: tqdm(it, desc="check" if cfg.check else "prepare", unit="row",
+                                                   total=cfg.max_samples))
+    if cfg.check:
+        return report_check(prepared, cfg)
+    refuse_too_many_bad(prepared, cfg.max_bad_fraction, cfg.data)
+    rows = prepared.rows
     if not rows:
-        raise InputError(f"{cfg.data}: no rows left from {conversations} conversation(s) "
-                         f"({dropped_too_long} longer than --max-seq-len {cfg.max_seq_len})")
-    train_convs, val_convs = split_conversations(conversations, cfg.val_ratio, cfg.seed)
+        raise InputError(f"{cfg.data}: no rows left from {prepared.conversations} conversation(s) "
+                         f"({prepared.dropped_too_long} longer than --max-seq-len {cfg.max_seq_len})")
+    train_convs, val_convs = split_conversations(prepared.conversations, cfg.val_ratio, cfg.seed)
     rows, num_train = order_rows(rows, train_convs, val_convs)
     if num_train == 0 or num_train == len(rows):
-        raise InputError(f"{cfg.data}: {conversations} conversation(s) cannot be split into train and val "
+        raise InputError(f"{cfg.data}: {prepared.conversations} conversation(s) cannot be split into train and val "
                          f"(--val-ratio {cfg.val_ratio}); give at least 2 conversations")
 
     # 4. Outputs (dataset + token_freq.pt, renamed into place).
+    remove_stale_temps(out_dir)
     retire_manifest(out_dir)  # an old result (--overwrite) stops being finished only now
-    stats = write_prepared(out_dir, rows, num_train)
-    if dropped_too_long:
-        log.warning("dropped %d row(s) longer than --max-seq-len %d (see manifest counts)", dropped_too_long, cfg.max_seq_len)
-    if truncated_too_long:
-        log.warning("truncated %d row(s) to --max-seq-len %d (see manifest counts)", truncated_too_long, cfg.max_seq_len)
+    stats = write_prepared(out_dir, rows, num_train, prepared.bad)
+    if prepared.dropped_too_long:
+        log.warning("dropped %d row(s) longer than --max-seq-len %d (see manifest counts)",
+                    prepared.dropped_too_long, cfg.max_seq_len)
+    if prepared.truncated_too_long:
+        log.warning("truncated %d row(s) to --max-seq-len %d (see manifest counts)",
+                    prepared.truncated_too_long, cfg.max_seq_len)
 
     # 5. Contract last: the directory is finished only once manifest.json exists.
     write_manifest(
         out_dir, "prepare",
-        config=cfg.model_dump(), config_sha256=fingerprint, inputs=inputs,
-        target=target.summary(),
-        counts={"conversations": conversations, "pretokenized_rows": pretokenized, "dropped_too_long": dropped_too_long,
-                "truncated_too_long": truncated_too_long, **stats},
+        config=cfg.model_dump(), config_sha256=fingerprint, inputs=inputs, identity=identity,
+        content={"counts": stats, "max_seq_len": cfg.max_seq_len}, target=target.summary(),
+        counts={"input_rows": prepared.input_rows, "conversations": prepared.conversations,
+                "pretokenized_rows": prepared.pretokenized, "rejected_rows": len(prepared.bad),
+                "dropped_too_long": prepared.dropped_too_long, "truncated_too_long": prepared.truncated_too_long,
+                **stats},
         train_data_ratio=train_data_ratio(num_train, len(rows)),
         max_seq_len=cfg.max_seq_len,
     )
-    log.info("prepared %d rows (%d train / %d val, %d loss tokens) from %d conversations -> %s",
-             stats["rows"], stats["train_rows"], stats["val_rows"], stats["loss_tokens"], conversations, out_dir)
+    log.info("prepared %d rows (%d train / %d val, %d loss tokens) from %d conversations, %d bad row(s) skipped%s -> %s",
+             stats["rows"], stats["train_rows"], stats["val_rows"], stats["loss_tokens"], prepared.conversations,
+             len(prepared.bad), f" (listed in {out_dir / REJECTED_NAME})" if prepared.bad else "", out_dir)
     log.info("%s", hidden_states_estimate_line(stats["rows"], stats["tokens"], target.hidden_size))
     return 0
 

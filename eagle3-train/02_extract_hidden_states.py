@@ -3,8 +3,8 @@
 
 Writes DATA/hidden_states/hs_{i}.safetensors (`hidden_states` [T, 4, H] = residual stream
 after the 3 aux layers and the final layer before the final norm; `token_ids` [T]) in
-speculators' layout, each validated (token ids, shape, finite, non-zero) before it is
-renamed into place. Backends: vLLM (real targets, tensor parallel) and HF transformers
+speculators' layout (or its fp8 format with --storage fp8), each validated (token ids,
+shape, finite, non-constant) before it is renamed into place. Backends: vLLM (real targets, tensor parallel) and HF transformers
 (small targets, debugging). Resumable: a rerun skips rows whose file is already valid.
 Run with --help for flags and an example.
 """
@@ -16,18 +16,27 @@ from pathlib import Path
 
 from eagle3_pipeline.config import ExtractConfig, resolve_stage_config
 from eagle3_pipeline.contract import input_record, read_manifest, require_equal, write_manifest
-from eagle3_pipeline.errors import ContractError
-from eagle3_pipeline.extract.common import HS_DIRNAME, partition_indices, validate_all
+from eagle3_pipeline.errors import StageError
+from eagle3_pipeline.extract.common import HS_DIRNAME, hs_file, partition_indices, validate_all
 from eagle3_pipeline.extract.run import (
-    ROWS_PER_SLOT, all_rows_landed, fail_rows, plan_extraction, preflight, read_json, run_extraction, validate_sample_of_files,
+    ROWS_PER_SLOT,
+    all_rows_landed,
+    fail_rows,
+    lock_extraction,
+    make_backend,
+    plan_extraction,
+    preflight,
+    row_of,
+    run_extraction,
+    staging_dir,
+    stored_dtype,
+    validate_sample_of_files,
 )
-from eagle3_pipeline.files import check_writable_dir, remove_stale_temps
+from eagle3_pipeline.files import DiskFull, check_writable_dir, remove_stale_temps
+from eagle3_pipeline.preflight import hidden_state_bytes_per_token, human_bytes
 from eagle3_pipeline.prepared import load_rows
-from eagle3_pipeline.stage import config_fingerprint, log, stage_main
+from eagle3_pipeline.stage import config_fingerprint, finished, log, stage_identity, stage_main
 from eagle3_pipeline.target import extraction_layer_ids, load_target_info
-
-# Settings that change the bytes of every file: mixing them in one directory is refused.
-SHAPING_KEYS = ("layer_ids", "dtype", "target_config_sha256")
 
 
 @stage_main
@@ -50,15 +59,18 @@ def main(argv: list[str] | None = None) -> int:
 
         print(shlex.join(server_command(cfg, target, layer_ids, staging_dir(cfg, hs_dir), max_model_len)))
         return 0
-    shaping = {"layer_ids": layer_ids, "dtype": cfg.dtype, "target_config_sha256": target.config_sha256}
-    check_same_shaping(hs_dir, shaping)
+    # One identity rule (stage.finished): a change of stage 01's output re-checks every file (rows whose
+    # token ids still match are kept); a change of target, layer ids or dtype is refused (never mixed).
+    identity = stage_identity(cfg, {"prepare": prepared["_content_sha256"]}, layer_ids=layer_ids,
+                              target_config_sha256=target.config_sha256)
     check_writable_dir(hs_dir, "--data")
-    remove_stale_temps(hs_dir)
-
+    if not cfg.check:
+        lock_extraction(hs_dir, cfg.world_size, cfg.rank)
+    total_rows = prepared["counts"]["rows"]
     rows = load_rows(data_dir, cfg.max_samples)
     if cfg.validate_only:  # before planning: the plan would drop bad files without saying why
         mine = {i: rows[i] for i in partition_indices(list(range(len(rows))), cfg.world_size, cfg.rank)}
-        bad = validate_all(hs_dir, mine, len(layer_ids), target.hidden_size)
+        bad = validate_all(hs_dir, mine, len(layer_ids), target.hidden_size, dtype=stored_dtype(cfg))
         if bad:
             for index in bad:  # a rerun redoes exactly these
                 (hs_dir / f"hs_{index}.safetensors").unlink(missing_ok=True)
@@ -66,9 +78,10 @@ def main(argv: list[str] | None = None) -> int:
             raise fail_rows(bad, hs_dir, "validation")
         log.info("validated %d file(s): all good", len(mine))
         return 0
-    fingerprint = config_fingerprint(cfg, ignore=("rank", "world_size", "retries"))
-    if finished_extraction(hs_dir, fingerprint, prepared, len(rows)) and not cfg.check:
-        # Rewriting the manifest would change its hash and orphan stage 03/04 outputs built on it.
+    remedy = f"move {hs_dir} away (or rerun 01 into a new --output) to extract again"
+    if finished(hs_dir, "extract", identity, check=cfg.check, input_change_redoes=True, remedy=remedy,
+                extra_done=all_rows_landed(hs_dir, list(range(total_rows)))) and not cfg.check:
+        # Nothing to redo, and the manifest is left as it is (stages 03/04 recorded its content).
         log.info("%s: already extracted with these settings; nothing to do (--validate re-checks every file)", hs_dir)
         return 0
     plan = plan_extraction(cfg, rows, len(layer_ids), target.hidden_size, hs_dir)
@@ -81,16 +94,28 @@ def main(argv: list[str] | None = None) -> int:
         log.info("preflight %s", line)
     if cfg.check:
         return 0
-    # An unfinished manifest records the shaping settings from the first file on.
-    write_manifest(hs_dir, "extract", complete=False, **shaping)
+    remove_stale_temps(hs_dir, owned=None if cfg.world_size == 1 else lambda name: row_of(name) in plan.rows)
+    for extra in hs_dir.glob("hs_*.safetensors"):  # rows stage 01 no longer has (it was redone on other data)
+        if (row := row_of(extra.name)) is not None and row >= total_rows:
+            extra.unlink(missing_ok=True)
+    # An unfinished manifest records the identity from the first file on (a rerun with another dtype
+    # or layer ids is then refused instead of mixing files).
+    write_manifest(hs_dir, "extract", complete=False, identity=identity, layer_ids=layer_ids, dtype=cfg.dtype,
+                   storage=cfg.storage)
 
     # 4. Work.
     log.info("extracting %d row(s) (%d already done) with the %s backend, layer ids %s",
              len(plan.todo), plan.counts["skipped_done"], cfg.backend, layer_ids)
     if plan.todo:
-        backend = make_backend(cfg, target, layer_ids, hs_dir, max_model_len, plan.dtype)
+        backend = make_backend(cfg, target, layer_ids, hs_dir, max_model_len, plan.compute_dtype)
         try:
             failures = run_extraction(backend, plan, hs_dir, cfg.retries, batch_rows=ROWS_PER_SLOT * cfg.max_num_seqs)
+        except DiskFull as exc:
+            left = [i for i in plan.todo if not hs_file(hs_dir, i).is_file()]
+            need = sum(len(plan.rows[i]) for i in left) * hidden_state_bytes_per_token(
+                len(layer_ids), target.hidden_size, "fp8" if cfg.storage == "fp8" else cfg.dtype)
+            raise StageError(f"{exc}; the {len(left)} row(s) left need ~{human_bytes(need)} ({need:,} B); free space, "
+                             f"then rerun (finished files are kept)") from None
         finally:
             backend.close()
         if failures:
@@ -107,54 +132,25 @@ def main(argv: list[str] | None = None) -> int:
                  cfg.rank, cfg.world_size)
         return 0
     (hs_dir / "redo.json").unlink(missing_ok=True)  # every row listed there has been redone
+    covered = len(plan.all_indices)
+    if covered < total_rows:
+        log.warning("%d of stage 01's %d rows extracted (--max-samples %d): the manifest says complete: false, so "
+                    "stage 04 refuses these states until a run without --max-samples adds the rest",
+                    covered, total_rows, cfg.max_samples)
     write_manifest(
-        hs_dir, "extract", **shaping,
-        config=cfg.model_dump(), config_sha256=fingerprint,
+        hs_dir, "extract", complete=covered == total_rows, identity=identity,
+        content={"rows": covered, "tokens": sum(len(r) for r in rows), "dtype": cfg.dtype, "storage": cfg.storage,
+                 "shapes": {"hidden_states": ["T", len(layer_ids), target.hidden_size], "token_ids": ["T"]}},
+        layer_ids=layer_ids, dtype=cfg.dtype, storage=cfg.storage, target_config_sha256=target.config_sha256,
+        config=cfg.model_dump(), config_sha256=config_fingerprint(cfg),
         inputs={"prepare": input_record(prepared)},
         target=target.summary(),
         backend=cfg.backend,
         shapes={"hidden_states": ["T", len(layer_ids), target.hidden_size], "token_ids": ["T"]},
         counts={"rows": len(plan.all_indices), "tokens": sum(len(r) for r in rows), **plan.counts},
     )
-    log.info("hidden states for %d rows -> %s", len(plan.all_indices), hs_dir)
+    log.info("hidden states for %d rows -> %s", covered, hs_dir)
     return 0
-
-
-def staging_dir(cfg: ExtractConfig, hs_dir: Path) -> Path:
-    return Path(cfg.staging_dir) if cfg.staging_dir else hs_dir / ".staging"
-
-
-def finished_extraction(hs_dir: Path, fingerprint: str, prepared: dict, num_rows: int) -> bool:
-    """A complete manifest from these settings and this stage-01 output, and every row's file present."""
-    existing = read_json(hs_dir / "manifest.json") or {}
-    return (bool(existing.get("complete")) and existing.get("config_sha256") == fingerprint
-            and existing.get("inputs") == {"prepare": input_record(prepared)}
-            and all_rows_landed(hs_dir, list(range(num_rows))))
-
-
-def check_same_shaping(hs_dir: Path, shaping: dict) -> None:
-    """Files from another target/layer ids/dtype must never be mixed into this directory."""
-    existing = read_json(hs_dir / "manifest.json")
-    if not existing:
-        return
-    for key in SHAPING_KEYS:
-        if existing.get(key) != shaping[key]:
-            raise ContractError(
-                f"{hs_dir / 'manifest.json'}: existing hidden states have {key}={existing.get(key)}, this run "
-                f"{shaping[key]}; move {hs_dir} away (or rerun 01 into a new --output) to extract again"
-            )
-
-
-def make_backend(cfg: ExtractConfig, target, layer_ids, hs_dir: Path, max_model_len: int, dtype):
-    if cfg.backend == "hf":
-        from eagle3_pipeline.extract.hf import HfBackend
-
-        return HfBackend(target, layer_ids, dtype, cfg.device, cfg.trust_remote_code)
-    from eagle3_pipeline.extract.vllm_backend import VllmBackend
-
-    staging = staging_dir(cfg, hs_dir)
-    staging.mkdir(parents=True, exist_ok=True)
-    return VllmBackend(cfg, target, layer_ids, staging, max_model_len)
 
 
 if __name__ == "__main__":

@@ -14,11 +14,17 @@ from pathlib import Path
 from eagle3_pipeline.config import VocabConfig, load_draft_config, resolve_stage_config
 from eagle3_pipeline.contract import input_record, read_manifest, write_manifest
 from eagle3_pipeline.files import atomic_numpy_save, atomic_write_json, check_writable_dir, remove_stale_temps
-from eagle3_pipeline.prepared import TOKEN_FREQ_NAME, load_prepared
 from eagle3_pipeline.preflight import preflight_vocab
-from eagle3_pipeline.stage import config_fingerprint, finished_with_same_inputs, log, retire_manifest, stage_main
+from eagle3_pipeline.prepared import TOKEN_FREQ_NAME, load_prepared
+from eagle3_pipeline.stage import config_fingerprint, finished, log, retire_manifest, stage_identity, stage_main
 from eagle3_pipeline.vocab import (
-    D2T_NAME, T2D_NAME, build_mapping, count_loss_tokens, coverage, coverage_warning, load_token_freq,
+    D2T_NAME,
+    T2D_NAME,
+    build_mapping,
+    count_loss_tokens,
+    coverage,
+    coverage_warning,
+    load_token_freq,
     resolve_draft_vocab_size,
 )
 
@@ -36,8 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     draft_vocab, source = resolve_draft_vocab_size(cfg.draft_vocab_size, draft_config["draft_vocab_size"], target_vocab)
     inputs = {"prepare": input_record(prepared)}
     fingerprint = config_fingerprint(cfg.model_copy(update={"draft_vocab_size": draft_vocab}), ignore=("output",))
+    identity = stage_identity(cfg, {"prepare": prepared["_content_sha256"]}, draft_vocab_size=draft_vocab)
     check_writable_dir(out_dir, "--output")
-    if finished_with_same_inputs(out_dir, fingerprint, inputs, cfg.overwrite):
+    if finished(out_dir, "vocab", identity, cfg.overwrite, cfg.check):
         log.info("%s: vocab mapping already built from these inputs; nothing to do", out_dir)
         return 0
     for line in preflight_vocab(target_vocab, draft_vocab, out_dir):
@@ -58,13 +65,15 @@ def main(argv: list[str] | None = None) -> int:
         "train_coverage": coverage(token_freq, t2d), "val_coverage": coverage(val_freq, t2d),
     }
 
-    # 4. Outputs, then 5. the contract.
+    # 4. Outputs (each replaced by a rename: nothing but these three names is ever touched), then 5. the contract.
     retire_manifest(out_dir)  # an old result (--overwrite) stops being finished only now
     atomic_numpy_save(d2t, out_dir / D2T_NAME)
     atomic_numpy_save(t2d, out_dir / T2D_NAME)
     atomic_write_json(out_dir / "coverage.json", report)
     write_manifest(
         out_dir, "vocab", config=cfg.model_dump(), config_sha256=fingerprint, inputs=inputs,
+        identity=identity, content={"shapes": {"d2t": list(d2t.shape), "t2d": list(t2d.shape)}, "coverage": report},
+        outputs=[D2T_NAME, T2D_NAME, "coverage.json"],
         target=prepared["target"], draft_vocab_size=draft_vocab, target_vocab_size=target_vocab,
         shapes={"d2t": list(d2t.shape), "t2d": list(t2d.shape)}, coverage=report,
     )

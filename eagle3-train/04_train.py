@@ -10,89 +10,112 @@ saves and validation metrics are speculators'. Run with --help for flags and an 
 
 from __future__ import annotations
 
-import json
 import subprocess
 from pathlib import Path
 
+from eagle3_pipeline import checkpoints
 from eagle3_pipeline.config import TrainConfig, load_draft_config, resolve_stage_config
-from eagle3_pipeline.contract import input_record, read_manifest, require_equal, require_upstream, write_manifest
-from eagle3_pipeline.errors import ConfigError, ContractError, Interrupted, StageError
-from eagle3_pipeline.extract.common import HS_DIRNAME
-from eagle3_pipeline.files import check_writable_dir, remove_stale_temps
-from eagle3_pipeline.preflight import preflight_train
-from eagle3_pipeline.resume import INTERRUPTED, epoch_folders, latest_progress, prepare_resume
-from eagle3_pipeline.stage import config_fingerprint, log, stage_main
-from eagle3_pipeline.target import load_target_info
-from eagle3_pipeline.training import (
-    METRICS_FILE, best_checkpoint, export_compat_settings, launch_command, launch_env, run_in_process,
-    speculators_argv, write_command_file,
-)
+from eagle3_pipeline.contract import input_record, write_manifest
+from eagle3_pipeline.errors import ContractError, Interrupted, StageError
+from eagle3_pipeline.files import check_writable_dir, held_lock_fds, remove_stale_temps
+from eagle3_pipeline.metrics import compat_applied
 from eagle3_pipeline.plots import PLOTS_DIRNAME, write_plots
+from eagle3_pipeline.preflight import checkpoint_bytes, preflight_train
+from eagle3_pipeline.resume import INTERRUPTED, prepare_resume
+from eagle3_pipeline.stage import (
+    config_fingerprint,
+    finished,
+    lock_output,
+    log,
+    stage_identity,
+    stage_main,
+)
+from eagle3_pipeline.target import load_target_info
 from eagle3_pipeline.train_report import summarize, write_summary
+from eagle3_pipeline.training import (
+    METRICS_FILE,
+    export_compat_settings,
+    launch_command,
+    launch_env,
+    read_upstream,
+    run_in_process,
+    speculators_argv,
+    write_command_file,
+)
 
 
 @stage_main
 def main(argv: list[str] | None = None) -> int:
     # 1. Config.
-    cfg, _ = resolve_stage_config(TrainConfig, argv)
+    cfg, sources = resolve_stage_config(TrainConfig, argv)
     out_dir = Path(cfg.output)
     draft = load_draft_config(cfg.draft_config)
     target = load_target_info(cfg.target)
 
     # 2. Contracts: one target, one prepared dataset, states and vocab both built from it.
-    prepared = read_manifest(cfg.data, "prepare", "--data")
-    extracted = read_manifest(Path(cfg.data) / HS_DIRNAME, "extract", "--data")
-    vocab = read_manifest(cfg.vocab, "vocab", "--vocab")
-    hint = "all stages must use the same --target"
-    for manifest in (prepared, extracted, vocab):
-        require_equal("target config", target.config_sha256, manifest["target"]["config_sha256"], manifest, hint)
-    require_upstream(extracted, "prepare", prepared)
-    require_upstream(vocab, "prepare", prepared)
-    for key, value in (("hidden_size", target.hidden_size), ("target_vocab_size", target.vocab_size)):
-        if draft.get(key) not in (None, value):
-            raise ConfigError(f"{cfg.draft_config}: {key} {draft[key]} does not match the target's {value} ({cfg.target}/config.json)")
+    prepared, extracted, vocab = read_upstream(cfg, target, draft)
     aux_layer_ids = extracted["layer_ids"][:-1]
     inputs = {name: input_record(m) for name, m in (("prepare", prepared), ("extract", extracted), ("vocab", vocab))}
-    # What a resume must not change: the draft, its inputs, and the optimizer (its saved state
-    # only loads into the same optimizer). lr, epochs, steps may change between runs.
-    run_identity = {"draft_config": draft, "inputs": inputs, "target_config_sha256": target.config_sha256,
-                    "optimizer": cfg.optimizer}
+    # The one rule for "done" (stage.finished). A resume restores speculators' optimizer AND its lr
+    # scheduler (built for the old lr, epochs and steps), so every setting that shapes the run is
+    # part of the identity: changing one mid-run is refused, never recorded as if it had happened.
+    identity = stage_identity(
+        cfg, {name: m["_content_sha256"] for name, m in (("prepare", prepared), ("extract", extracted), ("vocab", vocab))},
+        target_config_sha256=target.config_sha256, draft_config={k: v for k, v in draft.items() if k != "description"},
+        ttt_steps=cfg.ttt_steps or draft.get("ttt_steps", 3), world_size=cfg.nproc * cfg.nnodes,
+    )
     check_writable_dir(out_dir, "--output")
-    check_same_run(out_dir, run_identity, cfg.overwrite)
-    fingerprint = config_fingerprint(cfg)
-    if finished_training(out_dir, run_identity, fingerprint):
+    if cfg.nnodes > 1 and not cfg.check:  # nodes share --output (node 0 writes it): one process per node
+        lock_output(out_dir, exclusive=False)
+        lock_output(out_dir, lock_file=out_dir / f".eagle3.node{cfg.node_rank}-of-{cfg.nnodes}.lock")
+    remedy = ("a resume restores the old optimizer and lr schedule from the checkpoints, so it cannot change a run; "
+              "rerun with the old value, choose another --output, or pass --overwrite to train anew (deletes only "
+              "this stage's checkpoints and logs)")
+    if finished(out_dir, "train", identity, cfg.overwrite, cfg.check, remedy=remedy):
         # Rerunning would train extra steps (--max-steps) and rewrite the manifest stage 05 was built on.
         log.info("%s: already trained with these settings and inputs; nothing to do", out_dir)
         return 0
+    checkpoints.refuse_foreign_folders(out_dir)  # before anything is deleted or trained
+    replace = checkpoints.replaces_other_run(out_dir, identity)
+    if replace and not cfg.overwrite:
+        raise ContractError(f"{out_dir}: holds checkpoints but no manifest of stage 04 (they come from an unknown "
+                            f"run, and speculators would resume from them); choose another --output, or pass "
+                            f"--overwrite to delete them")
+    epochs_done = 0 if replace else len(checkpoints.complete(out_dir))
     for line in preflight_train(cfg, draft, target, vocab["draft_vocab_size"], out_dir,
-                                prepared.get("counts", {}).get("tokens", 0)):  # synthetic bench data: none
+                                prepared.get("counts", {}).get("tokens", 0),  # synthetic bench data: none
+                                epochs_done=epochs_done, nproc_source=sources["nproc"]):
         log.info("preflight %s", line)
     if cfg.check:
         return 0
-    remove_stale_temps(out_dir)
+    if cfg.node_rank == 0:  # one node tidies the (shared) folder
+        if replace:
+            removed = checkpoints.delete_own(out_dir)
+            log.info("--overwrite: deleted this stage's outputs from another run: %s", ", ".join(removed) or "none")
+        remove_stale_temps(out_dir)
     # speculators resumes from the newest <epoch>/ by itself; make sure that one is whole.
     # One node tidies the (shared) checkpoint folder; the others must not race it.
     resume = prepare_resume(out_dir) if cfg.node_rank == 0 else {"incomplete_removed": [], "interrupted": None}
-    resume["from"] = latest_progress(out_dir)
+    resume["from"] = checkpoints.latest_progress(out_dir)
     if resume["from"]:
         log.info("resuming from checkpoint %s (global step %s); the steps before it are not redone",
                  resume["from"]["checkpoint"], resume["from"].get("global_step", "?"))
 
     spec_argv = speculators_argv(
         cfg, draft, target.path, aux_layer_ids, vocab["draft_vocab_size"], prepared["train_data_ratio"],
-        mask_token_id=target.text_config.get("pad_token_id") or 0,
+        mask_token_id=target.text_config.get("pad_token_id") or 0, hidden_states_storage=extracted.get("storage", "dtype"),
     )
     launch = launch_command(cfg, spec_argv)
     write_command_file(out_dir, spec_argv, launch)
-    write_manifest(out_dir, "train", complete=False, run_identity=run_identity)
+    write_manifest(out_dir, "train", complete=False, identity=identity)
 
     # 3. Work: speculators' trainer (it resumes from the newest checkpoint by itself).
     log.info("training with speculators (%s); command in %s", "in-process" if launch is None else launch[0], out_dir / "command.txt")
     export_compat_settings(cfg)
     if launch is None:
-        run_in_process(spec_argv, out_dir / METRICS_FILE)
+        run_in_process(spec_argv, out_dir / METRICS_FILE, checkpoint_bytes(cfg, draft, target, vocab["draft_vocab_size"]))
     else:
-        result = subprocess.run(launch, env=launch_env())
+        result = subprocess.run(launch, env=launch_env(), pass_fds=held_lock_fds())  # ranks hold the output lock too
         if result.returncode == Interrupted.exit_code:
             raise Interrupted(f"training interrupted; checkpoint saved in {out_dir / INTERRUPTED} if the save finished; "
                               f"rerun the same command to resume")
@@ -107,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     # 4. Report (plots/*.png, summary.txt), then 5. the contract.
-    best = best_checkpoint(out_dir)
+    best = checkpoints.best(out_dir)
     if best is None:
         raise StageError(f"{out_dir}: training finished without a checkpoint")
     try:
@@ -116,42 +139,16 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("plots not written (%s: %s); retry with python -m eagle3_pipeline.plots %s", type(exc).__name__, exc, out_dir)
     summary = summarize(out_dir / METRICS_FILE, best, draft.get("num_speculative_tokens"))
     print(write_summary(out_dir, summary), flush=True)
+    written = sorted(p.name for p in checkpoints.own_outputs(out_dir)) + ["manifest.json"]
     write_manifest(
-        out_dir, "train", run_identity=run_identity, inputs=inputs, target=target.summary(),
+        out_dir, "train", identity=identity, content={"best_checkpoint": checkpoints.checkpoint_content(best),
+                                                      "epochs": [p.name for p in checkpoints.complete(out_dir)]},
+        outputs=written, inputs=inputs, target=target.summary(),
         config=cfg.model_dump(), draft_config=draft, aux_layer_ids=aux_layer_ids,
         draft_vocab_size=vocab["draft_vocab_size"], best_checkpoint=best.name, summary=summary,
-        config_sha256=fingerprint, resume=resume,
+        config_sha256=config_fingerprint(cfg), resume=resume, compat_applied=compat_applied(out_dir / METRICS_FILE),
     )
     return 0
-
-
-def finished_training(out_dir: Path, identity: dict, fingerprint: str) -> bool:
-    try:
-        manifest = json.loads((out_dir / "manifest.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return bool(manifest.get("complete")) and manifest.get("run_identity") == identity \
-        and manifest.get("config_sha256") == fingerprint
-
-
-def check_same_run(out_dir: Path, identity: dict, overwrite: bool) -> None:
-    """Resuming is only safe into checkpoints of the same draft config and inputs."""
-    path = out_dir / "manifest.json"
-    if not path.is_file():
-        return
-    previous = json.loads(path.read_text()).get("run_identity")
-    if previous == identity:
-        return
-    if not overwrite:
-        what = next((name for key, name in (("draft_config", "draft config"), ("optimizer", "optimizer"))
-                     if previous and previous.get(key) != identity[key]), "inputs")
-        raise ContractError(f"{path}: checkpoints here come from another {what}; choose another --output or pass --overwrite")
-    from eagle3_pipeline.training import checkpoint_dirs
-    from eagle3_pipeline.files import remove_path
-
-    for item in checkpoint_dirs(out_dir) + epoch_folders(out_dir) + [
-            out_dir / INTERRUPTED, out_dir / "checkpoint_best", out_dir / METRICS_FILE, path]:
-        remove_path(item)
 
 
 if __name__ == "__main__":

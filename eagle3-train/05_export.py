@@ -14,13 +14,13 @@ from pathlib import Path
 
 import numpy as np
 
-from eagle3_pipeline.config import ExportConfig, load_draft_config, resolve_stage_config
+from eagle3_pipeline.config import ExportConfig, resolve_stage_config
 from eagle3_pipeline.contract import input_record, read_manifest, write_manifest
+from eagle3_pipeline.errors import ConfigError, ContractError
 from eagle3_pipeline.export import choose_checkpoint, serve_command, verify_draft_dir, write_draft_dir
-from eagle3_pipeline.errors import ConfigError
-from eagle3_pipeline.files import TEMP_MARKER, atomic_path, atomic_write_text, check_writable_dir, remove_path
+from eagle3_pipeline.files import TEMP_MARKER, atomic_path, atomic_write_text, check_writable_dir, remove_path, sha256_file
 from eagle3_pipeline.preflight import preflight_export
-from eagle3_pipeline.stage import config_fingerprint, finished_with_same_inputs, log, stage_main
+from eagle3_pipeline.stage import config_fingerprint, finished, log, stage_identity, stage_main
 from eagle3_pipeline.vocab import D2T_NAME
 
 
@@ -32,18 +32,23 @@ def main(argv: list[str] | None = None) -> int:
 
     # 2. Contract: a finished training run, and the vocab mapping it was trained with.
     trained = read_manifest(ckpt_dir, "train", "--checkpoints")
-    vocab_dir = Path(trained["inputs"]["vocab"]["path"])
     checkpoint = choose_checkpoint(ckpt_dir, cfg.checkpoint)
     target = trained["target"]
     num_tokens = cfg.num_speculative_tokens or trained["draft_config"].get("num_speculative_tokens", 3)
     verifier = cfg.verifier_name or target["path"]
     inputs = {"train": input_record(trained), "checkpoint": str(checkpoint.resolve())}
+    identity = stage_identity(
+        cfg, {"train": trained["_content_sha256"],
+              "checkpoint": {"name": checkpoint.name, "model_sha256": sha256_file(checkpoint / "model.safetensors")}},
+        verifier_name=verifier, num_speculative_tokens=num_tokens)
     check_writable_dir(out_dir.parent, "--output")
-    if finished_with_same_inputs(out_dir, config_fingerprint(cfg), inputs, cfg.overwrite):
-        log.info("%s: already exported from this checkpoint; nothing to do", out_dir)
-        print((out_dir / "serve_command.txt").read_text().strip())
-        return 0
     refuse_foreign_output(out_dir)
+    # The export replaces out_dir as a whole (a rename), so its lock lives beside it.
+    if finished(out_dir, "export", identity, cfg.overwrite, cfg.check, lock_file=lock_file_for(out_dir)):
+        log.info("%s: already exported from this checkpoint; nothing to do", out_dir)
+        print(serve_command(target["path"], out_dir, num_tokens, cfg.tensor_parallel_size, target["is_multimodal_wrapper"]))
+        return 0
+    vocab_dir = trained_vocab_dir(trained, cfg.vocab)
     for line in preflight_export(checkpoint, out_dir):
         log.info("preflight %s", line)
     if cfg.check:
@@ -59,13 +64,35 @@ def main(argv: list[str] | None = None) -> int:
                                 target["is_multimodal_wrapper"])
         atomic_write_text(staging / "serve_command.txt", command + "\n")
         # 4. Contract (inside the directory before it appears under its final name).
-        write_manifest(staging, "export", config=cfg.model_dump(), config_sha256=config_fingerprint(cfg),
+        write_manifest(staging, "export", identity=identity, content={"checkpoint": identity["inputs"]["checkpoint"]},
+                       config=cfg.model_dump(), config_sha256=config_fingerprint(cfg),
                        inputs=inputs, target=target, verifier_name=verifier, checkpoint=checkpoint.name,
                        num_speculative_tokens=num_tokens, verified=check, serve_command=command)
     log.info("exported %s (%s, %d params) -> %s", checkpoint.name, check["class"], check["parameters"], out_dir)
     print(f"draft: {out_dir.resolve()}")
     print(f"serve: {command}")
     return 0
+
+
+def lock_file_for(out_dir: Path) -> Path:
+    return out_dir.parent / f".{out_dir.name}.eagle3.lock"
+
+
+def trained_vocab_dir(trained: dict, flag: str | None) -> Path:
+    """Stage 03's output that stage 04 trained with: --vocab, else the (resolved) path 04 recorded,
+    checked by content either way (a moved work directory needs --vocab, never a guess from the cwd)."""
+    recorded = trained["inputs"]["vocab"]
+    vocab_dir = Path(flag) if flag else Path(recorded["path"])
+    if not vocab_dir.is_absolute() and not flag:
+        vocab_dir = Path(trained["_path"]).parent / vocab_dir  # manifests before 2026-12 kept the path as given
+    if not (vocab_dir / "manifest.json").is_file():
+        raise ContractError(f"{vocab_dir}: stage 03's output that {trained['_path']} was trained with is not there "
+                            f"(moved?); pass --vocab with its new place")
+    found = read_manifest(vocab_dir, "vocab", "--vocab")
+    if (recorded.get("content_sha256") or recorded.get("manifest_sha256")) != found["_content_sha256"]:
+        raise ContractError(f"{found['_path']}: not the vocab mapping {trained['_path']} was trained with (other "
+                            f"data or settings, or rebuilt since); pass --vocab with the one it used")
+    return vocab_dir
 
 
 def refuse_foreign_output(out_dir: Path) -> None:
@@ -76,8 +103,9 @@ def refuse_foreign_output(out_dir: Path) -> None:
     stage = None
     if manifest.is_file():
         try:
-            stage = json.loads(manifest.read_text()).get("stage")
-        except ValueError:
+            data = json.loads(manifest.read_text())
+            stage = data.get("stage") if isinstance(data, dict) else None
+        except (OSError, ValueError):
             stage = None
     if out_dir.is_dir() and not any(out_dir.iterdir()):
         return

@@ -7,14 +7,20 @@
 # options:  --python PY            interpreter (default: $PYTHON, else python3)
 #           --trust-remote-code    passed to the stages that load the target (01, 02, 04)
 #           --args-0N "FLAGS"      extra flags for stage N, e.g. --args-04 "--epochs 3 --lr 5e-4"
-#           --from NN              rerun stages NN.. even if finished (earlier ones must be finished)
+#           --from NN              start at stage NN (earlier ones must be finished: their manifest complete)
 #           --status               show each stage's state and log, then exit
 #           --print-config         print every stage's resolved config (value # source), then exit
+#           --plan [--rows N --tokens-per-row T]
+#                                  the run plan (hidden-state bytes in bf16 and fp8, disk, read bandwidth,
+#                                  hours, recommendation) from WORK/data's manifest or N x T tokens; writes nothing
 #
 # Logs: WORK/logs/0N_<stage>.log per stage (appended, one header per attempt) and WORK/logs/run_all.log.
-# A stage whose manifest.json says "complete": true is skipped, and every stage resumes its own
-# partial work (02 skips landed rows, 04 resumes from the newest epoch checkpoint), so after a
-# disconnect, a kill or a reboot the same command continues where it stopped.
+# Every stage is run every time, and each decides by the one rule for "done" (NOTES.md, "Reliability"):
+# a finished stage (complete manifest, same inputs and output-changing settings) is a no-op in
+# seconds; a stale one stops the run saying which field changed and both values; an unfinished one
+# resumes its own partial work (02 skips landed rows, 04 resumes from the newest epoch checkpoint).
+# So after a disconnect, a kill or a reboot the same command continues where it stopped, and after
+# new data or new --args-0N the stages downstream are never reported finished for the old ones.
 #
 # Over SSH, inside tmux (the run survives a dropped connection; reattach to watch):
 #   tmux new -s eagle3 'eagle3-train/run_all.sh --profile ... --work W; exec bash'
@@ -31,7 +37,7 @@ trap '' HUP PIPE  # an SSH drop must not stop the run; a closed terminal must no
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 python="${PYTHON:-python3}"
-profile="" target="" data="" work="" from="" trust="" mode=run
+profile="" target="" data="" work="" from="" trust="" mode=run rows="" tokens_per_row=""
 declare -A extra=([01]="" [02]="" [03]="" [04]="" [05]="")
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -44,12 +50,16 @@ while [[ $# -gt 0 ]]; do
       extra[${1#--args-}]="$2"; shift 2 ;;
     --status) mode=status; shift ;;
     --print-config) mode=print; shift ;;
+    --plan) mode=plan; shift ;;
+    --rows|--tokens-per-row)
+      [[ $# -ge 2 ]] || { echo "run_all.sh: $1 needs a value (see --help)" >&2; exit 2; }
+      v="${1#--}"; declare "${v//-/_}=$2"; shift 2 ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "run_all.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
 required=(work)
-[[ $mode == status ]] || required+=(profile target data)
+case $mode in status) ;; plan) required+=(profile target) ;; *) required+=(profile target data) ;; esac
 for opt in "${required[@]}"; do
   [[ -n "${!opt}" ]] || { echo "run_all.sh: --$opt is required (see --help)" >&2; exit 2; }
 done
@@ -98,6 +108,13 @@ if [[ $mode == status ]]; then
     else echo "nothing running (last started: stage $n)"; fi
   fi
   exit 0
+fi
+
+if [[ $mode == plan ]]; then
+  plan=("$python" -m eagle3_pipeline.plan --target "$target" --profile "$profile" --work "$work")
+  [[ -n "$rows" ]] && plan+=(--rows "$rows")
+  [[ -n "$tokens_per_row" ]] && plan+=(--tokens-per-row "$tokens_per_row")
+  PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" exec "${plan[@]}"
 fi
 
 if [[ $mode == print ]]; then
@@ -163,7 +180,7 @@ run_stage() {  # run_stage NN: the stage in its own process group, its output ap
     die 130 "stopped during $n ${name[$n]} (exit $rc); rerun the same command to continue"
   fi
   if (( rc != 0 )); then
-    die "$rc" "$n ${name[$n]} failed (exit $rc) after $((SECONDS - start)) s; see $log, fix, then rerun the same command (finished stages are skipped)"
+    die "$rc" "$n ${name[$n]} failed (exit $rc) after $((SECONDS - start)) s: $(grep '^error: ' "$log" | tail -n 1 | cut -c8-800); see $log, fix, then rerun the same command (finished stages are no-ops)"
   fi
   if ! finished "${out[$n]}"; then
     die 3 "$n ${name[$n]} exited 0 but ${out[$n]}/manifest.json is not complete (--world-size > 1: run the other ranks, then rerun; --check/--dry-run in --args-$n stop early)"
@@ -176,14 +193,11 @@ if command -v nvidia-smi > /dev/null; then
   say "gpus: $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | sort | uniq -c | tr -s ' \n' ' ')"
 fi
 for n in "${nums[@]}"; do
-  if [[ -n "$from" && ! "$n" < "$from" ]]; then
-    run_stage "$n"
-  elif finished "${out[$n]}"; then
-    say "== $n ${name[$n]}: finished earlier (${out[$n]}/manifest.json), skipping"
-  elif [[ -n "$from" ]]; then
-    die 3 "--from $from: stage $n ${name[$n]} is not finished; rerun without --from"
+  if [[ -n "$from" && "$n" < "$from" ]]; then
+    finished "${out[$n]}" || die 3 "--from $from: stage $n ${name[$n]} is not finished; rerun without --from"
+    say "== $n ${name[$n]}: not run (--from $from)"
   else
-    run_stage "$n"
+    run_stage "$n"  # a finished stage checks its identity and does nothing
   fi
 done
 rm -f "$work/logs/current_stage"

@@ -18,16 +18,12 @@ from pathlib import Path
 
 import pytest
 
+from eagle3_pipeline.contract import STAGES
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "eagle3-train"
 SAMPLES = SCRIPTS / "samples"
-STAGE_SCRIPTS = {
-    "prepare": "01_prepare_dataset.py",
-    "extract": "02_extract_hidden_states.py",
-    "vocab": "03_build_vocab_mapping.py",
-    "train": "04_train.py",
-    "export": "05_export.py",
-}
+STAGE_SCRIPTS = STAGES  # stage name -> script, in pipeline order
 
 
 def run_stage(stage: str, *args: str, check: bool = True, timeout: float = 600, env: dict | None = None):

@@ -6,9 +6,10 @@ import subprocess
 import pytest
 import torch
 
-from conftest import SAMPLES, free_port, http_server, run_stage
 from eagle3_pipeline.conversations import ChatTokenizer, rows_for_conversation, to_messages
 from eagle3_pipeline.errors import InputError
+
+from conftest import SAMPLES, free_port, http_server, run_stage
 
 MULTI_TURN = [
     {"role": "system", "content": "Be brief."},
@@ -178,12 +179,19 @@ def test_speculators_regenerate_responses_output_feeds_stage_01(tmp_path, llama_
                                       add_generation_prompt=True)) for m in source}
     assert all(tuple(r["input_ids"][:r["loss_mask"].index(1)]) in prompts_ours for r in first_rows)
 
+    # The template thinks (its generation prompt ends with <think>): what the target generated after it,
+    # its reasoning, is every trained token of the row.
+    think = chat.tokenizer.convert_tokens_to_ids("<think>")
+    assert all(r["input_ids"][r["loss_mask"].index(1) - 1] == think for r in rows)
+
     run_stage("prepare", "--target", llama_target, "--data", regenerated, "--output", tmp_path / "data",
               "--val-ratio", "0.34")
     counts = json.loads((tmp_path / "data" / "manifest.json").read_text())["counts"]
     assert (counts["conversations"], counts["pretokenized_rows"], counts["rows"]) == (6, len(rows), len(rows))
     dataset = datasets.load_from_disk(str(tmp_path / "data")).with_format(None)
     assert counts["loss_tokens"] == sum(sum(r["loss_mask"]) for r in rows) == sum(map(sum, dataset["loss_mask"]))
+    assert sorted(map(tuple, dataset["input_ids"])) == sorted(tuple(r["input_ids"]) for r in rows)
+    assert sorted(map(tuple, dataset["loss_mask"])) == sorted(tuple(r["loss_mask"]) for r in rows)
 
 
 def test_token_rows_for_another_vocabulary_are_refused_with_file_and_line(tmp_path, kimi_target):
@@ -220,4 +228,4 @@ def test_rerun_with_same_settings_is_a_no_op_and_other_settings_are_refused(tmp_
     again = run_stage("prepare", *args)
     assert "nothing to do" in again.stderr and (tmp_path / "d" / "manifest.json").read_bytes() == before
     other = run_stage("prepare", *args[:-1], "5", check=False)
-    assert other.returncode == 2 and "pass --overwrite" in other.stderr
+    assert other.returncode != 0 and "pass --overwrite" in other.stderr

@@ -1,4 +1,5 @@
-"""Acceptance length: the offline formula, vLLM's counters, and the harness on a real engine."""
+"""Acceptance length: the offline formula (stage 04's report, `eagle3_pipeline.train_report`), vLLM's
+counters, and the bench's harness (`benchlib.acceptance`) on a real engine."""
 
 from __future__ import annotations
 
@@ -10,14 +11,11 @@ import sys
 import pytest
 import torch
 
-from eagle3_pipeline.acceptance import (
+from benchlib.acceptance import (
     VllmSettings,
     agreement,
     counters_delta,
     draft_vocab_coverage,
-    expected_accepted_length,
-    expected_accepted_lengths,
-    full_acc_by_step,
     measure_acceptance,
     offline_estimate,
     read_val_metrics,
@@ -25,7 +23,7 @@ from eagle3_pipeline.acceptance import (
     spec_decode_counters,
     summarize_spec_decode,
 )
-
+from eagle3_pipeline.train_report import expected_accepted_length, expected_accepted_lengths, full_acc_by_step
 
 # --- offline formula -------------------------------------------------------------------------
 
@@ -178,7 +176,7 @@ def test_repetition_is_the_share_of_tokens_closing_an_already_seen_ngram():
 
 @pytest.fixture(scope="module")
 def tiny_organism(tmp_path_factory):
-    from eagle3_pipeline.organism import OrganismSettings, build_organism
+    from benchlib.organism import OrganismSettings, build_organism
 
     settings = OrganismSettings(vocab_size=384, hidden_size=64, num_layers=4, num_heads=2, num_kv_heads=2,
                                 intermediate_size=128, train_steps=40, max_files=80, num_eval_prompts=6,

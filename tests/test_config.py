@@ -8,8 +8,16 @@ import json
 import pytest
 
 from eagle3_pipeline.config import (
-    DEFAULT_DRAFT_CONFIG, PROFILES_DIR, STAGE_CONFIGS, ExtractConfig, TrainConfig, build_config, build_parser,
-    load_draft_config, load_profile, resolve_stage_config,
+    DEFAULT_DRAFT_CONFIG,
+    PROFILES_DIR,
+    STAGE_CONFIGS,
+    ExtractConfig,
+    TrainConfig,
+    build_config,
+    build_parser,
+    load_draft_config,
+    load_profile,
+    resolve_stage_config,
 )
 from eagle3_pipeline.errors import ConfigError
 
@@ -152,3 +160,50 @@ def test_every_stage_help_shows_an_example_and_the_profile_flag(stage):
     text = build_parser(cls).format_help()
     assert "example:" in text and cls.EXAMPLE.split()[1] in text
     assert "--profile" in text and "--print-config" in text
+
+
+# --- --print-config without paths, with what the stage resolves ----------------------------------
+
+def _printed(capsys, cls, argv) -> list[str]:
+    with pytest.raises(SystemExit) as stop:
+        resolve_stage_config(cls, argv + ["--print-config"])
+    assert stop.value.code == 0
+    return capsys.readouterr().out.splitlines()
+
+
+@pytest.mark.parametrize("stage", list(STAGE_CONFIGS))
+def test_print_config_needs_no_paths_shows_placeholders_and_writes_nothing(stage, capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    cls = STAGE_CONFIGS[stage]
+    lines = _printed(capsys, cls, ["--profile", "cpu-mini"])
+    for name, info in cls.model_fields.items():
+        if info.is_required():
+            flag = "--" + name.replace("_", "-")
+            assert f'{name} = "<{flag}>"  # required, not given' in lines
+    assert not list(tmp_path.iterdir())
+
+
+def test_print_config_gives_the_profiles_reason_under_each_value_it_sets(capsys):
+    profile = json.loads((PROFILES_DIR / "rtx-pro-6000-8x.json").read_text())
+    lines = _printed(capsys, TrainConfig, ["--profile", "rtx-pro-6000-8x"])
+    assert lines[1] == f"# profile rtx-pro-6000-8x: {profile['description']}"
+    nproc = lines.index("nproc = 8  # profile:rtx-pro-6000-8x")
+    assert lines[nproc + 1] == f"#   why: {profile['_why']['train.nproc']}"
+    assert not any(line.startswith("#   why") for line in _printed(capsys, TrainConfig, ["--nproc", "8"]))
+
+
+def test_print_config_shows_what_speculators_receives_for_the_run_time_fields(capsys):
+    from eagle3_pipeline.training import hidden_states_dtype, on_gpu, resolve_kernels
+
+    lines = _printed(capsys, TrainConfig, [])
+    cfg, _ = build_config(TrainConfig, required(TrainConfig))
+    attn, loss = resolve_kernels(cfg)
+    by_name = {line.split(" = ")[0]: line for line in lines if " = " in line and not line.startswith("#")}
+    ttt = load_draft_config(DEFAULT_DRAFT_CONFIG)["ttt_steps"]
+    assert by_name["ttt_steps"].startswith(f"ttt_steps = null  # default -> {ttt} (")
+    assert by_name["attn_impl"].startswith(f'attn_impl = "auto"  # default -> "{attn}" (')
+    assert by_name["loss_impl"].startswith(f'loss_impl = "auto"  # default -> "{loss}" (')
+    assert by_name["hidden_states_dtype"].startswith(f'hidden_states_dtype = "auto"  # default -> "{hidden_states_dtype(cfg)}" (')
+    assert ("-> 0 (" in by_name["num_workers"]) == (not on_gpu())  # the CPU trains without loader workers
+    explicit = _printed(capsys, TrainConfig, ["--attn-impl", "eager", "--ttt-steps", "2"])
+    assert 'attn_impl = "eager"  # flag' in explicit and "ttt_steps = 2  # flag" in explicit

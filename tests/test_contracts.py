@@ -6,9 +6,10 @@ import time
 
 import pytest
 
-from conftest import SAMPLES, run_stage
 from eagle3_pipeline.contract import read_manifest, write_manifest
 from eagle3_pipeline.errors import ContractError
+
+from conftest import SAMPLES, run_stage
 
 
 def test_extract_refuses_data_prepared_for_another_target(kimi_run, llama_target):

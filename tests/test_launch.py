@@ -142,7 +142,8 @@ def test_a_rank_outside_the_world_is_refused(rank, world_size):
 
 
 def _land(hs_dir, index, ids, slots=4, hidden=8):
-    save_file({"hidden_states": torch.ones(len(ids), slots, hidden), "token_ids": torch.tensor(ids)},
+    # bf16: the directory's dtype (ExtractConfig's default); a file of another dtype is redone
+    save_file({"hidden_states": torch.ones(len(ids), slots, hidden, dtype=torch.bfloat16), "token_ids": torch.tensor(ids)},
               str(hs_file(hs_dir, index)))
 
 

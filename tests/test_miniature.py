@@ -57,6 +57,36 @@ def test_earlier_reasoning_is_dropped_when_history_is_rendered(kimi_target):
     assert "<think></think>b<|im_end|>" in text and ">r<" not in text
 
 
+def test_template_renders_like_kimi_k25s_history_tool_chain_results_declarations_and_parts(kimi_target):
+    """The behaviours of Kimi-K2.5's real template that decide a training row (KNOWLEDGE.md)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(kimi_target)
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    call = {"id": "functions.f:0", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "u1"}, {"type": "text", "text": "+"}]},
+                {"role": "assistant", "content": "a1", "reasoning_content": "r1"},
+                {"role": "user", "content": "u2"},
+                {"role": "assistant", "content": "a2", "reasoning_content": "r2", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "functions.f:0", "name": "f", "content": "out"},
+                {"role": "assistant", "content": "", "reasoning_content": "r3", "tool_calls": [call]}]
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+    assert text.startswith("<|im_system|>tool_declare<|im_middle|>" + json.dumps(tools) + "<|im_end|><|im_system|>system")
+    assert "<|im_user|>user<|im_middle|>u1+<|im_end|>" in text  # text parts joined
+    # up to and including the last assistant turn without tool calls: history, reasoning dropped
+    assert "<|im_assistant|>assistant<|im_middle|><think></think>a1<|im_end|>" in text
+    # the tool-call chain after it keeps its reasoning; calls follow the content
+    section = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>"
+               '{"x": 1}<|tool_call_end|><|tool_calls_section_end|><|im_end|>')
+    assert f"<think>r2</think>a2{section}" in text and text.endswith(f"<think>r3</think>{section}")
+    assert "<|im_system|>f<|im_middle|>## Return of functions.f:0\nout<|im_end|>" in text
+    # a final plain answer moves the history boundary to it: every reasoning dropped
+    final = tokenizer.apply_chat_template(messages + [{"role": "tool", "tool_call_id": "functions.f:0", "content": "o"},
+                                                      {"role": "assistant", "content": "done", "reasoning_content": "r4"}],
+                                          tools=tools, tokenize=False)
+    assert not any(f"r{k}" in final for k in range(1, 5)) and "<|im_system|>tool<|im_middle|>## Return of" in final
+
+
 def test_miniature_is_deterministic_and_cached(tmp_path, kimi_target):
     again = build_miniature(kimi_target.parent.parent)
     assert again["kimi"] == kimi_target

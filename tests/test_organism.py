@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from eagle3_pipeline.organism import (
+from benchlib.organism import (
     SPLIT_CONVERSATIONS,
     SPLIT_EVAL,
     SPLIT_ORGANISM,
@@ -138,7 +138,7 @@ def test_vllm_greedy_output_equals_transformers_greedy_output(organism):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from eagle3_pipeline.acceptance import VllmSettings, prompt_token_ids, run_engine_isolated
+    from benchlib.acceptance import VllmSettings, prompt_token_ids, run_engine_isolated
 
     prompts = prompt_token_ids(organism.model_dir, organism.eval_prompts_path, limit=3)
     result = run_engine_isolated(organism.model_dir, None, 0, prompts,

@@ -122,8 +122,17 @@ BAD_ROWS = {
                              "turn 1 is an empty assistant turn"),
     "no_assistant_turn": ('{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]}',
                           "conversation has no assistant turn"),
-    "content_not_text": ('{"messages": [{"role": "user", "content": ["hi"]}, {"role": "assistant", "content": "yo"}]}',
+    "content_not_text": ('{"messages": [{"role": "user", "content": 42}, {"role": "assistant", "content": "yo"}]}',
                          "turn 0 (user) content is not text"),
+    "content_part_not_text": ('{"messages": [{"role": "user", "content": [{"type": "input_audio"}]}, '
+                              '{"role": "assistant", "content": "yo"}]}',
+                              "turn 0 (user) content part 0 has type 'input_audio': only text parts are supported "
+                              "(the draft trains on text; drop or caption the other parts)"),
+    "template_drops_a_tool_call_name": (
+        '{"messages": [{"role": "user", "content": "Tokyo?"}, {"role": "assistant", "content": "", "tool_calls": '
+        '[{"id": "call_1", "function": {"name": "get_weather", "arguments": "{}"}}]}]}',
+        "turn 1 field tool_calls[0].function.name: the chat template drops it from the trained tokens (the template "
+        "renders the call's id, not its name: give ids as functions.NAME:INDEX, Kimi's format)"),
     "row_not_an_object": ('[{"role": "user", "content": "hi"}]', "row is not a JSON object"),
     "empty_conversation": ('{"messages": []}', "conversation is empty"),
     "sharegpt_unknown_speaker": ('{"conversations": [{"from": "human", "value": "hi"}, {"from": "narrator", "value": "yo"}]}',
@@ -204,8 +213,8 @@ def test_rows_longer_than_max_seq_len_are_dropped_or_truncated_and_counted_never
     too_long = [(ids, mask) for ids, mask in zip(rows["input_ids"], rows["loss_mask"]) if len(ids) > limit]
     assert too_long
     out = tmp_path / "out"
-    log = succeeded(capsys, "prepare", "--profile", "cpu-mini", "--target", kimi_target, "--data",
-                    SAMPLES / "conversations.jsonl", "--output", out, "--max-seq-len", limit, "--on-too-long", mode)
+    succeeded(capsys, "prepare", "--profile", "cpu-mini", "--target", kimi_target, "--data",
+              SAMPLES / "conversations.jsonl", "--output", out, "--max-seq-len", limit, "--on-too-long", mode)
     counts = manifest(out)["counts"]
     if mode == "drop":
         assert counts["dropped_too_long"] == len(too_long) and counts["truncated_too_long"] == 0
@@ -260,6 +269,17 @@ def _corrupt(hs: Path, how: str) -> None:
     elif how == "no_token_ids":
         save_file({"hidden_states": states}, str(path))
         return
+    elif how == "swapped_with_row_5":  # another row's whole file under this row's name
+        shutil.copyfile(hs / "hs_5.safetensors", path)
+        return
+    elif how == "constant_slot":
+        states[:, 1] = 0.5
+    elif how == "near_constant_slot":
+        states[:, 2] = 0.5 + 1e-8 * torch.rand_like(states[:, 2])
+    elif how == "one_vector_repeated":
+        states[:, 0] = states[:1, 0]
+    elif how == "other_dtype":
+        states = states.to(torch.bfloat16)
     save_file({"hidden_states": states, "token_ids": ids.to(torch.long)}, str(path))
 
 
@@ -271,7 +291,17 @@ def _expected_hs_4(hs: Path, how: str, length: int) -> str:
         "inf": f"{path}: hidden_states contain NaN/Inf",
         "all_zero": f"{path}: hidden_states layer slot(s) [0, 1, 2, 3] are all zero",
         "final_layer_zero": f"{path}: hidden_states layer slot(s) [3] are all zero",
-        "token_ids_differ": f"{path}: token_ids do not equal the dataset row's input_ids",
+        "token_ids_differ": (f"{path}: token_ids do not equal the dataset row's input_ids (first difference at "
+                             f"position 5, {length} vs {length} tokens: the file of another row, or the data was "
+                             f"re-prepared)"),
+        "swapped_with_row_5": (f"{path}: token_ids do not equal the dataset row's input_ids (first difference at "
+                               f"position {_first_difference(hs, 5, 4)}, {_row_length(hs, 5)} vs {length} tokens: the "
+                               f"file of another row, or the data was re-prepared)"),
+        "constant_slot": f"{path}: hidden_states layer slot(s) [1] hold one constant value (0.5); not a model's states",
+        "near_constant_slot": f"{path}: hidden_states layer slot(s) [2] hold one constant value (0.5); not a model's states",
+        "one_vector_repeated": (f"{path}: hidden_states layer slot(s) [0] are the same for every token (one vector "
+                                f"repeated); not a model's states"),
+        "other_dtype": f"{path}: hidden_states dtype bfloat16, the directory's is float32 (--dtype): files are never mixed",
         "final_layer_missing": (f"{path}: hidden_states shape [{length}, 3, 128] != expected [{length}, 4, 128] (one layer "
                                 f"slot short: the final layer is missing, as vLLM before PR #46973 did for DeepSeek backbones)"),
         "hidden_size_differs": f"{path}: hidden_states shape [{length}, 4, 64] != expected [{length}, 4, 128]",
@@ -279,8 +309,24 @@ def _expected_hs_4(hs: Path, how: str, length: int) -> str:
     }[how]
 
 
+def _row_ids(hs: Path, row: int) -> list[int]:
+    import datasets
+
+    return list(datasets.load_from_disk(str(hs.parent))[row]["input_ids"].tolist())
+
+
+def _row_length(hs: Path, row: int) -> int:
+    return len(_row_ids(hs, row))
+
+
+def _first_difference(hs: Path, row_a: int, row_b: int) -> int:
+    a, b = _row_ids(hs, row_a), _row_ids(hs, row_b)
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 HS_CASES = ["missing", "nan", "inf", "all_zero", "final_layer_zero", "token_ids_differ", "final_layer_missing",
-            "hidden_size_differs", "no_token_ids"]
+            "hidden_size_differs", "no_token_ids", "swapped_with_row_5", "constant_slot", "near_constant_slot",
+            "one_vector_repeated", "other_dtype"]
 
 
 @pytest.mark.parametrize("how", HS_CASES)
@@ -347,8 +393,9 @@ def test_states_of_other_layer_ids_are_never_mixed_in(capsys, work, kimi_target)
     code, error = refused(capsys, "extract", "--profile", "cpu-mini", "--target", kimi_target, "--data", work["data"],
                           "--layer-ids", 1, 2, 3)
     hs = work["hs"]
-    assert (code, error) == (3, f"{hs / 'manifest.json'}: existing hidden states have layer_ids=[2, 3, 4, 6], this run "
-                                f"[1, 2, 3, 6]; move {hs} away (or rerun 01 into a new --output) to extract again")
+    assert (code, error) == (3, f"{hs / 'manifest.json'}: {hs} holds a finished result made with settings.layer_ids = "
+                                f"[2, 3, 4, 6] there, [1, 2, 3, 6] in this run; move {hs} away (or rerun 01 into a new "
+                                f"--output) to extract again")
     assert snapshot(hs) == before
 
 
@@ -433,8 +480,11 @@ def test_checkpoints_from_another_draft_config_are_refused_and_kept(capsys, work
     draft = _draft_config(tmp_path, ttt_steps=2)
     before = snapshot(work["checkpoints"])
     code, error = refused(capsys, *_train(work, kimi_target, work["checkpoints"], "--draft-config", draft))
-    assert (code, error) == (3, f"{work['checkpoints'] / 'manifest.json'}: checkpoints here come from another draft "
-                                f"config; choose another --output or pass --overwrite")
+    assert (code, error) == (3, f"{work['checkpoints'] / 'manifest.json'}: {work['checkpoints']} holds a finished "
+                                f"result made with settings.draft_config.ttt_steps = 3 there, 2 in this run; a resume "
+                                f"restores the old optimizer and lr schedule from the checkpoints, so it cannot change "
+                                f"a run; rerun with the old value, choose another --output, or pass --overwrite to "
+                                f"train anew (deletes only this stage's checkpoints and logs)")
     assert snapshot(work["checkpoints"]) == before
 
 
@@ -520,7 +570,7 @@ def test_preflight_refuses_fewer_gpus_than_tensor_parallel_and_too_little_gpu_me
 
 
 def test_preflight_hidden_state_read_probe_warns_when_the_disk_is_slower_than_the_gpus(monkeypatch, tmp_path):
-    from eagle3_pipeline import preflight, throughput
+    from eagle3_pipeline import preflight
 
     hs = tmp_path / "hidden_states"
     hs.mkdir()
@@ -530,7 +580,7 @@ def test_preflight_hidden_state_read_probe_warns_when_the_disk_is_slower_than_th
     assert preflight.check_hidden_state_reads(hs, tokens, 8).startswith(
         "hidden-state reads: not probed (10.5 MB of hidden states: the page cache holds them)")
     read, disk = [], {"gb_per_s": 1.16}  # what 8 readers got on the H200 machine's disk
-    monkeypatch.setattr(throughput, "measure_cold_read_bandwidth",
+    monkeypatch.setattr(preflight, "measure_cold_read_bandwidth",
                         lambda files, threads: read.append((len(files), threads)) or
                         {**disk, "threads": threads, "bytes": len(files) << 20})
     line = preflight.check_hidden_state_reads(hs, tokens, 8, probe_bytes=4 << 20, min_total_bytes=0)

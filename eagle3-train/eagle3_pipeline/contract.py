@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ContractError
-from .files import atomic_write_json, sha256_file
+from .files import atomic_write_json, sha256_file, sha256_json
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -68,10 +68,25 @@ def manifest_sha256(directory: Path) -> str:
     return sha256_file(manifest_path(directory))
 
 
-def write_manifest(directory: Path, stage: str, **fields: Any) -> dict:
-    """Write `directory/manifest.json` atomically; call it after every output exists."""
+def content_sha256(stage: str, identity: dict, content: dict | None) -> str:
+    """What a downstream stage records about this output: the identity it was made with and the
+    description of what it holds (counts, shapes, chosen checkpoint), never the manifest's bytes,
+    paths, timestamps or versions, so a moved directory or a reformatted manifest is the same input."""
+    return sha256_json({"stage": stage, "identity": identity, "content": content or {}})
+
+
+def write_manifest(directory: Path, stage: str, identity: dict | None = None, content: dict | None = None,
+                   **fields: Any) -> dict:
+    """Write `directory/manifest.json` atomically; call it after every output exists.
+
+    `identity` (see stage.py) decides whether a rerun is finished; `content` describes the outputs
+    for downstream stages (together they give `content_sha256`).
+    """
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}")
+    if identity is not None:
+        fields.update(identity=identity, content=content or {},
+                      content_sha256=content_sha256(stage, identity, content))
     manifest = {
         "stage": stage,
         "schema_version": SCHEMA_VERSION,
@@ -102,8 +117,10 @@ def read_manifest(directory: Path, stage: str, flag: str) -> dict:
         )
     try:
         manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ContractError(f"{path}: unreadable manifest ({exc}); rerun {script}") from None
+    if not isinstance(manifest, dict):
+        raise ContractError(f"{path}: unreadable manifest (not a JSON object); rerun {script}")
     if manifest.get("stage") != stage:
         raise ContractError(
             f"{path}: written by stage {manifest.get('stage')!r}, expected {stage!r} output here ({flag})"
@@ -116,6 +133,7 @@ def read_manifest(directory: Path, stage: str, flag: str) -> dict:
         raise ContractError(f"{path}: stage {stage!r} did not finish; rerun {script}")
     manifest["_path"] = str(path)
     manifest["_sha256"] = sha256_file(path)
+    manifest["_content_sha256"] = manifest.get("content_sha256") or manifest["_sha256"]  # older manifests: bytes
     return manifest
 
 
@@ -130,8 +148,9 @@ def require_equal(what: str, expected: Any, found: Any, manifest: dict, hint: st
 
 def require_upstream(manifest: dict, upstream_stage: str, upstream: dict) -> None:
     """`manifest` must have been built from exactly the `upstream` manifest on disk now."""
-    recorded = (manifest.get("inputs") or {}).get(upstream_stage, {}).get("manifest_sha256")
-    if recorded != upstream["_sha256"]:
+    record = (manifest.get("inputs") or {}).get(upstream_stage, {})
+    recorded = record.get("content_sha256") or record.get("manifest_sha256")
+    if recorded != upstream["_content_sha256"]:
         raise ContractError(
             f"{manifest['_path']}: built from a different {upstream_stage!r} output than "
             f"{upstream['_path']} (other data, or it was rerun since); rerun {STAGES[manifest['stage']]}"
@@ -139,8 +158,8 @@ def require_upstream(manifest: dict, upstream_stage: str, upstream: dict) -> Non
 
 
 def input_record(manifest: dict) -> dict:
-    """How a downstream manifest records one upstream manifest."""
-    return {"path": str(Path(manifest["_path"]).parent), "manifest_sha256": manifest["_sha256"]}
+    """How a downstream manifest records one upstream manifest: by content (the path, resolved, is for people)."""
+    return {"path": str(Path(manifest["_path"]).parent.resolve()), "content_sha256": manifest["_content_sha256"]}
 
 
 def _short(value: Any) -> str:

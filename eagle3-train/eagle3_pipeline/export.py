@@ -16,18 +16,17 @@ from pathlib import Path
 
 import numpy as np
 
+from . import checkpoints
 from .errors import ContractError
-from .training import best_checkpoint, checkpoint_dirs
 
 SERVING_FILES = ("config.json", "model.safetensors", "config.py", "val_metrics.json")
 
 
 def choose_checkpoint(ckpt_dir: Path, which: str) -> Path:
     if which == "best":
-        chosen = best_checkpoint(ckpt_dir)
+        chosen = checkpoints.best(ckpt_dir)
     elif which == "latest":
-        dirs = checkpoint_dirs(ckpt_dir)
-        chosen = dirs[-1] if dirs else None
+        chosen = checkpoints.latest(ckpt_dir)
     else:
         chosen = Path(ckpt_dir) / which
     if chosen is None or not (chosen / "model.safetensors").is_file():

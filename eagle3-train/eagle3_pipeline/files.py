@@ -3,18 +3,22 @@
 Every output a stage writes goes through here: it is written to a hidden temp file
 beside its final name (`.NAME.tmp-PID`) and renamed into place with `os.replace`, so a
 killed run leaves either the old file, the new file, or a temp file that no reader
-trusts (readers only ever look at final names) and that the next run deletes.
+trusts (readers only ever look at final names) and that the next run deletes, only
+while it holds the directory's lock (`hold_lock`: no writer of that temp is alive then).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
 import shutil
 from pathlib import Path
 from typing import Any, Iterator
+
+from .errors import StageError
 
 TEMP_MARKER = ".tmp-"
 
@@ -29,16 +33,53 @@ def is_temp_path(path: Path) -> bool:
     return path.name.startswith(".") and TEMP_MARKER in path.name
 
 
+class DiskFull(StageError):
+    """A write ran out of space; the message names the file and the free bytes (stages add what the rest needs)."""
+
+    def __init__(self, path: Path, where: Path):
+        self.path, self.free = Path(path), _free_bytes(where)
+        super().__init__(f"{path}: disk full ({self.free:,} B free at {where})")
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """ENOSPC/EDQUOT however the library reports it (OSError; safetensors' `StorageFull`; torch.save's
+    `unexpected pos` / `file write failed` from its zip writer)."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(exc)
+    return any(m in text for m in ("No space left on device", "StorageFull", "Disk quota exceeded",
+                                   "unexpected pos", "file write failed"))
+
+
+def _free_bytes(where: Path) -> int:
+    where = Path(where)
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        return shutil.disk_usage(where).free
+    except OSError:
+        return 0
+
+
 @contextlib.contextmanager
 def atomic_path(final: Path) -> Iterator[Path]:
-    """Yield a temp path to write; on success rename it to `final` (file or directory)."""
+    """Yield a temp path to write; on success rename it to `final` (file or directory).
+    A full disk while writing is `DiskFull` (one line), never a library traceback."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path_for(final)
     remove_path(tmp)
     try:
-        yield tmp
-        _fsync_path(tmp)
+        try:
+            yield tmp
+            _fsync_path(tmp)
+        except DiskFull:
+            raise
+        except Exception as exc:
+            if is_disk_full(exc):
+                remove_path(tmp)  # give the space back before reporting it
+                raise DiskFull(final, final.parent) from None
+            raise
         if final.is_dir() and not final.is_symlink():
             # os.replace cannot replace a non-empty directory: move the old one
             # aside first so the swap is still a pair of renames, never a copy.
@@ -101,15 +142,73 @@ def atomic_numpy_save(array: Any, final: Path) -> None:
             np.save(handle, array)
 
 
-def remove_stale_temps(directory: Path) -> int:
-    """Delete temp files a killed run left behind; returns how many."""
+def remove_stale_temps(directory: Path, owned=None) -> int:
+    """Delete temp files a killed run left behind; returns how many.
+
+    Call it only while holding the directory's exclusive lock (`hold_lock`): the lock proves no
+    writer of those temps is alive (a live writer, or a child it started, would hold it). With
+    `owned` (a predicate on the temp's final name), only matching temps are removed: stage 02's
+    ranks share a directory and each removes only the temps of its own rows.
+    """
     directory = Path(directory)
     if not directory.is_dir():
         return 0
-    stale = [p for p in directory.iterdir() if is_temp_path(p)]
+    stale = [p for p in directory.iterdir() if is_temp_path(p) and (owned is None or owned(final_name_of(p)))]
     for path in stale:
         remove_path(path)
     return len(stale)
+
+
+def final_name_of(temp: Path) -> str:
+    """`.hs_5.safetensors.tmp-123` -> `hs_5.safetensors` (the file the temp was going to become)."""
+    name = Path(temp).name
+    return name[1:name.index(TEMP_MARKER)] if is_temp_path(Path(temp)) else name
+
+
+# --- one writer per output directory ----------------------------------------------------------
+
+LOCK_NAME = ".eagle3.lock"
+_held_locks: dict[str, int] = {}
+
+
+class LockedError(Exception):
+    """Another live process holds the lock (StageError subclass in stage.py wraps the message)."""
+
+
+def hold_lock(lock_file: Path, exclusive: bool = True) -> int:
+    """flock `lock_file` for the rest of this stage (released by `release_locks` or by the OS on death).
+
+    The lock file is empty and never deleted (deleting it would let two writers lock two different
+    files). The fd is inheritable, so training processes started by stage 04 keep the lock while
+    they live: a stage killed with -9 whose children still write is not "gone" yet.
+    """
+    import fcntl
+
+    lock_file = Path(lock_file)
+    key = str(lock_file.resolve())
+    if key in _held_locks:
+        return _held_locks[key]
+    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise LockedError(str(lock_file)) from None
+    os.set_inheritable(fd, True)
+    _held_locks[key] = fd
+    return fd
+
+
+def held_lock_fds() -> tuple[int, ...]:
+    return tuple(_held_locks.values())
+
+
+def release_locks() -> None:
+    """End of a stage run in this process (tests call several stages' main() in one process)."""
+    while _held_locks:
+        _, fd = _held_locks.popitem()
+        os.close(fd)
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -129,14 +228,22 @@ def dir_size_bytes(directory: Path) -> int:
 
 
 def check_writable_dir(directory: Path, flag: str) -> None:
-    """Fail before any work when the output directory cannot be written."""
-    from .errors import StageError
-
+    """Fail before any work when the output directory cannot be written; writes nothing (--check)."""
     directory = Path(directory)
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        reason = "Not a directory"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        reason = "Read-only file system" if _read_only_fs(existing) else "Permission denied"
+    else:
+        return
+    raise StageError(f"{directory}: output directory is not writable ({reason}); fix {flag}")
+
+
+def _read_only_fs(path: Path) -> bool:
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / f".write-probe{TEMP_MARKER}{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise StageError(f"{directory}: output directory is not writable ({exc.strerror}); fix {flag}") from None
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False

@@ -10,8 +10,9 @@
 - `llama-mini/`: a tiny plain Llama with the same tokenizer (vLLM's CPU backend can
   spec-decode a Llama target, not an MLA one).
 - the tokenizer: byte-level BPE trained on the bundled sample conversations, carrying
-  Kimi's special tokens and a chat template that renders Kimi's chat format (thinking on
-  by default; earlier turns' reasoning dropped as Kimi's template does).
+  Kimi's special tokens (tool-call section ones included) and a chat template that behaves like
+  Kimi-K2.5's real one (history reasoning dropped up to the last plain assistant turn, tool calls,
+  tool results, tool declarations, content parts, thinking on by default).
 Weights are random (seeded): the miniature tests plumbing and shapes, not quality.
 """
 
@@ -39,25 +40,45 @@ KIMI_SPECIAL_TOKENS = [
 ]
 DEFAULT_SYSTEM_PROMPT = "You are Kimi, an AI assistant created by Moonshot AI."
 
-# Kimi-K2.5's chat format: turns are concatenated with no separators; an assistant turn is
-# `<|im_assistant|>assistant<|im_middle|><think>REASONING</think>ANSWER<|im_end|>`. Reasoning
-# is kept only for assistant turns after the last user message (earlier ones render
-# `<think></think>`), so re-rendered history differs from what the model generated: the
-# reason stage 01 makes one row per assistant turn by default. The generation prompt ends
-# with `<think>` (thinking on) or `<think></think>` when called with thinking=false.
+# Kimi-K2.5's chat format, rendered the way its real template behaves (KNOWLEDGE.md): turns are
+# concatenated with no separators; `tools` come first as a `tool_declare` block; content may be a
+# list of text parts. The LAST assistant message without tool calls and everything before it are
+# history: assistant turns there render `<think></think>` + content (reasoning dropped). Messages
+# after it (the current tool-call chain) render `<think>REASONING</think>` + content. Tool calls
+# follow the content as `<|tool_calls_section_begin|><|tool_call_begin|>ID<|tool_call_argument_begin|>
+# ARGS<|tool_call_end|>...<|tool_calls_section_end|>` (the id, `functions.NAME:INDEX`, is all that
+# names the function); tool results render under their name (or `tool`) as `## Return of ID`.
+# The generation prompt ends with `<think>` (thinking on) or `<think></think>` with thinking=false.
 KIMI_CHAT_TEMPLATE = (
-    "{%- set ns = namespace(last_user=-1) -%}"
-    "{%- for m in messages -%}{%- if m['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}"
+    "{%- macro render_content(m) -%}"
+    "{%- if m['content'] is string -%}{{ m['content'] }}"
+    "{%- elif m['content'] is not none -%}"
+    "{%- for part in m['content'] -%}{%- if part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}{%- endfor -%}"
+    "{%- endif -%}"
+    "{%- endmacro -%}"
+    "{%- if tools -%}<|im_system|>tool_declare<|im_middle|>{{ tools | tojson }}<|im_end|>{%- endif -%}"
+    "{%- set ns = namespace(last_plain=-1) -%}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'assistant' and not m.get('tool_calls') -%}{%- set ns.last_plain = loop.index0 -%}{%- endif -%}"
+    "{%- endfor -%}"
     "{%- if messages|length == 0 or messages[0]['role'] != 'system' -%}"
     "<|im_system|>system<|im_middle|>" + DEFAULT_SYSTEM_PROMPT + "<|im_end|>"
     "{%- endif -%}"
     "{%- for m in messages -%}"
-    "{%- if m['role'] == 'system' -%}<|im_system|>system<|im_middle|>{{ m['content'] }}<|im_end|>"
-    "{%- elif m['role'] == 'user' -%}<|im_user|>user<|im_middle|>{{ m['content'] }}<|im_end|>"
-    "{%- elif m['role'] == 'tool' -%}<|im_system|>tool<|im_middle|>{{ m['content'] }}<|im_end|>"
-    "{%- elif m['role'] == 'assistant' -%}<|im_assistant|>assistant<|im_middle|><think>"
-    "{%- if loop.index0 > ns.last_user and m.get('reasoning_content') -%}{{ m['reasoning_content'] }}{%- endif -%}"
-    "</think>{{ m['content'] }}<|im_end|>"
+    "{%- if m['role'] == 'system' -%}<|im_system|>system<|im_middle|>{{ render_content(m) }}<|im_end|>"
+    "{%- elif m['role'] == 'user' -%}<|im_user|>user<|im_middle|>{{ render_content(m) }}<|im_end|>"
+    "{%- elif m['role'] == 'tool' -%}<|im_system|>{{ m.get('name') or 'tool' }}<|im_middle|>"
+    "## Return of {{ m.get('tool_call_id') or '' }}\n{{ render_content(m) }}<|im_end|>"
+    "{%- elif m['role'] == 'assistant' -%}<|im_assistant|>assistant<|im_middle|>"
+    "{%- if loop.index0 > ns.last_plain -%}<think>{{ m.get('reasoning_content') or '' }}</think>"
+    "{%- else -%}<think></think>{%- endif -%}"
+    "{{ render_content(m) }}"
+    "{%- if m.get('tool_calls') -%}<|tool_calls_section_begin|>"
+    "{%- for call in m['tool_calls'] -%}<|tool_call_begin|>{{ call['id'] }}<|tool_call_argument_begin|>"
+    "{%- if call['function']['arguments'] is string -%}{{ call['function']['arguments'] }}"
+    "{%- else -%}{{ call['function']['arguments'] | tojson }}{%- endif -%}<|tool_call_end|>"
+    "{%- endfor -%}<|tool_calls_section_end|>"
+    "{%- endif -%}<|im_end|>"
     "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>"
@@ -170,15 +191,22 @@ def llama_config(vocab_size: int, special_ids: dict[str, int]) -> dict:
 
 
 def _sample_texts() -> list[str]:
+    """Every text of the sample rows (content, text parts, reasoning, tool calls, tools): the BPE's corpus."""
     texts = []
     for path in (SAMPLE_CONVERSATIONS, SAMPLE_SHAREGPT):
         for line in path.read_text().splitlines():
             row = json.loads(line)
+            if row.get("tools"):
+                texts.append(row["tools"] if isinstance(row["tools"], str) else json.dumps(row["tools"]))
             for turn in row.get("messages") or row.get("conversations"):
-                texts.append(turn.get("content") or turn.get("value") or "")
-                if turn.get("reasoning_content"):
-                    texts.append(turn["reasoning_content"])
-    return texts
+                content = turn.get("content", turn.get("value"))
+                if isinstance(content, list):
+                    texts.extend(part.get("text", "") for part in content)
+                elif isinstance(content, str):
+                    texts.append(content)
+                texts.append(turn.get("reasoning_content") or "")
+                texts.extend(json.dumps(call) for call in turn.get("tool_calls") or [])
+    return [text for text in texts if text]
 
 
 def build_tokenizer(out_dir: Path) -> dict[str, int]:

@@ -22,11 +22,12 @@ them from what has been logged so far; copy the PNGs back with scp.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from .metrics import read_metrics
 
 PLOTS_DIRNAME = "plots"
 _STEP_KEY = re.compile(r"^(loss|full_acc|cond_acc)_(\d+)(?:_epoch)?$")
@@ -64,16 +65,7 @@ class Curves:
 
 def read_curves(metrics_path: str | Path) -> Curves:
     curves = Curves()
-    path = Path(metrics_path)
-    if not path.is_file():
-        return curves
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut by a kill
-        if not isinstance(record, dict):
-            continue
+    for record in read_metrics(metrics_path):
         if isinstance(record.get("train"), dict) and "global_step" in record:
             step = int(record["global_step"])
             curves.train[step] = _numbers(record["train"])

@@ -25,8 +25,13 @@ Units are decimal (1 TB = 10^12 B), as disks are sold. The probes (`disk_free`, 
 
 from __future__ import annotations
 
+import mmap
 import os
+import queue
 import shutil
+import threading
+import time
+from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
 
@@ -41,9 +46,9 @@ PREPARED_BYTES_PER_INPUT_BYTE = 4
 # (Muon: one momentum buffer; AdamW: two moments).
 CHECKPOINT_BYTES = 2
 OPTIMIZER_STATES = {"muon": 1, "adamw": 2}
-# Training tokens/s per GPU that 04_train's defaults reached at Kimi-K2.5 geometry on an H200
-# (NOTES.md, "Training throughput": 35,046 on one, 34,218 per GPU on two): the rate the
-# hidden-state reads must keep up with.
+# Training tokens/s per GPU that 04_train's defaults reach at Kimi-K2.5 geometry on an H200
+# (NOTES.md, "Training throughput": 36,715 on one; 34,218 per GPU on two, before the flex-attention
+# forward config), rounded down: the rate the hidden-state reads must keep up with.
 TRAIN_TOKENS_PER_S_PER_GPU = 35_000
 # The read probe: at most this much (~3 s at the 0.65 GB/s one reader got on the H200 machine's
 # disk), and none below the floor (hidden states that small live in the page cache).
@@ -103,8 +108,15 @@ def refuse(line: str, why: str = "") -> PreflightError:
 
 # --- disk ---------------------------------------------------------------------------------------
 
+# speculators' fp8 files: one byte a value plus one float32 scale per token.
+FP8_SCALE_BYTES = 4
+
+
 def hidden_state_bytes_per_token(num_slots: int, hidden_size: int, dtype: str) -> int:
-    """Bytes of one token's hidden states on disk: 4 x 7168 x 2 = 57,344 for Kimi-K2.5 in bf16."""
+    """Bytes of one token's hidden states on disk: 4 x 7168 x 2 = 57,344 for Kimi-K2.5 in bf16,
+    4 x 7168 + 4 = 28,676 in fp8 (`dtype` "fp8": 02 --storage fp8)."""
+    if dtype == "fp8":
+        return num_slots * hidden_size + FP8_SCALE_BYTES
     return num_slots * hidden_size * DTYPE_BYTES[dtype]
 
 
@@ -123,8 +135,9 @@ def check_hidden_states_disk(num_samples: int, num_tokens: int, num_slots: int, 
                              dtype: str, hs_dir: Path) -> str:
     per_token = hidden_state_bytes_per_token(num_slots, hidden_size, dtype)
     avg = num_tokens / max(num_samples, 1)
+    value = "1 B + a 4 B scale per token, fp8" if dtype == "fp8" else f"{DTYPE_BYTES[dtype]} B"
     detail = (f"{num_samples:,} samples x {avg:,.0f} tokens "
-              f"({per_token:,} B/token = {num_slots} layers x {hidden_size:,} x {DTYPE_BYTES[dtype]} B)")
+              f"({per_token:,} B/token = {num_slots} layers x {hidden_size:,} x {value})")
     return check_disk("", num_tokens * per_token, detail, hs_dir)
 
 
@@ -137,8 +150,6 @@ def check_hidden_state_reads(hs_dir: Path, total_tokens: int, nproc: int, *,
     hidden states, so cached reads would flatter the disk), `readers` at a time as the loader
     workers do. Filesystems without O_DIRECT (tmpfs, some network mounts) are reported, not probed.
     """
-    from .throughput import measure_cold_read_bandwidth
-
     files = sorted(Path(hs_dir).glob("hs_*.safetensors"))
     total = sum(f.stat().st_size for f in files)
     if total < min_total_bytes:
@@ -161,6 +172,71 @@ def check_hidden_state_reads(hs_dir: Path, total_tokens: int, nproc: int, *,
         line += (f"; WARNING: the disk would cap training at ~{capped:,.0f} tokens/s per GPU "
                  f"(NOTES.md, 'Disk': local NVMe striped, or fewer GPUs per node)")
     return line
+
+
+def measure_cold_read_bandwidth(paths: Sequence[str | Path], *, threads: int = 1, direct: bool = True) -> dict:
+    """Read every file once, `threads` at a time, and report GB/s.
+
+    `direct=True` uses O_DIRECT, so nothing comes from the page cache whatever was read before
+    (raises OSError where the filesystem refuses it); `direct=False` reads through the cache,
+    which is cold only right after dropping it (`echo 3 > /proc/sys/vm/drop_caches`).
+    """
+    files = [Path(p) for p in paths]
+    reader = _read_file_direct if direct else _read_file_buffered
+    work: queue.SimpleQueue[Path] = queue.SimpleQueue()
+    for path in files:
+        work.put(path)
+    totals = [0] * threads
+    errors: list[OSError] = []
+
+    def drain(slot: int) -> None:
+        while True:
+            try:
+                path = work.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                totals[slot] += reader(path)
+            except OSError as exc:  # raised in the caller's thread, below
+                errors.append(exc)
+                return
+
+    start = time.perf_counter()
+    workers = [threading.Thread(target=drain, args=(i,)) for i in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    seconds = time.perf_counter() - start
+    if errors:
+        raise errors[0]
+    total = sum(totals)
+    return {"files": len(files), "bytes": total, "seconds": seconds, "threads": threads,
+            "direct": direct, "gb_per_s": total / seconds / 1e9}
+
+
+def _read_file_direct(path: Path, block: int = 16 << 20) -> int:
+    """Read a whole file with O_DIRECT (bypasses the page cache); returns bytes read."""
+    buffer = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT requires
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    total = 0
+    try:
+        while True:
+            got = os.readv(fd, [buffer])
+            total += got
+            if got < block:
+                return total
+    finally:
+        os.close(fd)
+        buffer.close()
+
+
+def _read_file_buffered(path: Path, block: int = 16 << 20) -> int:
+    total = 0
+    with open(path, "rb", buffering=0) as handle:
+        while chunk := handle.read(block):
+            total += len(chunk)
+    return total
 
 
 # --- GPUs and memory ----------------------------------------------------------------------------
@@ -276,7 +352,8 @@ def hidden_states_estimate_line(num_rows: int, num_tokens: int, hidden_size: int
 
 def preflight_extract(cfg, target, num_slots: int, todo_rows: int, todo_tokens: int, hs_dir: Path) -> list[str]:
     """Stage 02: disk for the rows still to do, GPUs vs tensor parallel, memory vs weights, vLLM version."""
-    lines = [check_hidden_states_disk(todo_rows, todo_tokens, num_slots, target.hidden_size, cfg.dtype, hs_dir)]
+    lines = [check_hidden_states_disk(todo_rows, todo_tokens, num_slots, target.hidden_size,
+                                      "fp8" if cfg.storage == "fp8" else cfg.dtype, hs_dir)]
     if cfg.backend == "vllm" and cfg.endpoint is not None:
         lines.append(f"gpus: the server at {cfg.endpoint} runs the target")
         return lines
@@ -318,17 +395,31 @@ def draft_parameters(hidden_size: int, target_vocab: int, draft_vocab: int, num_
     return trainable + target_vocab * h, trainable
 
 
-def preflight_train(cfg, draft: dict, target, draft_vocab: int, out_dir: Path, total_tokens: int = 0) -> list[str]:
-    """Stage 04: disk for the checkpoints, GPUs vs --nproc, memory for verifier head + draft,
-    hidden-state read speed (`total_tokens`: the prepared dataset's), versions."""
+def checkpoint_bytes(cfg, draft: dict, target, draft_vocab: int) -> int:
+    """One speculators checkpoint on disk: the draft in bf16 + the optimizer state of its trainable part."""
     saved, trainable = draft_parameters(target.hidden_size, target.vocab_size, draft_vocab,
                                         int(draft.get("num_layers", 1)), draft.get("intermediate_size"))
-    per_checkpoint = saved * CHECKPOINT_BYTES + trainable * CHECKPOINT_BYTES * OPTIMIZER_STATES[cfg.optimizer]
-    checkpoints = cfg.epochs
+    return saved * CHECKPOINT_BYTES + trainable * CHECKPOINT_BYTES * OPTIMIZER_STATES[cfg.optimizer]
+
+
+def preflight_train(cfg, draft: dict, target, draft_vocab: int, out_dir: Path, total_tokens: int = 0,
+                    epochs_done: int = 0, nproc_source: str = "flag") -> list[str]:
+    """Stage 04: disk for the checkpoints still to write (`epochs_done`: a resume's finished epochs),
+    GPUs vs --nproc (none visible with --nproc > 1: refused before any rank starts), memory for
+    verifier head + draft, hidden-state read speed (`total_tokens`: the prepared dataset's), versions."""
+    saved, trainable = draft_parameters(target.hidden_size, target.vocab_size, draft_vocab,
+                                        int(draft.get("num_layers", 1)), draft.get("intermediate_size"))
+    per_checkpoint = checkpoint_bytes(cfg, draft, target, draft_vocab)
+    checkpoints = max(cfg.epochs - epochs_done, 1)  # >= 1: the interrupted/ save of a stop
+    left = f" ({epochs_done} of {cfg.epochs} epochs already saved)" if epochs_done else ""
     lines = [check_disk("", per_checkpoint * checkpoints,
                         f"{checkpoints} checkpoint(s) x {human_bytes(per_checkpoint)} "
-                        f"(draft {saved / 1e6:,.1f}M params in bf16 + {cfg.optimizer} state)", out_dir)]
+                        f"(draft {saved / 1e6:,.1f}M params in bf16 + {cfg.optimizer} state){left}", out_dir)]
     gpus = probe_gpus()
+    if not gpus and cfg.nproc > 1 and nproc_source != "flag":  # an explicit --nproc N on a CPU: N gloo ranks
+        raise refuse(f"gpus: none visible, --nproc {cfg.nproc} ({nproc_source}) needs {cfg.nproc}",
+                     "a GPU profile on a machine without a visible GPU: check nvidia-smi and CUDA_VISIBLE_DEVICES, "
+                     "or pass --nproc 1 to train on the CPU")
     # fp32 master weights + grads + optimizer state for the draft; the frozen head in bf16.
     need = int(trainable * 4 * (2 + OPTIMIZER_STATES[cfg.optimizer]) + (saved - trainable) * 2 + draft_vocab * target.hidden_size * 2)
     if gpus:

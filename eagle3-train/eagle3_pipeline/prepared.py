@@ -3,6 +3,7 @@
     DATA/
       data-*.arrow, dataset_info.json, state.json   datasets.save_to_disk: input_ids, loss_mask, seq_len (int64)
       token_freq.pt                                  {token_id: count} over loss-masked tokens of the train rows
+      rejected.jsonl                                 --on-bad-row skip: each refused input row, where and why
       manifest.json                                  stage 01's contract (written last)
       hidden_states/hs_{i}.safetensors + manifest.json   stage 02
 
@@ -17,11 +18,12 @@ import os
 import random
 from pathlib import Path
 
-from .conversations import Row
+from .conversations import BadRow, Row
 from .files import remove_path, temp_path_for
 
 DATASET_FILES_GLOB = ("data-*.arrow", "dataset_info.json", "state.json")
 TOKEN_FREQ_NAME = "token_freq.pt"
+REJECTED_NAME = "rejected.jsonl"
 
 
 def split_conversations(num_conversations: int, val_ratio: float, seed: int) -> tuple[list[int], list[int]]:
@@ -50,8 +52,8 @@ def train_data_ratio(num_train: int, num_rows: int) -> float:
     return (num_train + 0.5) / num_rows
 
 
-def write_prepared(out_dir: Path, rows: list[Row], num_train: int) -> dict:
-    """Write the dataset + token_freq.pt into out_dir (files renamed into place); returns stats."""
+def write_prepared(out_dir: Path, rows: list[Row], num_train: int, bad: list[BadRow] = ()) -> dict:
+    """Write the dataset + token_freq.pt (+ rejected.jsonl) into out_dir (files renamed into place); returns stats."""
     import datasets
     from speculators.train.vocab_mapping import save_token_frequency_distribution
 
@@ -77,6 +79,8 @@ def write_prepared(out_dir: Path, rows: list[Row], num_train: int) -> dict:
         save_token_frequency_distribution(
             dataset.select(range(num_train)), staging / TOKEN_FREQ_NAME
         )
+        if bad:
+            (staging / REJECTED_NAME).write_text("".join(b.as_json() + "\n" for b in bad), encoding="utf-8")
         for old in _dataset_files(out_dir):
             old.unlink()
         for item in sorted(staging.iterdir()):
@@ -94,7 +98,7 @@ def write_prepared(out_dir: Path, rows: list[Row], num_train: int) -> dict:
 
 
 def _dataset_files(directory: Path) -> list[Path]:
-    return [p for pattern in DATASET_FILES_GLOB + (TOKEN_FREQ_NAME,) for p in Path(directory).glob(pattern)]
+    return [p for pattern in DATASET_FILES_GLOB + (TOKEN_FREQ_NAME, REJECTED_NAME) for p in Path(directory).glob(pattern)]
 
 
 def load_prepared(data_dir: Path):

@@ -29,66 +29,14 @@ import logging
 import os
 from pathlib import Path
 
+from .checkpoints import INTERRUPTED, STATE_NAME, incomplete, incomplete_reason, latest_progress, own_outputs, read_state
 from .files import TEMP_MARKER, remove_path
 
 log = logging.getLogger("eagle3")
 
-INTERRUPTED = "interrupted"
-STATE_NAME = "training_state.json"
-MODEL_NAME = "model.safetensors"
-OPTIMIZER_NAME = "optimizer_state_dict.pt"
 SUPPORTED_SPECULATORS = ("0.9.0",)
 
 _interrupted = {"requested": False, "saved": False, "state": None}
-
-
-# --- what is on disk ------------------------------------------------------------------------------
-
-def read_state(folder: Path) -> dict | None:
-    try:
-        state = json.loads((Path(folder) / STATE_NAME).read_text())
-    except (OSError, ValueError):
-        return None
-    return state if isinstance(state, dict) and "global_step" in state else None
-
-
-def incomplete_reason(folder: Path) -> str | None:
-    """Why a checkpoint folder cannot be resumed from, or None if it is complete."""
-    folder = Path(folder)
-    for name in (MODEL_NAME, OPTIMIZER_NAME):
-        if not (folder / name).is_file():
-            return f"no {name} (the save was cut short)"
-    if read_state(folder) is None:
-        return f"no readable {STATE_NAME} (the save was cut short)"
-    state_mtime = (folder / STATE_NAME).stat().st_mtime_ns
-    for name in (MODEL_NAME, OPTIMIZER_NAME):
-        if (folder / name).stat().st_mtime_ns > state_mtime:
-            return f"{name} is newer than {STATE_NAME} (an overwrite was cut short)"
-    try:
-        from safetensors import safe_open
-
-        with safe_open(str(folder / MODEL_NAME), framework="pt") as handle:
-            handle.keys()
-    except Exception as exc:  # truncated/garbled header
-        return f"{MODEL_NAME} unreadable ({str(exc).splitlines()[0][:80]})"
-    return None
-
-
-def epoch_folders(out_dir: Path) -> list[Path]:
-    out_dir = Path(out_dir)
-    if not out_dir.is_dir():
-        return []
-    dirs = [p for p in out_dir.iterdir() if p.is_dir() and not p.is_symlink() and p.name.isdigit()]
-    return sorted(dirs, key=lambda p: int(p.name))
-
-
-def latest_progress(out_dir: Path) -> dict | None:
-    """The training state speculators will resume from: its newest epoch folder's, or None."""
-    folders = epoch_folders(out_dir)
-    if not folders:
-        return None
-    state = read_state(folders[-1]) or {}
-    return {"checkpoint": folders[-1].name, **state}
 
 
 # --- before the trainer starts ------------------------------------------------------------------
@@ -97,14 +45,12 @@ def prepare_resume(out_dir: Path) -> dict:
     """Delete incomplete checkpoints, adopt a newer `interrupted/`; returns what was done."""
     out_dir = Path(out_dir)
     report = {"incomplete_removed": [], "interrupted": None}
-    for folder in epoch_folders(out_dir):
-        reason = incomplete_reason(folder)
-        if reason:
-            log.warning("checkpoint %s is incomplete (%s): deleted; resuming from the one before", folder, reason)
-            remove_path(folder)
-            report["incomplete_removed"].append(folder.name)
+    for folder, reason in incomplete(out_dir):
+        log.warning("checkpoint %s is incomplete (%s): deleted; resuming from the one before", folder, reason)
+        remove_path(folder)
+        report["incomplete_removed"].append(folder.name)
     interrupted = out_dir / INTERRUPTED
-    if interrupted.is_dir():
+    if interrupted.is_dir() and interrupted in own_outputs(out_dir):
         report["interrupted"] = _adopt_interrupted(out_dir, interrupted)
     return report
 

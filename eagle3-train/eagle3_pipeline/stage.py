@@ -1,18 +1,62 @@
-"""What every stage script shares: the error boundary and the "already done?" check."""
+"""What every stage script shares: the error boundary, the one rule for "done", and the output lock.
+
+The rule for "done" (`finished`), the same for all five stages and for run_all.sh (which just runs
+each stage): an output directory is finished when its manifest is complete AND its identity equals
+the identity this invocation would produce. An identity (`stage_identity`) is
+- the inputs' content identity: each upstream output's `content_sha256` (what it was made from and
+  what it holds, see contract.py), the target's config and tokenizer hashes, a data file's sha256;
+  never a path, a manifest's bytes, a timestamp or a package version;
+- the settings that change the outputs: every config field except those in `NOT_IDENTITY`
+  (paths, whose content is already in the inputs; and flags that change how, not what: validation
+  sampling, batching, device, worker counts, logging, kernels), plus values resolved from other
+  files (layer ids, the draft config, the draft vocab size).
+A directory whose identity differs is refused with the first differing field and both values; with
+`--overwrite` (03-05) the stage replaces only what it wrote itself. A directory holding another
+stage's output is refused even with `--overwrite`.
+"""
 
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
-from .contract import manifest_path
-from .errors import ConfigError, StageError
-from .files import sha256_json
+from .contract import STAGES, manifest_path
+from .errors import ConfigError, ContractError, StageError
+from .files import LOCK_NAME, LockedError, hold_lock, release_locks, sha256_file, sha256_json
 
 log = logging.getLogger("eagle3")
+
+# Config fields that are not part of a stage's identity (see the module docstring). A new config
+# field is part of the identity unless it is listed here (tests/test_reliability_rerun.py checks
+# that every name here is a real field).
+NOT_IDENTITY: dict[str, frozenset[str]] = {
+    "prepare": frozenset({"output", "overwrite", "check", "report_problems", "target", "tokenizer", "data",
+                          "trust_remote_code"}),
+    "extract": frozenset({
+        "target", "data", "backend", "device", "max_samples", "world_size", "rank", "retries", "validate_only",
+        "validate_sample", "check", "trust_remote_code", "tensor_parallel_size", "gpu_memory_utilization",
+        "max_model_len", "max_num_seqs", "language_model_only", "attention_backend", "enforce_eager", "staging_dir",
+        "endpoint", "print_server_cmd", "server_port", "layer_ids",  # layer_ids: recorded resolved
+    }),
+    "vocab": frozenset({"data", "output", "draft_config", "draft_vocab_size", "overwrite", "check"}),  # size: resolved
+    "train": frozenset({
+        "target", "data", "vocab", "output", "draft_config", "ttt_steps", "attn_impl", "loss_impl",
+        "flex_forward_config", "num_workers", "prefetch_factor", "nproc", "nnodes", "node_rank", "rdzv_endpoint",
+        "launcher", "hostfile", "fsdp", "log_freq", "logger", "trust_remote_code", "dry_run", "overwrite", "check",
+    }),
+    "export": frozenset({"checkpoints", "output", "vocab", "checkpoint", "num_speculative_tokens", "overwrite",
+                         "check"}),
+}
+
+
+class OutputBusy(StageError):
+    """Another live process writes this output directory; exit code 75 (EX_TEMPFAIL), as run_all.sh's lock."""
+
+    exit_code = 75
 
 
 def stage_main(func: Callable[[list[str] | None], int | None]) -> Callable[[list[str] | None], int]:
@@ -29,45 +73,135 @@ def stage_main(func: Callable[[list[str] | None], int | None]) -> Callable[[list
         except KeyboardInterrupt:
             print("interrupted: finished files are kept; rerun the same command to continue", file=sys.stderr)
             return 130
+        finally:
+            release_locks()  # the OS releases them too when the process dies
 
     return wrapper
 
 
-def config_fingerprint(cfg, ignore: tuple[str, ...] = ()) -> str:
-    """Hash of the settings that shape a stage's outputs (not flags like --overwrite)."""
-    skip = {"overwrite", "check", "print_server_cmd", "validate_only"} | set(ignore)
-    return sha256_json({k: v for k, v in cfg.model_dump().items() if k not in skip})
+# --- identity ---------------------------------------------------------------------------------------
+
+def stage_identity(cfg, inputs: dict[str, Any], **resolved: Any) -> dict:
+    """{"inputs": content ids, "settings": the output-changing settings} of one invocation."""
+    skip = NOT_IDENTITY[cfg.STAGE]
+    settings = {k: v for k, v in cfg.model_dump().items() if k not in skip}
+    return {"inputs": dict(inputs), "settings": {**settings, **resolved}}
 
 
-def finished_with_same_inputs(out_dir: Path, fingerprint: str, inputs: dict, overwrite: bool) -> bool:
-    """True if out_dir already holds this exact result (skip the stage).
+def data_identity(data: str) -> str:
+    """A local data file by content (any path to it, moved or not, is the same input); else its name."""
+    path = Path(data)
+    if path.is_file():
+        return "sha256:" + sha256_file(path)
+    if path.is_dir():
+        return "files:" + sha256_json({p.relative_to(path).as_posix(): sha256_file(p)
+                                       for p in sorted(path.rglob("*")) if p.is_file()})
+    return "name:" + data
 
-    A finished output made from other settings or inputs is refused unless --overwrite:
-    the user may be pointing at the wrong directory, and the old result may be hours of work.
-    """
-    import json
 
+def first_difference(old: Any, new: Any, prefix: str = "") -> tuple[str, Any, Any] | None:
+    """The first (sorted) dotted field where two identities differ, with both values."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        for key in sorted(set(old) | set(new)):
+            found = first_difference(old.get(key, "<absent>"), new.get(key, "<absent>"), f"{prefix}{key}.")
+            if found:
+                return found
+        return None
+    if old != new:
+        return prefix.rstrip("."), old, new
+    return None
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def describe_difference(diff: tuple[str, Any, Any]) -> str:
+    field, old, new = diff
+    return f"{field} = {_short(old)} there, {_short(new)} in this run"
+
+
+# --- the rule for "done" ------------------------------------------------------------------------------
+
+def lock_output(out_dir: Path, lock_file: Path | None = None, exclusive: bool = True) -> None:
+    """One writer per output directory, held until the stage ends (or dies: the OS releases flock)."""
+    lock_file = Path(lock_file) if lock_file else Path(out_dir) / LOCK_NAME
+    try:
+        hold_lock(lock_file, exclusive)
+    except LockedError:
+        raise OutputBusy(f"{out_dir}: another process is writing it now (it holds {lock_file}); wait for it to end, "
+                         f"or stop it, then rerun") from None
+
+
+def read_own_manifest(out_dir: Path) -> dict | None:
+    """This stage's manifest in out_dir (None: none yet); an unreadable one is one line, not a traceback."""
     path = manifest_path(out_dir)
     if not path.is_file():
-        return False
+        return None
     try:
         manifest = json.loads(path.read_text())
-    except json.JSONDecodeError:
+    except (OSError, ValueError) as exc:
+        raise ContractError(f"{path}: unreadable manifest ({str(exc)[:80]}); move it away (the files beside it "
+                            f"are then treated as unfinished work) or choose another --output") from None
+    if not isinstance(manifest, dict):
+        raise ContractError(f"{path}: unreadable manifest (not a JSON object); move it away or choose another --output")
+    return manifest
+
+
+def finished(out_dir: Path, stage: str, identity: dict, overwrite: bool = False, check: bool = False,
+             lock_file: Path | None = None, input_change_redoes: bool = False, extra_done: bool = True,
+             remedy: str = "rerun with the old value, choose another --output, or pass --overwrite to replace it") -> bool:
+    """True when out_dir already holds exactly what this invocation would write (the stage is a no-op).
+
+    Takes the output's exclusive lock first (not with --check, which writes nothing). Returns False
+    when the stage must (re)do work: nothing there yet, an unfinished run of this identity (resume),
+    or --overwrite over another identity. Refuses another stage's output, and another identity
+    without --overwrite, naming the field that differs. `input_change_redoes`: when only the
+    inputs differ the stage re-checks its existing files itself (02 keeps the rows whose token ids
+    still match). `extra_done`: a stage-specific completeness condition (02: every row's file present).
+    `remedy`: the end of the refusal (02 has no --overwrite).
+    """
+    if not check:
+        lock_output(out_dir, lock_file)
+    path = manifest_path(out_dir)
+    manifest = read_own_manifest(out_dir)
+    if manifest is None:
         return False
-    same = manifest.get("config_sha256") == fingerprint and manifest.get("inputs") == inputs
-    if same and manifest.get("complete"):
-        return True
-    if not overwrite:
-        raise ConfigError(
-            f"{path}: {out_dir} holds a finished result made with other settings or inputs; "
-            f"choose another --output or pass --overwrite"
-        )
-    # --overwrite: the old result stays valid (manifest included) until the new one is ready to
-    # be written; the stage calls retire_manifest() right before its first output write, so bad
-    # input found while reading never costs the user the old result.
-    return False
+    if manifest.get("stage") != stage:
+        raise ConfigError(f"{path}: {out_dir} holds stage {manifest.get('stage')!r}'s output "
+                          f"({STAGES.get(manifest.get('stage'), 'not this pipeline')}); choose another --output "
+                          f"(--overwrite never replaces another stage's output)")
+    recorded = manifest.get("identity")
+    if not isinstance(recorded, dict):  # written by a version before identities: finished then, kept as such
+        if manifest.get("complete") and extra_done and not overwrite:
+            log.warning("%s: finished by an older version that recorded no identity; kept as finished (pass "
+                        "--overwrite to redo it with this version's checks)", out_dir)
+            return True
+        if overwrite:
+            return False
+        raise ContractError(f"{path}: an unfinished run by an older version that recorded no identity, so a resume "
+                            f"cannot be checked as safe; {remedy}")
+    diff = first_difference(recorded, identity)
+    if diff is None:
+        return bool(manifest.get("complete")) and extra_done
+    if input_change_redoes and diff[0].startswith("inputs") and \
+            first_difference(recorded["settings"], identity["settings"]) is None:
+        log.info("%s: an input changed since (%s); re-checking every existing file", out_dir, describe_difference(diff))
+        return False
+    if overwrite:
+        log.info("%s: --overwrite: replacing this stage's outputs made with %s", out_dir, describe_difference(diff))
+        return False
+    what = "a finished result" if manifest.get("complete") else "an unfinished run"
+    raise ContractError(f"{path}: {out_dir} holds {what} made with {describe_difference(diff)}; {remedy}")
 
 
 def retire_manifest(out_dir: Path) -> None:
     """Call right before a stage's first output write: from here on out_dir is unfinished."""
     manifest_path(out_dir).unlink(missing_ok=True)
+
+
+def config_fingerprint(cfg, ignore: tuple[str, ...] = ()) -> str:
+    """Hash of the whole config (recorded for people; `finished` decides by identity, not by this)."""
+    skip = {"overwrite", "check", "print_server_cmd", "validate_only"} | set(ignore)
+    return sha256_json({k: v for k, v in cfg.model_dump().items() if k not in skip})

@@ -3,19 +3,20 @@
 `summarize` reads the best checkpoint's `val_metrics.json` (speculators writes it per epoch;
 metrics.jsonl's val records are the fallback) and the train records of metrics.jsonl, and
 returns a JSON-ready dict (it also goes into stage 04's manifest). The expected accepted
-length is `acceptance.expected_accepted_length`: tau(k) = 1 + sum_{i<k} full_acc_i, the
-offline estimate for greedy chain drafting with k draft tokens (its docstring lists the
-assumptions); `eagle3_pipeline.acceptance.measure_acceptance` measures it in vLLM.
+length is `expected_accepted_length`: tau(k) = 1 + sum_{i<k} full_acc_i, the offline estimate
+for greedy chain drafting with k draft tokens (its docstring lists the assumptions);
+`bench/acceptance.py` measures it in vLLM.
 `format_summary` renders the dict as text; `write_summary` writes summary.json + summary.txt.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import statistics
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from .acceptance import expected_accepted_lengths, full_acc_by_step
 from .files import atomic_write_json, atomic_write_text
 from .plots import PLOTS_DIRNAME, read_curves
 
@@ -23,6 +24,80 @@ SUMMARY_JSON = "summary.json"
 SUMMARY_TXT = "summary.txt"
 _MAX_EPOCH_ROWS = 12  # epochs listed in the table (the best one is always listed)
 
+
+# --- the offline acceptance estimate ----------------------------------------------------------
+
+_FULL_ACC_KEY = re.compile(r"^(?:val/)?full_acc_(\d+)(?:_epoch)?$")
+
+
+def full_acc_by_step(val_metrics: Mapping[str, float]) -> list[float]:
+    """[full_acc_0, full_acc_1, ...] from a speculators validation-metrics dict.
+
+    Accepts the keys as the trainer logs them (`full_acc_{i}_epoch` in `val_metrics.json`,
+    optionally prefixed `val/`) or bare `full_acc_{i}`. The steps must be contiguous from 0.
+    """
+    found: dict[int, float] = {}
+    for key, value in val_metrics.items():
+        match = _FULL_ACC_KEY.match(key)
+        if match:
+            found[int(match.group(1))] = float(value)
+    if not found:
+        raise KeyError("no full_acc_<i> keys in the validation metrics")
+    steps = sorted(found)
+    if steps != list(range(len(steps))):
+        raise KeyError(f"full_acc steps are not contiguous from 0: {steps}")
+    return [found[i] for i in steps]
+
+
+def expected_accepted_length(full_acc: Sequence[float], num_speculative_tokens: int) -> float:
+    """Expected tokens per target forward pass for chain drafting with k draft tokens.
+
+        tau(k) = 1 + sum_{i=0}^{k-1} full_acc_i
+
+    where full_acc_i is speculators' validation metric for TTT step i: the fraction of
+    positions at which the draft's argmax at steps 0..i all equal the target's argmax
+    (`compute_accuracy_single_step` ANDs the running `prev_correct`). Draft token i is accepted
+    exactly when tokens 0..i are all right, so the expected number accepted is the sum of those
+    probabilities (linearity of expectation; no independence between steps is assumed), and the
+    target always adds one token (the correction or the bonus), hence the leading 1.
+
+    Assumptions, each a way the estimate can differ from vLLM's measurement:
+      * greedy decoding on both sides (vLLM with temperature 0 accepts a draft token iff it
+        equals the target's argmax); sampling acceptance is a different quantity;
+      * a single chain of k tokens per step (no tree);
+      * TTT step i stands in for inference draft position i: training feeds the draft its own
+        earlier hidden states the same way, but along the *dataset's* text, while in vLLM the
+        continuation is the target's own greedy output;
+      * validation rows resemble the prompts measured (same distribution, no truncation bias);
+      * k <= the number of TTT steps trained (positions beyond were never measured);
+      * the draft vocabulary covers the target's choices: speculators cuts the verifier's
+        lm_head to the draft vocabulary before taking the target's argmax, so where the
+        target's real choice lies outside the draft vocabulary the step counts as right when
+        the draft picks the best in-vocabulary token, while vLLM always rejects it. With a
+        pruned vocabulary the estimate is optimistic by up to the uncovered share of tokens
+        (bench/benchlib/acceptance.py's `draft_vocab_coverage` measures that share on the target's outputs).
+    full_acc_i is a ratio over the positions valid at step i (the last i positions of a row
+    have no target), so the steps' denominators differ slightly; the sum ignores that.
+    """
+    if num_speculative_tokens < 0:
+        raise ValueError("num_speculative_tokens must be >= 0")
+    if num_speculative_tokens > len(full_acc):
+        raise ValueError(
+            f"k={num_speculative_tokens} needs full_acc for {num_speculative_tokens} TTT steps, "
+            f"only {len(full_acc)} were measured (train with --ttt-steps >= k)"
+        )
+    for i, value in enumerate(full_acc[:num_speculative_tokens]):
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"full_acc_{i}={value} is not a probability")
+    return 1.0 + float(sum(full_acc[:num_speculative_tokens]))
+
+
+def expected_accepted_lengths(full_acc: Sequence[float]) -> dict[int, float]:
+    """{k: tau(k)} for k = 1 .. number of TTT steps measured."""
+    return {k: expected_accepted_length(full_acc, k) for k in range(1, len(full_acc) + 1)}
+
+
+# --- the summary ------------------------------------------------------------------------------
 
 def summarize(metrics_path: Path, best: Path, num_speculative_tokens: int | None = None) -> dict:
     """The summary of one training run; `best` is the chosen checkpoint directory."""
@@ -118,7 +193,7 @@ def format_summary(summary: dict, out_dir: Path | None = None) -> str:
                           for k, v in taus.items())
         lines.append(f"accepted length : {shown}")
         lines.append("                  offline: 1 + sum of full_acc_0..k-1 tokens per target forward")
-        lines.append("                  (vLLM's own figure: eagle3_pipeline.acceptance.measure_acceptance)")
+        lines.append("                  (vLLM's own figure: bench/acceptance.py)")
     elif summary.get("val_loss") is None:
         lines.append("validation      : no validation metrics found (is the val split empty?)")
     train = summary.get("train", {})

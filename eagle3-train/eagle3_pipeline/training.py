@@ -9,7 +9,6 @@ entry point under torchrun (or DeepSpeed's launcher) via `launch_command`.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shlex
@@ -18,14 +17,21 @@ from pathlib import Path
 
 import torch
 
+# The checkpoint layout lives in checkpoints.py; these names stay for train_report and the tests.
+from .checkpoints import best as best_checkpoint  # noqa: F401
+from .checkpoints import complete as checkpoint_dirs  # noqa: F401
 from .config import SCRIPTS_DIR, TrainConfig
 from .errors import ConfigError
 from .files import atomic_write_text
-from .throughput import MetricsJsonlHandler
+from .metrics import (
+    COMPAT_KEY,
+    METRICS_FILE,  # noqa: F401  (stage 04 and train_entry take the file name from here)
+    is_rank_zero,
+    write_record,
+)
 from .vocab import D2T_NAME, T2D_NAME
 
 log = logging.getLogger("eagle3")
-METRICS_FILE = "metrics.jsonl"
 
 
 def on_gpu() -> bool:
@@ -47,9 +53,30 @@ def hidden_states_dtype(cfg: TrainConfig) -> str:
     return "bfloat16" if on_gpu() else "float32"
 
 
+def read_upstream(cfg: TrainConfig, target, draft: dict) -> tuple[dict, dict, dict]:
+    """Stages 01-03's manifests, checked against one another, the target and the draft config."""
+    from .contract import read_manifest, require_equal, require_upstream
+    from .extract.common import HS_DIRNAME
+
+    prepared = read_manifest(cfg.data, "prepare", "--data")
+    extracted = read_manifest(Path(cfg.data) / HS_DIRNAME, "extract", "--data")
+    vocab = read_manifest(cfg.vocab, "vocab", "--vocab")
+    hint = "all stages must use the same --target"
+    for manifest in (prepared, extracted, vocab):
+        require_equal("target config", target.config_sha256, manifest["target"]["config_sha256"], manifest, hint)
+    require_upstream(extracted, "prepare", prepared)
+    require_upstream(vocab, "prepare", prepared)
+    for key, value in (("hidden_size", target.hidden_size), ("target_vocab_size", target.vocab_size)):
+        if draft.get(key) not in (None, value):
+            raise ConfigError(f"{cfg.draft_config}: {key} {draft[key]} does not match the target's {value} ({cfg.target}/config.json)")
+    return prepared, extracted, vocab
+
+
 def speculators_argv(cfg: TrainConfig, draft: dict, target_path: str, aux_layer_ids: list[int],
-                     draft_vocab_size: int, train_data_ratio: float, mask_token_id: int) -> list[str]:
-    """The `speculators train` flags for this run (the full contract with its trainer)."""
+                     draft_vocab_size: int, train_data_ratio: float, mask_token_id: int,
+                     hidden_states_storage: str = "dtype") -> list[str]:
+    """The `speculators train` flags for this run (the full contract with its trainer).
+    `hidden_states_storage`: stage 02's `storage` ("fp8" files are read by speculators' fp8 backend)."""
     attn, loss = resolve_kernels(cfg)
     out = Path(cfg.output)
     num_workers = cfg.num_workers if on_gpu() else 0  # CPU: worker processes only compete for 2 cores
@@ -86,6 +113,8 @@ def speculators_argv(cfg: TrainConfig, draft: dict, target_path: str, aux_layer_
         # lose work) and deletes every other file in the save path. Without it every epoch is
         # kept and `checkpoint_best` still points at the lowest val loss.
     ]
+    if hidden_states_storage == "fp8":  # speculators' FP8Transfer dequantizes each file as it is read
+        argv += ["--hidden-states-backend", "fp8"]
     if draft.get("full_attention_indices"):
         argv += ["--full-attention-indices", *map(str, draft["full_attention_indices"])]
     if not draft.get("norm_before_residual", True):
@@ -99,6 +128,40 @@ def speculators_argv(cfg: TrainConfig, draft: dict, target_path: str, aux_layer_
     if cfg.dry_run:
         argv += ["--dry-run"]
     return argv + list(cfg.extra_args)
+
+
+def resolved_for_print_config(cfg: TrainConfig) -> dict[str, str]:
+    """What speculators receives for the fields this stage decides at run time, on this machine
+    (`--print-config`): read back from `speculators_argv` itself, so it cannot drift from a run."""
+    from .compat import flex_forward_config
+    from .config import load_draft_config
+
+    notes: dict[str, str] = {}
+    try:
+        draft = load_draft_config(cfg.draft_config)
+    except ConfigError as exc:
+        draft, notes["draft_config"] = {}, f"? ({exc}; built-in draft defaults shown below)"
+    argv = speculators_argv(cfg, draft, "<target>", [0, 0, 0], 0, 0.9, 0)
+
+    def sent(flag: str) -> str:
+        return argv[argv.index(flag) + 1]
+
+    device = "CUDA" if on_gpu() else "no CUDA device"
+    if cfg.ttt_steps is None:
+        notes["ttt_steps"] = f"{sent('--ttt-steps')} ({cfg.draft_config}'s ttt_steps)"
+    if cfg.attn_impl == "auto":
+        notes["attn_impl"] = f'"{sent("--draft-attn-impl")}" ({device}: flex_attention on GPUs; sdpa on the CPU, no flex backward there)'
+    if cfg.loss_impl == "auto":
+        notes["loss_impl"] = f'"{sent("--loss-implementation")}" ({device}: the fused Triton loss on GPUs, eager on the CPU)'
+    if cfg.hidden_states_dtype == "auto":
+        notes["hidden_states_dtype"] = (f'"{sent("--hidden-states-dtype")}" ({device}: bf16 autocast on GPUs; fp32 on the CPU, '
+                                        f"where bf16 matmuls are several times slower)")
+    if int(sent("--num-workers")) != cfg.num_workers:
+        notes["num_workers"] = f"{sent('--num-workers')} ({device}: worker processes would only compete for the trainer's cores)"
+    capability = torch.cuda.get_device_capability() if on_gpu() else None
+    decision = flex_forward_config.decide(capability, flex_forward_config.parse_setting(cfg.flex_forward_config))
+    notes["flex_forward_config"] = ("applied: " if decision.apply else "not applied: ") + decision.reason
+    return notes
 
 
 def launch_command(cfg: TrainConfig, argv: list[str]) -> list[str] | None:
@@ -155,66 +218,35 @@ def export_compat_settings(cfg: TrainConfig) -> None:
 
 
 def launch_env() -> dict[str, str]:
-    """Child processes must import eagle3_pipeline (the library beside the scripts)."""
+    """Child processes must import eagle3_pipeline: `make venv` installs it (pyproject.toml); a Python
+    without that install (the numbered scripts also run from a bare clone) finds it beside the scripts."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SCRIPTS_DIR), env.get("PYTHONPATH")]))
     return env
 
 
-def apply_compat() -> list[str]:
-    """Version/hardware-gated fixes; returns the names of those that applied."""
-    from .compat import cpu_trainer
-
-    applied = []
-    if cpu_trainer.apply():
-        applied.append("cpu_trainer")
-    try:
-        from .compat import fused_loss
-    except ImportError:
-        fused_loss = None
-    if fused_loss is not None and fused_loss.apply():
-        applied.append("fused_loss")
-    from .compat import flex_forward_config
-
-    if flex_forward_config.apply():
-        applied.append("flex_forward_config")
-    return applied
-
-
-def attach_metrics_file(metrics_path: Path) -> None:
-    """Also append speculators' metric dicts (train/val, per step) to a JSONL file we can read back."""
-    import speculators.train.cli as cli
-
-    original = cli.setup_metric_logger
-
-    def setup_with_jsonl(*args, **kwargs):
-        original(*args, **kwargs)
-        # Rank 0 only: every DDP rank logs the same step (bench/ scales by the world size).
-        handler = MetricsJsonlHandler(metrics_path, rank_zero_only=True)
-        logging.getLogger("speculators.metrics").addHandler(handler)
-
-    cli.setup_metric_logger = setup_with_jsonl
-
-
-def run_in_process(argv: list[str], metrics_path: Path) -> None:
-    """speculators' own trainer, in this process (one GPU, or the CPU)."""
+def run_in_process(argv: list[str], metrics_path: Path, checkpoint_bytes: int = 0) -> None:
+    """speculators' own trainer, in this process (one GPU, or the CPU). A full disk while it saves a
+    checkpoint is one line naming the file being written, the free bytes and what a checkpoint needs."""
     from speculators.train.cli import main as speculators_main
     from speculators.train.config import TrainConfig as SpeculatorsTrainConfig
 
-    from . import resume
+    from . import compat, resume
     from .errors import Interrupted
 
-    applied = apply_compat()
-    if applied:
-        log.info("compatibility fixes applied: %s", ", ".join(applied))
-    resume.install_interrupt_progress()
-    attach_metrics_file(metrics_path)
-    if on_gpu():
-        # Copies the next batch to the GPU while this step computes (NOTES.md, "Training throughput").
-        from .throughput import install_device_prefetch
+    applied = compat.apply(metrics_path)
+    log.info("compatibility fixes applied: %s", ", ".join(applied) or "none")
+    if is_rank_zero():  # stage 04 records them in its manifest (it may not be this process)
+        write_record(metrics_path, {COMPAT_KEY: applied})
+    save = Path(argv[argv.index("--save-path") + 1])
+    try:
+        speculators_main(SpeculatorsTrainConfig.resolve(argv))
+    except Exception as exc:
+        from .files import is_disk_full
 
-        install_device_prefetch()
-    speculators_main(SpeculatorsTrainConfig.resolve(argv))
+        if not is_disk_full(exc):
+            raise
+        raise disk_full_error(save, checkpoint_bytes) from None
     if "flex_forward_config" in applied:
         from .compat.flex_forward_config import traced_calls_summary
 
@@ -222,12 +254,25 @@ def run_in_process(argv: list[str], metrics_path: Path) -> None:
     # speculators returns normally after SIGTERM/Ctrl-C: never let that pass for a finished run.
     stopped = resume.interruption()
     if stopped:
-        save = Path(argv[argv.index("--save-path") + 1])
         if stopped["saved"]:
             raise Interrupted(f"training interrupted at global step {stopped['state']['global_step']}; checkpoint saved in "
                               f"{save / resume.INTERRUPTED}; rerun the same command to resume from it")
         raise Interrupted(f"training interrupted; the interrupt checkpoint could not be saved (see the log above); "
                           f"rerun the same command to resume from the last epoch checkpoint in {save}")
+
+
+def disk_full_error(save: Path, checkpoint_bytes: int):
+    """The checkpoint file being written when the disk filled (the newest under the save path)."""
+    import shutil
+
+    from .errors import StageError
+
+    files = [p for p in Path(save).rglob("*") if p.is_file() and not p.is_symlink()]
+    newest = max(files, key=lambda p: p.stat().st_mtime_ns) if files else Path(save)
+    free = shutil.disk_usage(save).free
+    return StageError(f"{newest}: disk full while speculators saved a checkpoint ({free:,} B free at {save}; one "
+                      f"checkpoint needs ~{checkpoint_bytes:,} B); free space, then rerun (training resumes from the "
+                      f"last complete checkpoint)")
 
 
 def write_command_file(out_dir: Path, argv: list[str], launch: list[str] | None) -> None:
@@ -239,29 +284,3 @@ def write_command_file(out_dir: Path, argv: list[str], launch: list[str] | None)
     if launch:
         lines += ["# launched as:", " ".join(shlex.quote(a) for a in launch)]
     atomic_write_text(Path(out_dir) / "command.txt", "\n".join(lines) + "\n")
-
-
-def read_metrics(path: Path) -> list[dict]:
-    if not Path(path).is_file():
-        return []
-    records = []
-    for line in Path(path).read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line cut by a kill: skip it
-    return records
-
-
-def checkpoint_dirs(out_dir: Path) -> list[Path]:
-    """speculators' epoch checkpoints (<save>/<epoch>/ with model.safetensors), oldest first."""
-    dirs = [p for p in Path(out_dir).iterdir() if p.is_dir() and p.name.isdigit() and (p / "model.safetensors").is_file()]
-    return sorted(dirs, key=lambda p: int(p.name))
-
-
-def best_checkpoint(out_dir: Path) -> Path | None:
-    best = Path(out_dir) / "checkpoint_best"
-    if best.exists():
-        return best.resolve()
-    dirs = checkpoint_dirs(out_dir)
-    return dirs[-1] if dirs else None

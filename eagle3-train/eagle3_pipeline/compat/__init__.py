@@ -1,0 +1,48 @@
+"""Every change eagle3-train makes to speculators' runtime behaviour: one module each, here.
+
+Each module has an `apply(...) -> bool` that checks its own gate and installs its change only
+where it holds; `apply` below runs them all, in this order, and returns the names of those
+installed (stage 04 logs them and records them in its manifest, via metrics.jsonl):
+
+  cpu_trainer          speculators' Trainer, step timer, checkpointer and DDP setup on the CPU
+                       (gate: no accelerator; speculators 0.9.0, else it raises)
+  fused_loss           the fused Triton loss's backward kernel gets its own autotune configs list
+                       (gate: the kernels share one list and torch's Dynamo double-tracks it)
+  flex_forward_config  speculators' flex_attention call gets the measured forward kernel config
+                       (gate: sm90, or options given with --flex-forward-config; not `off`)
+  interrupt_progress   Trainer.train_epoch / maybe_save_checkpoint record where a SIGTERM save
+                       stopped, so it resumes (gate: speculators 0.9.0)
+  metrics_jsonl        speculators' metric logger setup also attaches stage 04's metrics.jsonl
+                       (always; raises if speculators' setup function is gone)
+  device_prefetch      the training loader copies the next batch to the GPU on a side stream
+                       (gate: CUDA)
+
+Not applied here: `cpu_hidden_states_connector`, a vLLM KV connector class that vLLM's workers
+load by module path (stage 02 with vLLM's CPU build). This package's import stays light for them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+FIXES = ("cpu_trainer", "fused_loss", "flex_forward_config", "interrupt_progress", "metrics_jsonl",
+         "device_prefetch")
+
+
+def apply(metrics_path: str | Path) -> list[str]:
+    """Install every fix whose gate holds, before `speculators.train.cli.main`; returns their names.
+
+    Once per training process (each torchrun/DeepSpeed rank runs it); the settings that are
+    not speculators flags come from the environment (`training.export_compat_settings`).
+    """
+    from . import cpu_trainer, device_prefetch, flex_forward_config, fused_loss, interrupt_progress, metrics_jsonl
+
+    gates = {
+        "cpu_trainer": cpu_trainer.apply,
+        "fused_loss": fused_loss.apply,
+        "flex_forward_config": flex_forward_config.apply,
+        "interrupt_progress": interrupt_progress.apply,
+        "metrics_jsonl": lambda: metrics_jsonl.apply(metrics_path),
+        "device_prefetch": device_prefetch.apply,
+    }
+    return [name for name in FIXES if gates[name]()]

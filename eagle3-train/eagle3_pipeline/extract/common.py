@@ -4,7 +4,11 @@ Per dataset row i, `hidden_states/hs_{i}.safetensors` holds (speculators' layout
 - `hidden_states` [T, n_aux + 1, H]: the residual stream after each aux layer, then the
   final decoder layer's output *before* the final norm (speculators applies the frozen
   verifier norm + lm_head to that last slot to get target logits);
-- `token_ids` [T]: the row's input_ids, to prove the states belong to that row.
+- `token_ids` [T]: the row's input_ids, to prove the states belong to that row;
+- with `--storage fp8` (speculators' fp8 format, read by its `--hidden-states-backend fp8`):
+  `hidden_states` in float8_e4m3fn and `hidden_states_scales` [T, 1, 1] float32, one scale per
+  token, quantized by hs-connectors' own function (the one its vLLM fp8 connector uses), so the
+  files are bit-compatible with what speculators' FP8Transfer dequantizes.
 Backends yield `ExtractedSample`s (tensors, or a file vLLM already wrote into a staging
 directory); `land_sample` validates each one and renames it into place atomically.
 """
@@ -23,6 +27,8 @@ from ..errors import InputError
 from ..files import atomic_path, atomic_save_safetensors, remove_path
 
 HS_DIRNAME = "hidden_states"
+FP8 = torch.float8_e4m3fn
+SCALES_KEY = "hidden_states_scales"  # hs_connectors.fp8_utils.SCALES_KEY
 
 
 def hs_file(hs_dir: Path, index: int) -> Path:
@@ -49,13 +55,34 @@ class BadHiddenStates(InputError):
     """A hidden-state file that must not be trained on; the message says why."""
 
 
+# A layer slot whose values spread less than this (relative to their magnitude, or absolutely below 1)
+# is a constant written by a broken backend, not a residual stream: real states of a trained or
+# random model spread by O(1) (the miniature's smallest slot spread is > 0.1).
+CONSTANT_SLOT_RTOL = 1e-6
+# fp8 files: a constant written by a broken backend comes back from per-token quantization within
+# e4m3's rounding (3 mantissa bits: half a step is 2^-4 of the value), so "constant" there means a
+# spread within twice that; real states spread by more than their own magnitude.
+CONSTANT_SLOT_RTOL_FP8 = 2.0**-3
+
+
 def check_hidden_states(
     hidden_states: torch.Tensor, token_ids: torch.Tensor, expected_ids: list[int],
-    num_slots: int, hidden_size: int, where: str,
+    num_slots: int, hidden_size: int, where: str, dtype: torch.dtype | None = None,
+    scales: torch.Tensor | None = None,
 ) -> None:
-    """Refuse silently-bad states: wrong ids, wrong shape (e.g. final layer missing), NaN/Inf, zeros."""
+    """Refuse silently-bad states: another row's file, wrong shape (e.g. final layer missing), another
+    dtype than the directory's, NaN/Inf, zero or (near-)constant slots, every token the same state;
+    for fp8 files also a missing, misshapen, non-finite or non-positive scale (checked on the
+    dequantized values)."""
     if token_ids.tolist() != list(expected_ids):
-        raise BadHiddenStates(f"{where}: token_ids do not equal the dataset row's input_ids")
+        first = next((i for i, (a, b) in enumerate(zip(token_ids.tolist(), expected_ids)) if a != b),
+                     min(len(token_ids), len(expected_ids)))
+        raise BadHiddenStates(f"{where}: token_ids do not equal the dataset row's input_ids (first difference at "
+                              f"position {first}, {token_ids.numel()} vs {len(expected_ids)} tokens: the file of "
+                              f"another row, or the data was re-prepared)")
+    if dtype is not None and hidden_states.dtype != dtype:
+        raise BadHiddenStates(f"{where}: hidden_states dtype {str(hidden_states.dtype).removeprefix('torch.')}, the "
+                              f"directory's is {str(dtype).removeprefix('torch.')} (--dtype): files are never mixed")
     expected_shape = (len(expected_ids), num_slots, hidden_size)
     if tuple(hidden_states.shape) != expected_shape:
         detail = ""
@@ -64,12 +91,54 @@ def check_hidden_states(
         raise BadHiddenStates(
             f"{where}: hidden_states shape {list(hidden_states.shape)} != expected {list(expected_shape)}{detail}"
         )
+    is_fp8 = hidden_states.dtype == FP8
+    # a slot this close to constant, and tokens this close to one repeated vector, are refused
+    rtol, repeat_rtol = (CONSTANT_SLOT_RTOL_FP8, CONSTANT_SLOT_RTOL_FP8) if is_fp8 else (CONSTANT_SLOT_RTOL, 0.0)
+    if is_fp8:
+        hidden_states = dequantize_fp8(hidden_states, scales, where)
+    elif scales is not None:
+        raise BadHiddenStates(f"{where}: {SCALES_KEY} beside {str(hidden_states.dtype).removeprefix('torch.')} states "
+                              f"(only fp8 files carry scales)")
     if not torch.isfinite(hidden_states).all():
         raise BadHiddenStates(f"{where}: hidden_states contain NaN/Inf")
     flat = hidden_states.reshape(hidden_states.shape[0], num_slots, -1)
     zero_slots = [s for s in range(num_slots) if not flat[:, s].any()]
     if zero_slots:
         raise BadHiddenStates(f"{where}: hidden_states layer slot(s) {zero_slots} are all zero")
+    values = flat.float()
+    spread = values.amax(dim=(0, 2)) - values.amin(dim=(0, 2))
+    scale = values.abs().amax(dim=(0, 2)).clamp(min=1.0)
+    constant = [s for s in range(num_slots) if spread[s] <= rtol * scale[s]]
+    if constant:
+        raise BadHiddenStates(f"{where}: hidden_states layer slot(s) {constant} hold one constant value "
+                              f"({values[0, constant[0], 0].item():.6g}); not a model's states")
+    if len(set(expected_ids)) > 1:  # different tokens never share one state in every layer
+        same = [s for s in range(num_slots)
+                if (values[:, s] - values[:1, s]).abs().max() <= repeat_rtol * scale[s]]
+        if same:
+            raise BadHiddenStates(f"{where}: hidden_states layer slot(s) {same} are the same for every token "
+                                  f"(one vector repeated); not a model's states")
+
+
+def quantize_fp8(states: torch.Tensor) -> dict[str, torch.Tensor]:
+    """speculators' fp8 file tensors: hs-connectors' per-token quantization (bit-compatible with FP8Transfer)."""
+    from hs_connectors.fp8_utils import quantize_tensor_to_fp8
+
+    fp8, scales = quantize_tensor_to_fp8(states)
+    return {"hidden_states": fp8.contiguous(), SCALES_KEY: scales.contiguous()}
+
+
+def dequantize_fp8(fp8: torch.Tensor, scales: torch.Tensor | None, where: str) -> torch.Tensor:
+    """fp8 values x their per-token scale, in float32 (what the value checks look at)."""
+    from hs_connectors.fp8_utils import dequantize_fp8_tensor
+
+    expected = (fp8.shape[0], 1, 1)
+    if scales is None or tuple(scales.shape) != expected or scales.dtype != torch.float32:
+        got = "none" if scales is None else f"{str(scales.dtype).removeprefix('torch.')} {list(scales.shape)}"
+        raise BadHiddenStates(f"{where}: fp8 hidden_states need {SCALES_KEY} float32 {list(expected)}, found {got}")
+    if not (torch.isfinite(scales).all() and (scales > 0).all()):
+        raise BadHiddenStates(f"{where}: {SCALES_KEY} hold non-finite or non-positive scales")
+    return dequantize_fp8_tensor(fp8, scales, dtype=torch.float32)
 
 
 def load_hidden_states_file(path: Path) -> dict[str, torch.Tensor]:
@@ -85,25 +154,35 @@ def load_hidden_states_file(path: Path) -> dict[str, torch.Tensor]:
     return data
 
 
-def validate_file(path: Path, expected_ids: list[int], num_slots: int, hidden_size: int) -> None:
+def validate_file(path: Path, expected_ids: list[int], num_slots: int, hidden_size: int,
+                  dtype: torch.dtype | None = None) -> None:
     data = load_hidden_states_file(path)
-    check_hidden_states(data["hidden_states"], data["token_ids"], expected_ids, num_slots, hidden_size, str(path))
+    check_hidden_states(data["hidden_states"], data["token_ids"], expected_ids, num_slots, hidden_size, str(path), dtype,
+                        data.get(SCALES_KEY))
 
 
 def land_sample(sample: ExtractedSample, hs_dir: Path, expected_ids: list[int], num_slots: int,
                 hidden_size: int, dtype: torch.dtype) -> Path:
     """Validate one backend result and move it to `hs_{i}.safetensors` atomically."""
     final = hs_file(hs_dir, sample.index)
-    if sample.staged_file is not None:
-        validate_file(sample.staged_file, expected_ids, num_slots, hidden_size)
+    if sample.staged_file is not None and dtype != FP8:
+        validate_file(sample.staged_file, expected_ids, num_slots, hidden_size, dtype)
         with atomic_path(final) as tmp:
             _move_or_copy(sample.staged_file, tmp)
         remove_path(sample.staged_file.with_name(sample.staged_file.name + ".lock"))
         return final
-    states = sample.hidden_states.to(dtype).contiguous()
+    if sample.staged_file is not None:  # fp8: the backend's file is checked as written, then quantized here
+        validate_file(sample.staged_file, expected_ids, num_slots, hidden_size)
+        staged = load_hidden_states_file(sample.staged_file)
+        sample = ExtractedSample(sample.index, staged["hidden_states"], staged["token_ids"], sample.staged_file)
     token_ids = sample.token_ids.to(torch.long).contiguous()
-    check_hidden_states(states, token_ids, expected_ids, num_slots, hidden_size, f"row {sample.index}")
-    atomic_save_safetensors({"hidden_states": states, "token_ids": token_ids}, final)
+    tensors = quantize_fp8(sample.hidden_states) if dtype == FP8 else {"hidden_states": sample.hidden_states.to(dtype).contiguous()}
+    check_hidden_states(tensors["hidden_states"], token_ids, expected_ids, num_slots, hidden_size, f"row {sample.index}", dtype,
+                        tensors.get(SCALES_KEY))
+    atomic_save_safetensors({**tensors, "token_ids": token_ids}, final)
+    if sample.staged_file is not None:
+        remove_path(sample.staged_file)
+        remove_path(sample.staged_file.with_name(sample.staged_file.name + ".lock"))
     return final
 
 
@@ -121,7 +200,7 @@ def find_done(hs_dir: Path, indices: Iterable[int]) -> set[int]:
 
 
 def validate_all(hs_dir: Path, rows: dict[int, list[int]], num_slots: int, hidden_size: int,
-                 progress: bool = True) -> dict[int, str]:
+                 progress: bool = True, dtype: torch.dtype | None = None) -> dict[int, str]:
     """Check every file; returns {row index: reason} for files to redo (missing ones too)."""
     from tqdm import tqdm
 
@@ -132,7 +211,7 @@ def validate_all(hs_dir: Path, rows: dict[int, list[int]], num_slots: int, hidde
             bad[index] = "missing"
             continue
         try:
-            validate_file(path, ids, num_slots, hidden_size)
+            validate_file(path, ids, num_slots, hidden_size, dtype)
         except BadHiddenStates as exc:
             bad[index] = str(exc)
     return bad

@@ -19,6 +19,12 @@ from ..target import TargetInfo
 from .common import ExtractedSample
 
 _TEXT_MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
+# CPU forwards run on one intra-op thread: fp32 reductions split across threads round differently
+# (measured on the miniature: 5 of 12 rows differ by up to 2e-7 between 1, 2 and 3 threads, each
+# count deterministic), so the saved states would depend on the machine's core count or a
+# process's thread setting. One thread makes them bit-identical however rows are batched, resumed
+# or redone (tests/test_reliability_rerun.py). The HF CPU path serves miniatures and debugging only.
+CPU_THREADS = 1
 
 
 def resolve_device(device: str) -> torch.device:
@@ -67,15 +73,25 @@ class HfBackend:
             self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
         return hook
 
-    @torch.inference_mode()
     def extract(self, rows: list[tuple[int, list[int]]]) -> Iterator[ExtractedSample]:
+        # Each row is its own forward (batch of one, no padding): a row's states never depend on
+        # which rows share its call, so a resume or a redo of single rows gives the same bytes.
         for index, ids in rows:
-            input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
-            self._captured.clear()
+            yield ExtractedSample(index=index, hidden_states=self._forward(ids), token_ids=torch.tensor(ids, dtype=torch.long))
+
+    @torch.inference_mode()
+    def _forward(self, ids: list[int]) -> torch.Tensor:
+        input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
+        self._captured.clear()
+        threads = torch.get_num_threads()
+        if self.device.type == "cpu":
+            torch.set_num_threads(CPU_THREADS)
+        try:
             # Only the hooked layers matter; logits_to_keep=1 skips the full-vocab lm_head.
             self.model(input_ids=input_ids, use_cache=False, logits_to_keep=1)
-            states = torch.stack([self._captured[k][0] for k in self.layer_ids], dim=1)  # [T, n, H]
-            yield ExtractedSample(index=index, hidden_states=states.cpu(), token_ids=input_ids[0].cpu())
+        finally:
+            torch.set_num_threads(threads)
+        return torch.stack([self._captured[k][0] for k in self.layer_ids], dim=1).cpu()  # [T, n, H]
 
     def close(self) -> None:
         for hook in self._hooks:

@@ -13,12 +13,14 @@ from tqdm import tqdm
 
 from ..config import ExtractConfig
 from ..errors import StageError
+from ..stage import lock_output
 from ..target import TargetInfo
 from .common import BadHiddenStates, ExtractionBackend, hs_file, land_sample, partition_indices, validate_file
 
 log = logging.getLogger("eagle3")
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+FP8 = torch.float8_e4m3fn  # --storage fp8: what the files hold (the backend still computes in --dtype)
 # Rows handed to a backend per call, per request slot: vLLM schedules them continuously, so only
 # the tail of each call idles the GPUs; 4 calls' worth of slots keeps that tail small.
 ROWS_PER_SLOT = 4
@@ -31,17 +33,30 @@ class ExtractPlan:
     todo: list[int]
     num_slots: int
     hidden_size: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # of the saved files (FP8 with --storage fp8)
     counts: dict = field(default_factory=dict)
+    compute_dtype: torch.dtype = torch.bfloat16  # of the backend's forward pass (--dtype)
 
 
-def quick_file_ok(path: Path, expected_ids: list[int], num_slots: int, hidden_size: int) -> bool:
-    """Cheap resume check: header readable, token ids equal, shape right (reads no hidden states)."""
+SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", FP8: "F8_E4M3"}
+
+
+def stored_dtype(cfg: ExtractConfig) -> torch.dtype:
+    """The dtype every file in the directory holds: --dtype, or fp8 with --storage fp8 (never mixed)."""
+    return FP8 if cfg.storage == "fp8" else DTYPES[cfg.dtype]
+
+
+def quick_file_ok(path: Path, expected_ids: list[int], num_slots: int, hidden_size: int,
+                  dtype: torch.dtype | None = None) -> bool:
+    """Cheap resume check: header readable, token ids equal, shape and dtype right (reads no hidden states)."""
     from safetensors import safe_open
 
     try:
         with safe_open(str(path), framework="pt") as handle:
-            if handle.get_slice("hidden_states").get_shape() != [len(expected_ids), num_slots, hidden_size]:
+            states = handle.get_slice("hidden_states")
+            if states.get_shape() != [len(expected_ids), num_slots, hidden_size]:
+                return False
+            if dtype is not None and states.get_dtype() != SAFETENSORS_DTYPES[dtype]:
                 return False
             return handle.get_tensor("token_ids").tolist() == expected_ids
     except Exception:
@@ -52,13 +67,16 @@ def plan_extraction(cfg: ExtractConfig, rows: list[list[int]], num_slots: int, h
     all_indices = list(range(len(rows)))
     mine = partition_indices(all_indices, cfg.world_size, cfg.rank)
     by_index = {i: rows[i] for i in mine}
-    done = [i for i in mine if hs_file(hs_dir, i).is_file() and quick_file_ok(hs_file(hs_dir, i), rows[i], num_slots, hidden_size)]
+    dtype = stored_dtype(cfg)
+    done = [i for i in mine if hs_file(hs_dir, i).is_file()
+            and quick_file_ok(hs_file(hs_dir, i), rows[i], num_slots, hidden_size, dtype)]
     stale = [i for i in mine if hs_file(hs_dir, i).is_file() and i not in set(done)]
     for i in stale if not cfg.check else []:  # wrong row/shape (e.g. the data was re-prepared): redo it
         hs_file(hs_dir, i).unlink()
     todo = [i for i in mine if i not in set(done)]
-    return ExtractPlan(by_index, all_indices, todo, num_slots, hidden_size, DTYPES[cfg.dtype],
-                       {"rows_this_rank": len(mine), "skipped_done": len(done), "stale_removed": len(stale)})
+    return ExtractPlan(by_index, all_indices, todo, num_slots, hidden_size, dtype,
+                       {"rows_this_rank": len(mine), "skipped_done": len(done), "stale_removed": len(stale)},
+                       compute_dtype=DTYPES[cfg.dtype])
 
 
 def preflight(cfg: ExtractConfig, plan: ExtractPlan, target: TargetInfo, hs_dir: Path) -> list[str]:
@@ -103,7 +121,7 @@ def validate_sample_of_files(plan: ExtractPlan, hs_dir: Path, count: int, seed: 
     bad = {}
     for i in tqdm(indices, desc="re-validate", unit="file"):
         try:
-            validate_file(hs_file(hs_dir, i), plan.rows[i], plan.num_slots, plan.hidden_size)
+            validate_file(hs_file(hs_dir, i), plan.rows[i], plan.num_slots, plan.hidden_size, plan.dtype)
         except BadHiddenStates as exc:
             bad[i] = str(exc)
     return bad
@@ -132,3 +150,34 @@ def read_json(path: Path) -> dict | None:
         return json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError):
         return None
+
+
+def staging_dir(cfg: ExtractConfig, hs_dir: Path) -> Path:
+    return Path(cfg.staging_dir) if cfg.staging_dir else hs_dir / ".staging"
+
+
+def lock_extraction(hs_dir: Path, world_size: int, rank: int) -> None:
+    """One writer per directory; --world-size > 1: ranks share it, one process per rank."""
+    if world_size == 1:
+        lock_output(hs_dir)
+        return
+    lock_output(hs_dir, exclusive=False)
+    lock_output(hs_dir, lock_file=hs_dir / f".eagle3.rank{rank}-of-{world_size}.lock")
+
+
+def row_of(file_name: str) -> int | None:
+    """`hs_5.safetensors` -> 5 (None for any other name)."""
+    stem = file_name.removeprefix("hs_").removesuffix(".safetensors")
+    return int(stem) if file_name.startswith("hs_") and stem.isdigit() else None
+
+
+def make_backend(cfg: ExtractConfig, target, layer_ids, hs_dir: Path, max_model_len: int, dtype):
+    if cfg.backend == "hf":
+        from .hf import HfBackend
+
+        return HfBackend(target, layer_ids, dtype, cfg.device, cfg.trust_remote_code)
+    from .vllm_backend import VllmBackend
+
+    staging = staging_dir(cfg, hs_dir)
+    staging.mkdir(parents=True, exist_ok=True)
+    return VllmBackend(cfg, target, layer_ids, staging, max_model_len)

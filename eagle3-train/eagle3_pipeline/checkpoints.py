@@ -1,0 +1,185 @@
+"""speculators' checkpoint layout (0.9.0), known in one place: stage 04 resumes and cleans it, 05 reads it.
+
+A save path holds, written by speculators' trainer:
+- `<epoch>/` folders (a decimal name) with config.json, model.safetensors, optimizer_state_dict.pt,
+  scheduler_state_dict.pt, training_state.json (last), val_metrics.json, config.py, train_command.txt;
+- `interrupted/` (SIGTERM/Ctrl-C save), `checkpoint_best` (a relative symlink to the lowest-val-loss
+  epoch), descriptive symlinks such as `epoch0_end` / `epoch0_step16`, `run.yaml`, `train_command.txt`,
+  `speculators.patch`, `logs/` (tensorboard);
+and by stage 04: `metrics.jsonl`, `summary.json`, `summary.txt`, `plots/`, `command.txt`, `manifest.json`.
+
+Ownership is decided by content, never by a name alone: a decimal folder is a checkpoint only when
+every file in it is one of speculators' checkpoint files (an empty folder counts: a save cut short
+right after its mkdir). A folder a person made there (`checkpoints/2024/` with their notes) is never
+deleted, and because speculators would resume from the highest decimal folder, training refuses to
+start beside one (`foreign_epoch_folders`).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+from pathlib import Path
+
+from .errors import ContractError
+from .files import remove_path, sha256_file
+
+INTERRUPTED = "interrupted"
+BEST_LINK = "checkpoint_best"
+STATE_NAME = "training_state.json"
+MODEL_NAME = "model.safetensors"
+OPTIMIZER_NAME = "optimizer_state_dict.pt"
+CHECKPOINT_FILES = frozenset({
+    "config.json", MODEL_NAME, OPTIMIZER_NAME, "scheduler_state_dict.pt", STATE_NAME,
+    "val_metrics.json", "config.py", "train_command.txt",
+})
+# Files and folders directly under the save path that stage 04 or speculators' trainer write.
+RUN_FILES = (
+    BEST_LINK, "run.yaml", "train_command.txt", "speculators.patch", "logs",
+    "metrics.jsonl", "summary.json", "summary.txt", "plots", "command.txt",
+)
+MANIFEST_NAME = "manifest.json"
+
+
+# What transformers' save_pretrained may add for larger drafts (sharded weights, generation config).
+CHECKPOINT_PATTERNS = ("model-*-of-*.safetensors", "*.safetensors.index.json", "generation_config.json")
+
+
+def _is_checkpoint_file(path: Path) -> bool:
+    return path.is_file() and not path.is_symlink() and (
+        path.name in CHECKPOINT_FILES or any(fnmatch.fnmatch(path.name, p) for p in CHECKPOINT_PATTERNS))
+
+
+def _is_checkpoint_folder(folder: Path) -> bool:
+    return folder.is_dir() and not folder.is_symlink() and all(_is_checkpoint_file(p) for p in folder.iterdir())
+
+
+def _decimal_folders(out_dir: Path) -> list[Path]:
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        return []
+    dirs = [p for p in out_dir.iterdir() if p.is_dir() and not p.is_symlink() and p.name.isdigit()]
+    return sorted(dirs, key=lambda p: int(p.name))
+
+
+def epoch_folders(out_dir: Path) -> list[Path]:
+    """speculators' `<epoch>/` checkpoint folders (complete or not), oldest first."""
+    return [p for p in _decimal_folders(out_dir) if _is_checkpoint_folder(p)]
+
+
+def foreign_epoch_folders(out_dir: Path) -> list[Path]:
+    """Decimal folders holding something speculators did not write (never ours to touch)."""
+    return [p for p in _decimal_folders(out_dir) if not _is_checkpoint_folder(p)]
+
+
+def read_state(folder: Path) -> dict | None:
+    try:
+        state = json.loads((Path(folder) / STATE_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    return state if isinstance(state, dict) and "global_step" in state else None
+
+
+def incomplete_reason(folder: Path) -> str | None:
+    """Why a checkpoint folder cannot be resumed from, or None if it is complete."""
+    folder = Path(folder)
+    for name in (MODEL_NAME, OPTIMIZER_NAME):
+        if not (folder / name).is_file():
+            return f"no {name} (the save was cut short)"
+    if read_state(folder) is None:
+        return f"no readable {STATE_NAME} (the save was cut short)"
+    state_mtime = (folder / STATE_NAME).stat().st_mtime_ns
+    for name in (MODEL_NAME, OPTIMIZER_NAME):
+        if (folder / name).stat().st_mtime_ns > state_mtime:
+            return f"{name} is newer than {STATE_NAME} (an overwrite was cut short)"
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(folder / MODEL_NAME), framework="pt") as handle:
+            handle.keys()
+    except Exception as exc:  # truncated/garbled header
+        return f"{MODEL_NAME} unreadable ({str(exc).splitlines()[0][:80]})"
+    return None
+
+
+def incomplete(out_dir: Path) -> list[tuple[Path, str]]:
+    """Checkpoint folders a killed save left unusable, with the reason."""
+    return [(p, reason) for p in epoch_folders(out_dir) if (reason := incomplete_reason(p))]
+
+
+def complete(out_dir: Path) -> list[Path]:
+    """Checkpoints a resume or an export can use, oldest first."""
+    return [p for p in epoch_folders(out_dir) if incomplete_reason(p) is None]
+
+
+def latest(out_dir: Path) -> Path | None:
+    found = complete(out_dir)
+    return found[-1] if found else None
+
+
+def best(out_dir: Path) -> Path | None:
+    """`checkpoint_best` (the lowest validation loss), else the newest checkpoint."""
+    link = Path(out_dir) / BEST_LINK
+    if link.exists():
+        return link.resolve()
+    return latest(out_dir)
+
+
+def latest_progress(out_dir: Path) -> dict | None:
+    """The training state speculators will resume from: its newest epoch folder's, or None."""
+    folders = epoch_folders(out_dir)
+    if not folders:
+        return None
+    state = read_state(folders[-1]) or {}
+    return {"checkpoint": folders[-1].name, **state}
+
+
+def own_outputs(out_dir: Path) -> list[Path]:
+    """Everything in out_dir that stage 04 or speculators' trainer wrote (what --overwrite may delete)."""
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        return []
+    found = list(epoch_folders(out_dir))
+    interrupted = out_dir / INTERRUPTED
+    if _is_checkpoint_folder(interrupted):
+        found.append(interrupted)
+    for name in RUN_FILES:
+        if (out_dir / name).exists() or (out_dir / name).is_symlink():
+            found.append(out_dir / name)
+    # speculators' descriptive symlinks (`epoch0_end`, `epoch1_step16`) point at an epoch folder.
+    for link in out_dir.iterdir():
+        if link.is_symlink() and link.name.startswith("epoch") and link.readlink().name.isdigit():
+            found.append(link)
+    return found
+
+
+def delete_own(out_dir: Path) -> list[str]:
+    """Delete stage 04's outputs (manifest last, so a kill midway leaves an unfinished run); returns names."""
+    items = own_outputs(out_dir)
+    for item in items:
+        remove_path(item)
+    remove_path(Path(out_dir) / MANIFEST_NAME)
+    return sorted(p.name for p in items)
+
+
+def refuse_foreign_folders(out_dir: Path) -> None:
+    """speculators resumes from the highest decimal folder: one a person made there would be "resumed"."""
+    foreign = foreign_epoch_folders(out_dir)
+    if foreign:
+        raise ContractError(f"{foreign[-1]}: a folder stage 04 did not write (not a speculators checkpoint) in --output, "
+                            f"and speculators would resume from it; move it out of {out_dir} (nothing was deleted)")
+
+
+def replaces_other_run(out_dir: Path, identity: dict) -> bool:
+    """True when out_dir holds this stage's outputs of another run (identity differs, or no manifest)."""
+    from .stage import first_difference, read_own_manifest  # stage imports nothing of this module's
+
+    manifest = read_own_manifest(out_dir)
+    if manifest is None:
+        return bool(own_outputs(out_dir))
+    return first_difference(manifest.get("identity"), identity) is not None
+
+
+def checkpoint_content(folder: Path) -> dict:
+    """A checkpoint by its weights' bytes (stage 05's input identity)."""
+    return {"name": folder.name, "model_sha256": sha256_file(folder / MODEL_NAME)}

@@ -1,0 +1,200 @@
+"""The run plan: bytes, disk, read bandwidth and hours of a real run, before anything heavy starts.
+
+For a target (its config.json is enough), a profile and the data (stage 01's output, or a
+hypothetical `--rows` x `--tokens-per-row`), one screen with the numbers a user would otherwise
+work out by hand: tokens; hidden-state bytes in bf16 and fp8 (speculators' fp8 format: 1 byte a
+value + one fp32 scale per token); free disk; the read bandwidth training needs vs what the disk
+gives cold; hours of extraction and training at the given or measured rates; and what that
+implies (bf16 files, fp8 files, or training against a running vLLM).
+
+    python -m eagle3_pipeline.plan --target /models/Kimi-K2.5 --profile b300-8x --work /nvme/eagle3 \\
+        --rows 100000 --tokens-per-row 2048
+    eagle3-train/run_all.sh --plan ...                     (the same, with run_all's flags)
+
+It writes nothing. The disk's cold read rate is measured (O_DIRECT) only from hidden-state files
+already under --work; otherwise it is "not measured" unless --disk-read-gb-s gives it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .config import TrainConfig, load_profile
+from .errors import StageError
+from .preflight import (
+    TRAIN_TOKENS_PER_S_PER_GPU,
+    disk_free,
+    existing_parent,
+    hidden_state_bytes_per_token,
+    human_bytes,
+    measure_cold_read_bandwidth,
+)
+from .target import load_target_info
+
+# What a token's hidden states hold: 3 aux layers + the final layer (stage 02's default).
+NUM_SLOTS = 4
+FORMATS = {"bf16": "bfloat16", "fp8": "fp8"}  # the plan's names -> stage 02's saved formats
+
+
+def bytes_per_token(hidden_size: int, storage: str, num_slots: int = NUM_SLOTS) -> int:
+    return hidden_state_bytes_per_token(num_slots, hidden_size, FORMATS[storage])
+
+
+@dataclass
+class Plan:
+    target: str
+    hidden_size: int
+    num_layers: int
+    profile: str
+    gpus: int
+    epochs: int
+    rows: int
+    tokens: int
+    tokens_source: str
+    work: str
+    free_bytes: int
+    bytes_per_token: dict
+    total_bytes: dict
+    train_tokens_per_s_per_gpu: float
+    train_rate_source: str
+    disk_read_gb_s: float | None
+    disk_read_source: str
+    extract_tokens_per_s: float | None
+    recommendation: str
+
+    def need_gb_s(self, storage: str) -> float:
+        return self.gpus * self.train_tokens_per_s_per_gpu * self.bytes_per_token[storage] / 1e9
+
+    def train_hours(self, storage: str) -> float:
+        """GPU-bound, or disk-bound where the measured disk is slower than the GPUs read."""
+        rate = self.gpus * self.train_tokens_per_s_per_gpu
+        if self.disk_read_gb_s is not None:
+            rate = min(rate, self.disk_read_gb_s * 1e9 / self.bytes_per_token[storage])
+        return self.tokens * self.epochs / rate / 3600
+
+
+def data_tokens(work: Path, rows: int | None, tokens_per_row: int | None) -> tuple[int, int, str]:
+    """(rows, tokens, where from): stage 01's manifest under WORK/data, else the hypothetical figures."""
+    manifest = work / "data" / "manifest.json"
+    if rows is None and manifest.is_file():
+        counts = json.loads(manifest.read_text()).get("counts", {})
+        if counts.get("tokens"):
+            return int(counts["rows"]), int(counts["tokens"]), f"stage 01's {manifest}"
+    if rows is None or tokens_per_row is None:
+        raise StageError(f"{manifest}: no prepared data yet; give --rows and --tokens-per-row for the plan")
+    return rows, rows * tokens_per_row, f"--rows {rows:,} x --tokens-per-row {tokens_per_row:,}"
+
+
+def cold_read(work: Path, given: float | None) -> tuple[float | None, str]:
+    if given is not None:
+        return given, "--disk-read-gb-s"
+    files = sorted((work / "data" / "hidden_states").glob("hs_*.safetensors"))[:64]
+    if sum(f.stat().st_size for f in files) < 10**9:
+        return None, (f"not measured (no hidden states under {work / 'data'} to read yet; give --disk-read-gb-s, "
+                      f"or rerun after a 10-sample stage 02)")
+    try:
+        measured = measure_cold_read_bandwidth(files, threads=8)
+    except OSError as exc:
+        return None, f"not measured ({exc.strerror or exc})"
+    return measured["gb_per_s"], f"measured: O_DIRECT, 8 readers, {human_bytes(measured['bytes'])} of {work / 'data'}"
+
+
+def recommend(plan: Plan) -> str:
+    fits = {s: plan.total_bytes[s] <= plan.free_bytes for s in FORMATS}
+    fast = {s: plan.disk_read_gb_s is None or plan.disk_read_gb_s >= plan.need_gb_s(s) for s in FORMATS}
+    unknown = " (disk read rate not measured: check it)" if plan.disk_read_gb_s is None else ""
+    if fits["bf16"] and fast["bf16"]:
+        return "bf16 hidden-state files: they fit and the disk keeps the GPUs fed" + unknown
+    if fits["fp8"] and fast["fp8"]:
+        return ("fp8 hidden-state files: half the bytes of bf16 " + ("(bf16 does not fit)" if not fits["bf16"] else
+                "(bf16 would leave the GPUs waiting on the disk)") + unknown)
+    if fits["fp8"]:
+        return ("fp8 files, with the training GPUs waiting on the disk (see the disk-bound hours), or train against "
+                "a running vLLM (speculators' online/hybrid mode, not wired into 04_train.py yet) so no state is read from disk")
+    return ("the hidden states do not fit even in fp8: train against a running vLLM (speculators' online/hybrid "
+            "mode, not wired into 04_train.py yet), or extract and train in slices of the data")
+
+
+def make_plan(target_dir: str, profile: str, work: str, rows: int | None = None, tokens_per_row: int | None = None,
+              train_tokens_per_s: float | None = None, disk_read_gb_s: float | None = None,
+              extract_tokens_per_s: float | None = None) -> Plan:
+    target = load_target_info(target_dir)
+    train = load_profile(profile).get("train", {})
+    gpus = int(train.get("nproc", TrainConfig.model_fields["nproc"].default)) * int(train.get("nnodes", 1))
+    epochs = int(train.get("epochs", TrainConfig.model_fields["epochs"].default))
+    work_dir = Path(work)
+    num_rows, tokens, source = data_tokens(work_dir, rows, tokens_per_row)
+    per_token = {s: bytes_per_token(target.hidden_size, s) for s in FORMATS}
+    read, read_source = cold_read(work_dir, disk_read_gb_s)
+    plan = Plan(
+        target=target.path, hidden_size=target.hidden_size, num_layers=target.num_layers, profile=profile, gpus=gpus,
+        epochs=epochs, rows=num_rows, tokens=tokens, tokens_source=source, work=str(work_dir),
+        free_bytes=disk_free(existing_parent(work_dir)), bytes_per_token=per_token,
+        total_bytes={s: tokens * per_token[s] for s in FORMATS},
+        train_tokens_per_s_per_gpu=train_tokens_per_s or TRAIN_TOKENS_PER_S_PER_GPU,
+        train_rate_source="--train-tokens-per-s" if train_tokens_per_s else
+        "04_train's defaults at Kimi-K2.5 geometry on one H200 (NOTES.md); measure yours with bench/train_throughput.py",
+        disk_read_gb_s=read, disk_read_source=read_source, extract_tokens_per_s=extract_tokens_per_s,
+        recommendation="",
+    )
+    plan.recommendation = recommend(plan)
+    return plan
+
+
+def format_plan(plan: Plan) -> str:
+    def size(storage: str) -> str:
+        total = plan.total_bytes[storage]
+        verdict = "fits" if total <= plan.free_bytes else "does NOT fit"
+        return f"{storage} {human_bytes(total)} ({plan.bytes_per_token[storage]:,} B/token, {verdict})"
+
+    rate = plan.gpus * plan.train_tokens_per_s_per_gpu
+    disk = f"{plan.disk_read_gb_s:.2f} GB/s" if plan.disk_read_gb_s is not None else "?"
+    extract = (f"{plan.tokens / plan.extract_tokens_per_s / 3600:,.1f} h at {plan.extract_tokens_per_s:,.0f} tokens/s"
+               if plan.extract_tokens_per_s else "hours = tokens / your stage-02 rate (a 10-sample run's log "
+                                                 "prints it; not measured for Kimi-K2.5 here): give --extract-tokens-per-s")
+    return "\n".join([
+        f"run plan: {plan.target} (hidden {plan.hidden_size}, {plan.num_layers} layers, {NUM_SLOTS} states per token), "
+        f"profile {plan.profile}: {plan.gpus} training GPU(s), {plan.epochs} epochs",
+        f"  data:          {plan.rows:,} rows, {plan.tokens:,} tokens ({plan.tokens_source})",
+        f"  hidden states: {size('bf16')}; {size('fp8')}; free at {plan.work}: {human_bytes(plan.free_bytes)}",
+        f"  reads:         {plan.gpus} GPU(s) x {plan.train_tokens_per_s_per_gpu:,.0f} tokens/s need "
+        f"{plan.need_gb_s('bf16'):.2f} GB/s in bf16, {plan.need_gb_s('fp8'):.2f} GB/s in fp8; the disk gives {disk} cold "
+        f"({plan.disk_read_source})",
+        f"  training rate: {plan.train_tokens_per_s_per_gpu:,.0f} tokens/s per GPU ({plan.train_rate_source})",
+        f"  extraction:    {plan.tokens:,} tokens; {extract}",
+        f"  training:      {plan.epochs} epochs x {plan.tokens:,} tokens at {rate:,.0f} tokens/s: "
+        f"{plan.train_hours('bf16'):,.1f} h from bf16 files, {plan.train_hours('fp8'):,.1f} h from fp8 files"
+        + ("" if plan.disk_read_gb_s is not None else " (GPU-bound; the disk not measured)"),
+        f"  recommendation: {plan.recommendation}",
+    ])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("--target", required=True, help="target model directory (config.json is enough)")
+    parser.add_argument("--profile", required=True, help="profile name (eagle3-train/profiles/) or JSON path")
+    parser.add_argument("--work", required=True, help="the run's work directory (WORK/data is stage 01's output)")
+    parser.add_argument("--rows", type=int, help="rows of a run not prepared yet")
+    parser.add_argument("--tokens-per-row", type=int, help="average tokens per row of a run not prepared yet")
+    parser.add_argument("--train-tokens-per-s", type=float, help="training tokens/s per GPU on this box (bench/train_throughput.py)")
+    parser.add_argument("--disk-read-gb-s", type=float, help="the disk's cold read rate, if known")
+    parser.add_argument("--extract-tokens-per-s", type=float, help="stage 02's tokens/s on this box, if known")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    args = parser.parse_args(argv)
+    try:
+        plan = make_plan(args.target, args.profile, args.work, args.rows, args.tokens_per_row, args.train_tokens_per_s,
+                         args.disk_read_gb_s, args.extract_tokens_per_s)
+    except StageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    print(json.dumps(asdict(plan), indent=2) if args.json else format_plan(plan))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,391 @@
+"""The compat layer (`eagle3_pipeline.compat`): every runtime change to speculators, its gate and
+its effect. CPU tests run everywhere; the GPU tests (marked `gpu`) run the compiled kernels."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from eagle3_pipeline import compat
+from eagle3_pipeline.compat import device_prefetch, flex_forward_config, fused_loss, metrics_jsonl
+from eagle3_pipeline.metrics import COMPAT_KEY, METRICS_FILE, MetricsJsonlHandler, compat_applied, read_metrics
+
+# ---------------------------------------------------------------- the registry
+
+# Run in a fresh process: the fixes patch speculators for the rest of the process. Prints, per
+# fix, whether its change is visible on speculators after `compat.apply`.
+_APPLY_AND_LOOK = textwrap.dedent("""
+    import json, sys
+    import speculators.train.cli as cli
+    import speculators.train.trainer as trainer
+    from speculators.losses import fused
+    from speculators.models import attention
+    from eagle3_pipeline import compat
+
+    shared_before = fused.loss_backward_kernel.configs is fused.loss_forward_kernel.configs
+    applied = compat.apply(sys.argv[1])
+    visible = {
+        "cpu_trainer": cli.Trainer.__name__ == "CpuTrainer",
+        "fused_loss": shared_before and fused.loss_backward_kernel.configs is not fused.loss_forward_kernel.configs,
+        "flex_forward_config": hasattr(attention.flex_attention, "wrapped"),
+        "interrupt_progress": bool(getattr(trainer.Trainer, "_eagle3_progress", False)),
+        "metrics_jsonl": hasattr(cli.setup_metric_logger, "wrapped"),
+        "device_prefetch": bool(getattr(cli.create_train_val_loaders, "_device_prefetch", False)),
+    }
+    print(json.dumps({"applied": applied, "visible": visible}))
+""")
+
+
+def test_apply_returns_the_name_of_every_change_it_made_and_no_other(tmp_path):
+    result = subprocess.run([sys.executable, "-c", _APPLY_AND_LOOK, str(tmp_path / METRICS_FILE)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.splitlines()[-1])
+    assert set(report["visible"]) == set(compat.FIXES)
+    assert report["applied"] == [name for name in compat.FIXES if report["visible"][name]]
+    # Gated by the machine: the CPU shim exactly without an accelerator, the GPU pieces only with CUDA.
+    assert ("cpu_trainer" in report["applied"]) == (torch.accelerator.current_accelerator() is None)
+    assert ("device_prefetch" in report["applied"]) == torch.cuda.is_available()
+    assert {"interrupt_progress", "metrics_jsonl"} <= set(report["applied"])
+
+
+def test_metrics_handler_is_attached_after_speculators_configures_its_logger(monkeypatch, tmp_path):
+    import speculators.train.cli as cli
+
+    monkeypatch.setattr(cli, "setup_metric_logger", cli.setup_metric_logger)  # undone after the test
+    path = tmp_path / METRICS_FILE
+    handler = MetricsJsonlHandler(path)
+    metrics_jsonl.install(handler)
+    metrics_jsonl.install(handler)  # a second install wraps speculators' original, not the wrapper
+    assert not hasattr(cli.setup_metric_logger.wrapped, "wrapped")
+    metrics_logger = logging.getLogger(metrics_jsonl.METRICS_LOGGER)
+    try:
+        cli.setup_metric_logger("", "run", str(tmp_path / "logs"))  # speculators' dictConfig runs here
+        metrics_logger.info({"train": {"loss": 1.5}, "global_step": 3})
+        metrics_logger.info("a text message is not a metric record")
+    finally:
+        metrics_logger.removeHandler(handler)
+    records = read_metrics(path)
+    assert [(r["train"], r["global_step"]) for r in records] == [({"loss": 1.5}, 3)]
+    assert isinstance(records[0]["time"], float)
+
+
+def test_04_records_the_fixes_its_training_process_applied(kimi_run):
+    manifest = json.loads((kimi_run["checkpoints"] / "manifest.json").read_text())
+    recorded = compat_applied(kimi_run["checkpoints"] / METRICS_FILE)
+    assert manifest["compat_applied"] == recorded
+    assert {"cpu_trainer", "interrupt_progress", "metrics_jsonl"} <= set(recorded)
+    assert [r for r in read_metrics(kimi_run["checkpoints"] / METRICS_FILE) if COMPAT_KEY in r]
+
+
+def test_device_prefetch_is_not_installed_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present (the GPU tests below cover it)")
+    assert device_prefetch.apply() is False
+
+
+# ---------------------------------------------------------------- fused-loss fix gate
+
+
+class _Kernel:
+    def __init__(self, configs):
+        self.configs = configs
+
+
+class _FusedModule:
+    def __init__(self, shared: bool):
+        configs = ["c1", "c2"]
+        self.loss_forward_kernel = _Kernel(configs)
+        self.loss_backward_kernel = _Kernel(configs if shared else list(configs))
+
+
+def test_bug_is_read_from_dynamos_source_not_just_the_version():
+    unfixed = "wrapped = VariableBuilder(tx, src)._wrap(user_obj)"
+    fixed = "wrapped = VariableBuilder(tx, src)(user_obj)"
+    assert fused_loss.dynamo_has_config_aliasing_bug(unfixed, "2.11.0")[0] is True
+    assert fused_loss.dynamo_has_config_aliasing_bug(fixed, "2.11.0")[0] is False
+    assert fused_loss.dynamo_has_config_aliasing_bug(None, "2.11.0+cu130")[0] in (True, False)
+
+
+def test_version_fallback_marks_only_torch_before_2_12():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fused_loss.inspect, "getsource", lambda _obj: (_ for _ in ()).throw(OSError()))
+        assert fused_loss.dynamo_has_config_aliasing_bug(None, "2.11.0+cu130")[0] is True
+        assert fused_loss.dynamo_has_config_aliasing_bug(None, "2.12.0")[0] is False
+        assert fused_loss.dynamo_has_config_aliasing_bug(None, "2.13.0+cpu")[0] is False
+
+
+def test_fix_separates_shared_configs_only_under_the_bug():
+    module = _FusedModule(shared=True)
+    decision = fused_loss.apply_fused_loss_fix(module, aliasing_bug=(True, "torch 2.11"))
+    assert decision.apply
+    assert module.loss_backward_kernel.configs is not module.loss_forward_kernel.configs
+    assert module.loss_backward_kernel.configs == module.loss_forward_kernel.configs
+    assert not fused_loss.apply_fused_loss_fix(module, aliasing_bug=(True, "torch 2.11")).apply
+
+    untouched = _FusedModule(shared=True)
+    assert not fused_loss.apply_fused_loss_fix(untouched, aliasing_bug=(False, "torch 2.13")).apply
+    assert untouched.loss_backward_kernel.configs is untouched.loss_forward_kernel.configs
+
+
+def test_fix_is_a_no_op_on_the_installed_torch_when_it_has_dynamos_fix():
+    from speculators.losses import fused
+
+    buggy, _why = fused_loss.dynamo_has_config_aliasing_bug()
+    shared_before = fused.loss_backward_kernel.configs is fused.loss_forward_kernel.configs
+    decision = fused_loss.apply_fused_loss_fix()
+    assert decision.apply == (buggy and shared_before)
+    if not buggy:
+        assert (fused.loss_backward_kernel.configs is fused.loss_forward_kernel.configs) == shared_before
+
+
+# ---------------------------------------------------------------- flex forward config
+
+
+def test_flex_forward_config_applies_only_where_it_was_measured():
+    assert not flex_forward_config.decide(None).apply
+    hopper = flex_forward_config.decide((9, 0))
+    assert hopper.apply and hopper.options == {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 128,
+                                               "fwd_num_warps": 4, "fwd_num_stages": 3}
+    for unmeasured in [(8, 0), (10, 0), (12, 0)]:  # A100, B200/B300, RTX PRO 6000
+        decision = flex_forward_config.decide(unmeasured)
+        assert not decision.apply and "no measured forward config" in decision.reason
+    if not torch.cuda.is_available():
+        assert flex_forward_config.apply() is False
+
+
+def test_flex_forward_config_setting_off_and_given_options():
+    given = {"fwd_BLOCK_M": 64, "fwd_num_warps": 8}
+    assert not flex_forward_config.decide((9, 0), "off").apply
+    assert flex_forward_config.decide((12, 0), given).options == given  # a measured winner on a new GPU
+    assert not flex_forward_config.decide(None, given).apply
+    assert flex_forward_config.parse_setting('{"fwd_BLOCK_M": 64, "fwd_num_warps": 8}') == given
+    for bad in ['{"BLOCK_M": 64}', '{"fwd_BLOCK_M": "64"}', '{"fwd_BLOCK_M": 6.4}', "{}", "[64]", "fast"]:
+        with pytest.raises(ValueError, match="expected auto, off, or a JSON object of fwd_ kernel options"):
+            flex_forward_config.parse_setting(bad)
+
+
+def test_04_train_flex_flag_is_checked_and_reaches_every_training_process(monkeypatch, capsys):
+    from eagle3_pipeline.config import TrainConfig, resolve_stage_config
+    from eagle3_pipeline.training import export_compat_settings, launch_env
+
+    required = ["--target", "t", "--data", "d", "--vocab", "v", "--output", "o"]
+    with pytest.raises(SystemExit) as stopped:
+        resolve_stage_config(TrainConfig, required + ["--flex-forward-config", '{"BLOCK_M": 64}'])
+    assert stopped.value.code == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and error.startswith("error: --flex-forward-config (flag):")
+    assert "expected auto, off, or a JSON object of fwd_ kernel options" in error
+    cfg, _ = resolve_stage_config(TrainConfig, required + ["--flex-forward-config", '{"fwd_BLOCK_M": 64}'])
+    monkeypatch.delenv(flex_forward_config.ENV, raising=False)
+    export_compat_settings(cfg)
+    assert launch_env()[flex_forward_config.ENV] == '{"fwd_BLOCK_M": 64}'
+    assert flex_forward_config.parse_setting(os.environ[flex_forward_config.ENV]) == {"fwd_BLOCK_M": 64}
+
+
+def test_flex_wrapper_adds_the_config_for_head_dim_64_and_keeps_the_callers_options():
+    calls = []
+
+    def flex(query, key, value, *args, kernel_options=None, **kwargs):
+        calls.append(kernel_options)
+        return query
+
+    wrapped = flex_forward_config.with_forward_config(flex, {"fwd_BLOCK_M": 64, "fwd_num_warps": 4})
+    wrapped(torch.zeros(1, 2, 8, 64), torch.zeros(1, 2, 8, 64), torch.zeros(1, 2, 8, 64), block_mask=None)
+    wrapped(torch.zeros(1, 2, 8, 64), torch.zeros(1, 2, 8, 64), torch.zeros(1, 2, 8, 64),
+            kernel_options={"fwd_num_warps": 8})
+    wrapped(torch.zeros(1, 2, 8, 128), torch.zeros(1, 2, 8, 128), torch.zeros(1, 2, 8, 128))
+    assert calls == [{"fwd_BLOCK_M": 64, "fwd_num_warps": 4}, {"fwd_BLOCK_M": 64, "fwd_num_warps": 8}, None]
+    every_call = flex_forward_config.with_forward_config(flex, {"fwd_BLOCK_M": 32}, head_dim=None)
+    every_call(torch.zeros(1, 2, 8, 128), torch.zeros(1, 2, 8, 128), torch.zeros(1, 2, 8, 128))
+    assert calls[-1] == {"fwd_BLOCK_M": 32}
+
+
+def test_flex_config_reaches_the_flex_node_dynamo_traces_from_speculators_attention(monkeypatch):
+    """The wrapper must be what speculators' registered attention calls when Dynamo traces
+    the draft's forward: the flex_attention node of the traced graph carries the options, and
+    the wrapper adds no recompiles across sequence lengths (a recompile per length ends in
+    Dynamo's limit and an eager, unfused flex attention)."""
+    from speculators.models import attention
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    monkeypatch.setattr(attention, "flex_attention", attention.flex_attention)  # undone after the test
+    monkeypatch.setattr(flex_forward_config, "TRACED_CALLS", {})
+    attend = attention.ALL_ATTENTION_FUNCTIONS["simple_flex_attention"]
+
+    def trace_lengths(lengths):
+        torch._dynamo.reset()
+        graphs = []
+
+        def recording_backend(graph_module, _inputs):
+            graphs.append(graph_module)
+            return graph_module.forward
+
+        compiled = torch.compile(lambda q, mask: attend(None, q, q, q, mask)[0], backend=recording_backend)
+        for length in lengths:
+            mask = create_block_mask(lambda _b, _h, q, kv: q >= kv, None, None, length, length, device="cpu")
+            assert compiled(torch.randn(1, 2, length, 64), mask).shape == (1, length, 2, 64)
+        return graphs
+
+    lengths = [256, 384, 512, 640]
+    compiles_without = len(trace_lengths(lengths))
+    options = flex_forward_config.FORWARD_CONFIGS[(9, 0)]
+    flex_forward_config.install(options)
+    flex_forward_config.install(options)  # idempotent: wraps speculators' original once
+    assert not hasattr(attention.flex_attention.wrapped, "wrapped")
+    graphs = trace_lengths(lengths)
+    assert len(graphs) == compiles_without
+    flex_nodes = [node for graph in graphs for node in graph.graph.nodes
+                  if node.op == "call_function" and "flex_attention" in str(node.target)]
+    assert flex_nodes
+    for node in flex_nodes:
+        node_options = next(arg for arg in node.args if isinstance(arg, dict))
+        assert {key: node_options[key] for key in options} == options
+    assert flex_forward_config.traced_calls_summary() == (
+        f"q/k/v torch.float32/torch.float32/torch.float32 head_dim 64 options {dict(sorted(options.items()))}")
+
+
+# ---------------------------------------------------------------- GPU only
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+_COMPILED_FUSED_LOSS = textwrap.dedent("""
+    import sys, torch
+    from eagle3_pipeline.compat.fused_loss import apply_fused_loss_fix
+    if sys.argv[1] == "fix":
+        print(apply_fused_loss_fix())
+    from speculators.losses.fused import fused_kl_div_loss
+    from speculators.losses.eager import kl_div_loss
+
+    @torch.compile
+    def three_steps(logits, targets):
+        # Like the draft's compiled forward: the loss once per TTT step, with a graph break
+        # between steps (speculators' extend_mask_for_draft_tokens is compiler-disabled), so
+        # each graph holds one loss call with its forward and backward kernel.
+        total = 0
+        for s in range(3):
+            total = total + fused_kl_div_loss(logits * (1 + s), targets).sum()
+            torch._dynamo.graph_break()
+        return total
+
+    torch.manual_seed(0)
+    logits = torch.randn(1, 256, 32000, device="cuda", requires_grad=True)
+    targets = torch.randn(1, 256, 32000, device="cuda")
+    loss = three_steps(logits, targets)
+    loss.backward()
+    ref_logits = logits.detach().clone().requires_grad_(True)
+    ref = sum(kl_div_loss(ref_logits * (1 + s), targets).sum() for s in range(3))
+    ref.backward()
+    rel = lambda a, b: float((a - b).norm() / b.norm())
+    print("loss_rel", rel(loss.detach(), ref.detach()), "grad_rel", rel(logits.grad, ref_logits.grad))
+    assert rel(loss.detach(), ref.detach()) < 1e-3 and rel(logits.grad, ref_logits.grad) < 1e-3
+""")
+
+
+def _run_script(script: str, *args: str) -> subprocess.CompletedProcess:
+    """A fresh process (its own Dynamo and Triton state, its own speculators patches)."""
+    return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=600)
+
+
+def _run_compiled_fused_loss(mode: str) -> subprocess.CompletedProcess:
+    return _run_script(_COMPILED_FUSED_LOSS, mode)
+
+
+@gpu
+@needs_cuda
+def test_compiled_fused_loss_matches_eager_with_the_fix():
+    result = _run_compiled_fused_loss("fix")
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+@gpu
+@needs_cuda
+def test_without_the_fix_the_compiled_fused_loss_fails_exactly_where_the_gate_applies():
+    from speculators.losses import fused
+
+    needed = fused_loss.decide(fused).apply or (
+        fused.loss_backward_kernel.configs is not fused.loss_forward_kernel.configs
+        and fused_loss.dynamo_has_config_aliasing_bug()[0])
+    result = _run_compiled_fused_loss("nofix")
+    if needed:
+        assert result.returncode != 0
+        assert "already tracked for mutation" in result.stderr
+    else:
+        assert result.returncode == 0, result.stderr[-3000:]
+
+
+@gpu
+@needs_cuda
+def test_device_prefetch_loader_yields_the_same_batches_on_the_device():
+    batches = [{"x": torch.full((4, 1024), float(i)).pin_memory(), "n": i} for i in range(5)]
+
+    class Loader(list):
+        batch_sampler = "sampler"
+
+    loader = device_prefetch.DevicePrefetchLoader(Loader(batches), torch.device("cuda", 0))
+    assert len(loader) == 5 and loader.batch_sampler == "sampler"
+    seen = [(batch["n"], batch["x"].device.type, float(batch["x"].sum())) for batch in loader]
+    assert seen == [(i, "cuda", 4 * 1024 * i) for i in range(5)]
+    for batch in loader:  # an early break (--max-steps) ends the producer before the next epoch
+        break
+    assert [batch["n"] for batch in loader] == list(range(5))
+
+
+@gpu
+@needs_cuda
+def test_device_prefetch_stages_the_per_step_scalar_on_the_device():
+    loader = device_prefetch.DevicePrefetchLoader([{"error_records": 3}], torch.device("cuda", 0))
+    (batch,) = list(loader)
+    assert batch["error_records"].device.type == "cuda" and int(batch["error_records"]) == 3
+
+
+_COMPILED_FLEX = textwrap.dedent("""
+    import sys, torch
+    from speculators.models.eagle3.attention import create_combined_mask_mod
+    from torch._inductor.utils import run_and_get_code
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from eagle3_pipeline.compat.flex_forward_config import decide, with_forward_config
+
+    tokens, heads = 8192, 64  # speculators' mask at 2,047-token documents, window 2048
+    doc_ids = torch.arange(tokens, device="cuda") // 2047
+    mask = create_block_mask(create_combined_mask_mod(doc_ids, tokens, 2048), None, None, tokens, tokens,
+                             device="cuda")
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, heads, tokens, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    grad_out = torch.randn(1, heads, tokens, 64, device="cuda", dtype=torch.bfloat16)
+
+    def forward_backward(attend):
+        out = torch.compile(lambda q, k, v: attend(q, k, v, block_mask=mask))(q, k, v)
+        grads = torch.autograd.grad(out, (q, k, v), grad_out)
+        torch._dynamo.reset()
+        return out, grads
+
+    decision = decide(torch.cuda.get_device_capability())
+    print(decision.reason)
+    reference, reference_grads = forward_backward(flex_attention)
+    if decision.apply:
+        attend = with_forward_config(flex_attention, decision.options)
+        (out, grads), code = run_and_get_code(forward_backward, attend)
+        assert "BLOCK_M : tl.constexpr = %d" % decision.options["fwd_BLOCK_M"] in "".join(code), "config not in the kernel"
+        rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())
+        diffs = [rel(out, reference)] + [rel(g, r) for g, r in zip(grads, reference_grads)]
+        print("rel diffs out/dq/dk/dv", diffs)
+        assert max(diffs) < 1e-2, diffs
+""")
+
+
+@gpu
+@needs_cuda
+def test_flex_forward_config_reaches_the_kernel_and_keeps_outputs_and_grads():
+    result = _run_script(_COMPILED_FLEX)
+    assert result.returncode == 0, result.stderr[-3000:]
+    print(result.stdout)

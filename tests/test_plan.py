@@ -1,0 +1,74 @@
+"""The run plan (eagle3_pipeline.plan): bytes, disk, read bandwidth, hours and the recommendation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eagle3_pipeline.plan import bytes_per_token, format_plan, main, make_plan
+
+KIMI_TEXT = {"model_type": "deepseek_v3", "num_hidden_layers": 61, "hidden_size": 7168, "vocab_size": 163840}
+
+
+@pytest.fixture()
+def kimi_config(tmp_path):
+    """Kimi-K2.5's config is all a plan needs (no weights)."""
+    target = tmp_path / "kimi"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"model_type": "kimi_k25", "text_config": KIMI_TEXT}))
+    return target
+
+
+def test_bytes_per_token_are_kimis_57344_in_bf16_and_half_plus_a_scale_in_fp8():
+    assert bytes_per_token(7168, "bf16") == 4 * 7168 * 2 == 57_344
+    assert bytes_per_token(7168, "fp8") == 4 * 7168 + 4
+
+
+def test_a_100k_x_2k_run_needs_11_7_tb_in_bf16_and_reads_at_8_gpus_times_the_training_rate(kimi_config, tmp_path):
+    plan = make_plan(str(kimi_config), "b300-8x", str(tmp_path / "w"), rows=100_000, tokens_per_row=2048,
+                     train_tokens_per_s=30_000, disk_read_gb_s=2.0)
+    assert plan.tokens == 204_800_000 and plan.gpus == 8
+    assert plan.total_bytes == {"bf16": 204_800_000 * 57_344, "fp8": 204_800_000 * 28_676}
+    assert plan.need_gb_s("bf16") == pytest.approx(8 * 30_000 * 57_344 / 1e9)
+    # the disk (2 GB/s) is slower than 8 GPUs read: training hours are disk-bound, fp8 halves them
+    assert plan.train_hours("bf16") == pytest.approx(204_800_000 * plan.epochs / (2e9 / 57_344) / 3600)
+    assert plan.train_hours("fp8") < plan.train_hours("bf16") / 1.9
+    text = format_plan(plan)
+    assert "11.7 TB" in text and "does NOT fit" in text and "not wired into 04_train.py" in text
+
+
+def test_a_small_run_on_a_fast_disk_is_told_bf16_files(kimi_config, tmp_path):
+    plan = make_plan(str(kimi_config), "cpu-mini", str(tmp_path / "w"), rows=10, tokens_per_row=100, disk_read_gb_s=100.0)
+    assert plan.recommendation.startswith("bf16 hidden-state files")
+
+
+def test_rows_come_from_stage_01s_manifest_when_the_data_is_prepared(kimi_config, tmp_path, capsys):
+    (tmp_path / "w" / "data").mkdir(parents=True)
+    (tmp_path / "w" / "data" / "manifest.json").write_text(json.dumps({"counts": {"rows": 7, "tokens": 700}}))
+    assert main(["--target", str(kimi_config), "--profile", "cpu-mini", "--work", str(tmp_path / "w"), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert (plan["rows"], plan["tokens"]) == (7, 700) and "stage 01's" in plan["tokens_source"]
+    assert plan["disk_read_gb_s"] is None and plan["disk_read_source"].startswith("not measured")
+
+
+def test_no_data_and_no_hypothetical_rows_is_one_line(kimi_config, tmp_path, capsys):
+    assert main(["--target", str(kimi_config), "--profile", "cpu-mini", "--work", str(tmp_path / "w")]) != 0
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "--rows and --tokens-per-row" in err and "\n" not in err
+    assert not (tmp_path / "w").exists()  # a plan writes nothing
+
+
+def test_run_all_plan_prints_the_plan_for_the_profile_and_writes_nothing(kimi_config, tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import SCRIPTS
+
+    work = tmp_path / "w"
+    result = subprocess.run(["bash", str(SCRIPTS / "run_all.sh"), "--plan", "--profile", "rtx-pro-6000-8x", "--target",
+                             str(kimi_config), "--work", str(work), "--rows", "100000", "--tokens-per-row", "2048",
+                             "--python", sys.executable], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "profile rtx-pro-6000-8x: 8 training GPU(s)" in result.stdout and "204,800,000 tokens" in result.stdout
+    assert "recommendation:" in result.stdout and not work.exists()

@@ -1,0 +1,73 @@
+"""bench/vllm_gpu.py and bench/chat_data.py: the parts that decide figures, without a GPU or vLLM."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+vllm_gpu = load("vllm_gpu")
+chat_data = load("chat_data")
+
+
+def counts(drafts: int, accepted_per_pos: list[int]) -> dict:
+    return {"num_drafts": drafts, "num_draft_tokens": drafts * len(accepted_per_pos),
+            "num_accepted_tokens": sum(accepted_per_pos), "accepted_per_pos": accepted_per_pos}
+
+
+def test_tau_is_one_plus_accepted_per_draft_and_warm_up_counts_are_subtracted():
+    before = counts(10, [9, 9, 9])  # warm-up: every token accepted
+    after = counts(110, [9 + 60, 9 + 30, 9 + 10])
+    summary = vllm_gpu.spec_summary(before, after)
+    assert summary["num_drafts"] == 100
+    assert summary["tau"] == pytest.approx(1 + (60 + 30 + 10) / 100)
+    assert summary["acceptance_per_pos"] == pytest.approx([0.6, 0.3, 0.1])
+    # accepted length L in {0..3} with P(L>=1)=.6, P(L>=2)=.3, P(L>=3)=.1: var = E[L^2] - E[L]^2
+    mean, second = 1.0, 0.6 + 3 * 0.3 + 5 * 0.1
+    assert summary["tau_stderr"] == pytest.approx(((second - mean**2) / 100) ** 0.5)
+
+
+def test_an_engine_without_drafts_reports_no_tau():
+    assert vllm_gpu.spec_summary(counts(5, [1]), counts(5, [1]))["tau"] is None
+
+
+def test_same_fraction_counts_prompts_whose_whole_output_matches():
+    assert vllm_gpu.same_fraction([[1, 2], [3], [4]], [[1, 2], [3, 0], [4]]) == pytest.approx(2 / 3)
+
+
+def test_prompts_from_a_module_cover_code_and_docs_kinds(tmp_path):
+    source = tmp_path / "demo.py"
+    source.write_text(
+        '"""A demo module for parsing small configuration files into dictionaries of values.\n\n'
+        'Each line holds one key and one value, separated by an equals sign."""\n\n'
+        "def parse_line(line, sep='='):\n"
+        '    """Split one configuration line into a stripped key and value pair."""\n'
+        "    key, _, value = line.partition(sep)\n"
+        "    return key.strip(), value.strip()\n"
+    )
+    prompts = chat_data.code_prompts("demo", source)
+    kinds = {p["kind"] for p in prompts}
+    assert {"module_purpose", "doc_summary"} <= kinds
+    assert kinds & {"code_explain", "code_review", "code_rewrite"}
+    assert all(p["turns"] and isinstance(p["turns"][0], str) for p in prompts)
+    code_prompt = next(p for p in prompts if p["kind"].startswith("code_") and p["kind"] != "code_write")
+    assert "def parse_line" in code_prompt["turns"][0]
+
+
+def test_the_train_eval_split_is_by_module_and_stable():
+    modules = [f"module{i}" for i in range(400)]
+    first = [chat_data.is_eval_module(m) for m in modules]
+    assert first == [chat_data.is_eval_module(m) for m in modules]  # deterministic, no seed state
+    share = sum(first) / len(first)
+    assert 0.05 < share < 0.3  # EVAL_FRACTION 0.15 of the modules, by hash
