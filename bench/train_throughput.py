@@ -34,10 +34,11 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "eagle3-train"))
+from benchlib import throughput
+from eagle3_pipeline.metrics import read_metrics
+from eagle3_pipeline.preflight import measure_cold_read_bandwidth
 
-from eagle3_pipeline import throughput  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 ROW_TOKENS = 2048          # tokens per synthetic row (the row is one document)
 DRAFT_VOCAB = 32000        # the draft vocab every run uses (plain's own default is the full vocab)
@@ -235,7 +236,7 @@ def window_complete(metrics: Path, warmup: int, steps: int) -> bool:
     """True once two logged steps >= `warmup` lie at least `steps` apart."""
     if not metrics.is_file():
         return False
-    logged = [r["global_step"] for r in throughput.read_metrics_jsonl(metrics)
+    logged = [r["global_step"] for r in read_metrics(metrics)
               if r.get("profile") and r.get("global_step", -1) >= warmup]
     return len(logged) >= 2 and max(logged) - min(logged) >= steps
 
@@ -246,7 +247,7 @@ def summarize(name: str, outcome: dict, metrics: Path, world: int, warmup: int,
         [metrics] if metrics.is_file() else [])
     if not per_rank:
         return {**outcome, "error": "no metrics written (see the run's log)"}
-    summaries = [throughput.summarize_train_metrics(throughput.read_metrics_jsonl(p),
+    summaries = [throughput.summarize_train_metrics(read_metrics(p),
                                                     warmup_steps=warmup) for p in per_rank]
     first = summaries[0]
     # Our child writes one file per rank; 04_train writes rank 0's only (all ranks run the
@@ -343,7 +344,7 @@ def main() -> None:
 
     distinct = sorted((data / "hidden_states").glob("hs_*.safetensors"))[: args.distinct_files]
     if not args.skip_disk:
-        report["disk_direct"] = [throughput.measure_cold_read_bandwidth(distinct, threads=t)
+        report["disk_direct"] = [measure_cold_read_bandwidth(distinct, threads=t)
                                  for t in (1, 8)]
         for r in report["disk_direct"]:
             print(f"disk O_DIRECT read, {r['threads']} threads: {r['gb_per_s']:.2f} GB/s", flush=True)
@@ -415,7 +416,7 @@ def main() -> None:
             run["read_gb_per_s_per_gpu"] = throughput.required_read_bandwidth(
                 run["tokens_per_s_per_gpu"], bytes_per_token)
     if not args.skip_disk and throughput.drop_page_cache():
-        report["disk_buffered_after_drop_caches"] = throughput.measure_cold_read_bandwidth(
+        report["disk_buffered_after_drop_caches"] = measure_cold_read_bandwidth(
             distinct, threads=8, direct=False)
     out = _write_report(report, args.results)
     _print_table(report)
