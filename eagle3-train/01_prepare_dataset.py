@@ -38,12 +38,13 @@ def main(argv: list[str] | None = None) -> int:
 
     # 2. Contract: nothing upstream but the raw data; skip if this exact result exists.
     check_writable_dir(out_dir, "--output")
+    chat = ChatTokenizer(cfg.tokenizer or cfg.target, cfg.trust_remote_code)
     identity = stage_identity(cfg, {"data": data_identity(cfg.data), "target_config": target.config_sha256,
-                                    "tokenizer": target.tokenizer_sha256})
+                                    "tokenizer": target.tokenizer_sha256},
+                              end_of_turn_ids=sorted(chat.stop_ids))  # where each trained turn ends
     if finished(out_dir, "prepare", identity, cfg.overwrite, cfg.check):
         log.info("%s: already prepared with these settings; nothing to do", out_dir)
         return 0
-    chat = ChatTokenizer(cfg.tokenizer or cfg.target, cfg.trust_remote_code)
     for line in preflight_prepare(cfg.data, cfg.max_samples, cfg.max_seq_len, target, out_dir):
         log.info("preflight %s", line)
 
