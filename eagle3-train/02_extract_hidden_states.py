@@ -15,7 +15,7 @@ import shlex
 from pathlib import Path
 
 from eagle3_pipeline.config import ExtractConfig, resolve_stage_config
-from eagle3_pipeline.contract import input_record, read_manifest, require_equal, write_manifest
+from eagle3_pipeline.contract import input_record, manifest_path, read_manifest, require_equal, write_manifest
 from eagle3_pipeline.errors import StageError
 from eagle3_pipeline.extract.common import HS_DIRNAME, hs_file, partition_indices, validate_all
 from eagle3_pipeline.extract.run import (
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         if bad:
             for index in bad:  # a rerun redoes exactly these
                 (hs_dir / f"hs_{index}.safetensors").unlink(missing_ok=True)
-            (hs_dir / "manifest.json").unlink(missing_ok=True)
+            manifest_path(hs_dir).unlink(missing_ok=True)
             raise fail_rows(bad, hs_dir, "validation")
         log.info("validated %d file(s): all good", len(mine))
         return 0

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from eagle3_pipeline import checkpoints
 from eagle3_pipeline.config import TrainConfig, load_draft_config, resolve_stage_config
-from eagle3_pipeline.contract import input_record, write_manifest
+from eagle3_pipeline.contract import MANIFEST_NAME, input_record, write_manifest
 from eagle3_pipeline.errors import ContractError, Interrupted, StageError
 from eagle3_pipeline.files import check_writable_dir, held_lock_fds, remove_stale_temps
 from eagle3_pipeline.metrics import compat_applied
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("plots not written (%s: %s); retry with python -m eagle3_pipeline.plots %s", type(exc).__name__, exc, out_dir)
     summary = summarize(out_dir / METRICS_FILE, best, draft.get("num_speculative_tokens"))
     print(write_summary(out_dir, summary), flush=True)
-    written = sorted(p.name for p in checkpoints.own_outputs(out_dir)) + ["manifest.json"]
+    written = sorted(p.name for p in checkpoints.own_outputs(out_dir)) + [MANIFEST_NAME]
     write_manifest(
         out_dir, "train", identity=identity, content={"best_checkpoint": checkpoints.checkpoint_content(best),
                                                       "epochs": [p.name for p in checkpoints.complete(out_dir)]},

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from eagle3_pipeline.config import ExportConfig, resolve_stage_config
-from eagle3_pipeline.contract import input_record, read_manifest, write_manifest
+from eagle3_pipeline.contract import input_record, manifest_path, read_manifest, write_manifest
 from eagle3_pipeline.errors import ConfigError, ContractError
 from eagle3_pipeline.export import choose_checkpoint, serve_command, verify_draft_dir, write_draft_dir
 from eagle3_pipeline.files import TEMP_MARKER, atomic_path, atomic_write_text, check_writable_dir, remove_path, sha256_file
@@ -85,7 +85,7 @@ def trained_vocab_dir(trained: dict, flag: str | None) -> Path:
     vocab_dir = Path(flag) if flag else Path(recorded["path"])
     if not vocab_dir.is_absolute() and not flag:
         vocab_dir = Path(trained["_path"]).parent / vocab_dir  # manifests before 2026-12 kept the path as given
-    if not (vocab_dir / "manifest.json").is_file():
+    if not manifest_path(vocab_dir).is_file():
         raise ContractError(f"{vocab_dir}: stage 03's output that {trained['_path']} was trained with is not there "
                             f"(moved?); pass --vocab with its new place")
     found = read_manifest(vocab_dir, "vocab", "--vocab")
@@ -99,7 +99,7 @@ def refuse_foreign_output(out_dir: Path) -> None:
     """The export replaces out_dir as a whole: never a directory this stage did not write."""
     if not out_dir.exists():
         return
-    manifest = out_dir / "manifest.json"
+    manifest = manifest_path(out_dir)
     stage = None
     if manifest.is_file():
         try:

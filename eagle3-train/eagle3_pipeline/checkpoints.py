@@ -21,6 +21,7 @@ import fnmatch
 import json
 from pathlib import Path
 
+from .contract import MANIFEST_NAME
 from .errors import ContractError
 from .files import remove_path, sha256_file
 
@@ -38,7 +39,6 @@ RUN_FILES = (
     BEST_LINK, "run.yaml", "train_command.txt", "speculators.patch", "logs",
     "metrics.jsonl", "summary.json", "summary.txt", "plots", "command.txt",
 )
-MANIFEST_NAME = "manifest.json"
 
 
 # What transformers' save_pretrained may add for larger drafts (sharded weights, generation config).

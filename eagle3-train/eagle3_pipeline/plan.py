@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .config import TrainConfig, load_profile
+from .contract import manifest_path
 from .errors import StageError
 from .preflight import (
     TRAIN_TOKENS_PER_S_PER_GPU,
@@ -79,7 +80,7 @@ class Plan:
 
 def data_tokens(work: Path, rows: int | None, tokens_per_row: int | None) -> tuple[int, int, str]:
     """(rows, tokens, where from): stage 01's manifest under WORK/data, else the hypothetical figures."""
-    manifest = work / "data" / "manifest.json"
+    manifest = manifest_path(work / "data")
     if rows is None and manifest.is_file():
         counts = json.loads(manifest.read_text()).get("counts", {})
         if counts.get("tokens"):
