@@ -356,10 +356,10 @@ def _stop_token_ids(tokenizer, directory: Path) -> set[int]:
 
 
 def generation_text(chat: ChatTokenizer, messages: list[dict], i: int, tools: list[dict] | None,
-                    where: str) -> str:
-    """What the model generates for assistant turn i (after the generation prompt), reasoning included."""
+                    where: str, prompt: str) -> str:
+    """What the model generates for assistant turn i after `prompt` (the template's rendering of
+    messages[:i] with the generation prompt), reasoning included."""
     head = chat.render(messages[:i], add_generation_prompt=False, tools=tools)
-    prompt = chat.render(messages[:i], add_generation_prompt=True, tools=tools)
     if not prompt.startswith(head):
         raise InputError(f"{where}: turn {i}: the chat template's generation prompt is not appended to the "
                          f"conversation (cannot find where the model's turn starts)")
@@ -440,10 +440,11 @@ def check_nothing_dropped(chat: ChatTokenizer, message: dict, trained_ids: list[
 def turn_row(chat: ChatTokenizer, messages: list[dict], i: int, tools: list[dict] | None,
              where: str) -> tuple[list[int], list[int]]:
     """(prompt ids, generated ids) of assistant turn i: the row is their concatenation."""
-    prompt_ids = chat.encode(messages[:i], add_generation_prompt=True, tools=tools)
-    generated = cut_at_end_of_turn(chat, chat.tokenize(generation_text(chat, messages, i, tools, where)), i, where)
+    prompt = chat.render(messages[:i], add_generation_prompt=True, tools=tools)
+    generated = chat.tokenize(generation_text(chat, messages, i, tools, where, prompt))
+    generated = cut_at_end_of_turn(chat, generated, i, where)
     check_nothing_dropped(chat, messages[i], generated, i, where)
-    return prompt_ids, generated
+    return chat.tokenize(prompt), generated
 
 
 def rows_for_conversation(chat: ChatTokenizer, messages: list[dict], conversation: int,
