@@ -29,7 +29,6 @@ from .errors import StageError
 from .preflight import (
     TRAIN_TOKENS_PER_S_PER_GPU,
     disk_free,
-    existing_parent,
     hidden_state_bytes_per_token,
     human_bytes,
     measure_cold_read_bandwidth,
@@ -134,7 +133,7 @@ def make_plan(target_dir: str, profile: str, work: str, rows: int | None = None,
     plan = Plan(
         target=target.path, hidden_size=target.hidden_size, num_layers=target.num_layers, profile=profile, gpus=gpus,
         epochs=epochs, rows=num_rows, tokens=tokens, tokens_source=source, work=str(work_dir),
-        free_bytes=disk_free(existing_parent(work_dir)), bytes_per_token=per_token,
+        free_bytes=disk_free(work_dir), bytes_per_token=per_token,
         total_bytes={s: tokens * per_token[s] for s in FORMATS},
         train_tokens_per_s_per_gpu=train_tokens_per_s or TRAIN_TOKENS_PER_S_PER_GPU,
         train_rate_source="--train-tokens-per-s" if train_tokens_per_s else
