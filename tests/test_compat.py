@@ -24,6 +24,7 @@ from eagle3_pipeline.metrics import COMPAT_KEY, METRICS_FILE, MetricsJsonlHandle
 _APPLY_AND_LOOK = textwrap.dedent("""
     import json, sys
     import speculators.train.cli as cli
+    import speculators.train.dataloader as dataloader
     import speculators.train.trainer as trainer
     from speculators.losses import fused
     from speculators.models import attention
@@ -38,6 +39,7 @@ _APPLY_AND_LOOK = textwrap.dedent("""
         "interrupt_progress": bool(getattr(trainer.Trainer, "_eagle3_progress", False)),
         "metrics_jsonl": hasattr(cli.setup_metric_logger, "wrapped"),
         "device_prefetch": bool(getattr(cli.create_train_val_loaders, "_device_prefetch", False)),
+        "online_generation": dataloader.ArrowDataset.__name__ == "OnlineArrowDataset",
     }
     print(json.dumps({"applied": applied, "visible": visible}))
 """)
@@ -54,6 +56,7 @@ def test_apply_returns_the_name_of_every_change_it_made_and_no_other(tmp_path):
     assert ("cpu_trainer" in report["applied"]) == (torch.accelerator.current_accelerator() is None)
     assert ("device_prefetch" in report["applied"]) == torch.cuda.is_available()
     assert {"interrupt_progress", "metrics_jsonl"} <= set(report["applied"])
+    assert "online_generation" not in report["applied"]  # files mode (no EAGLE3_HIDDEN_STATES): speculators untouched
 
 
 def test_metrics_handler_is_attached_after_speculators_configures_its_logger(monkeypatch, tmp_path):

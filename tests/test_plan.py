@@ -35,7 +35,7 @@ def test_a_100k_x_2k_run_needs_11_7_tb_in_bf16_and_reads_at_8_gpus_times_the_tra
     assert plan.train_hours("bf16") == pytest.approx(204_800_000 * plan.epochs / (2e9 / 57_344) / 3600)
     assert plan.train_hours("fp8") < plan.train_hours("bf16") / 1.9
     text = format_plan(plan)
-    assert "11.7 TB" in text and "does NOT fit" in text and "not wired into 04_train.py" in text
+    assert "11.7 TB" in text and "does NOT fit" in text and "04_train.py --hidden-states online" in text
 
 
 def test_a_small_run_on_a_fast_disk_is_told_bf16_files(kimi_config, tmp_path):

@@ -6,7 +6,8 @@ A save path holds, written by speculators' trainer:
 - `interrupted/` (SIGTERM/Ctrl-C save), `checkpoint_best` (a relative symlink to the lowest-val-loss
   epoch), descriptive symlinks such as `epoch0_end` / `epoch0_step16`, `run.yaml`, `train_command.txt`,
   `speculators.patch`, `logs/` (tensorboard);
-and by stage 04: `metrics.jsonl`, `summary.json`, `summary.txt`, `plots/`, `command.txt`, `manifest.json`.
+and by stage 04: `metrics.jsonl`, `summary.json`, `summary.txt`, `plots/`, `command.txt`, `manifest.json`,
+`hidden_states_cache/` (--hidden-states hybrid).
 
 Ownership is decided by content, never by a name alone: a decimal folder is a checkpoint only when
 every file in it is one of speculators' checkpoint files (an empty folder counts: a save cut short
@@ -38,6 +39,7 @@ CHECKPOINT_FILES = frozenset({
 RUN_FILES = (
     BEST_LINK, "run.yaml", "train_command.txt", "speculators.patch", "logs",
     "metrics.jsonl", "summary.json", "summary.txt", "plots", "command.txt",
+    "hidden_states_cache",  # --hidden-states hybrid: the states vLLM generated (online.CACHE_DIRNAME)
 )
 
 

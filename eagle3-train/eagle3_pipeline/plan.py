@@ -114,9 +114,10 @@ def recommend(plan: Plan) -> str:
                 "(bf16 would leave the GPUs waiting on the disk)") + unknown)
     if fits["fp8"]:
         return ("fp8 files, with the training GPUs waiting on the disk (see the disk-bound hours), or train against "
-                "a running vLLM (speculators' online/hybrid mode, not wired into 04_train.py yet) so no state is read from disk")
-    return ("the hidden states do not fit even in fp8: train against a running vLLM (speculators' online/hybrid "
-            "mode, not wired into 04_train.py yet), or extract and train in slices of the data")
+                "a running vLLM (04_train.py --hidden-states online, the server from python -m eagle3_pipeline.serve_target) "
+                "so no state is read from disk")
+    return ("the hidden states do not fit even in fp8: train against a running vLLM (04_train.py --hidden-states "
+            "online, the server from python -m eagle3_pipeline.serve_target), or extract and train in slices of the data")
 
 
 def make_plan(target_dir: str, profile: str, work: str, rows: int | None = None, tokens_per_row: int | None = None,

@@ -118,6 +118,7 @@ def summarize(metrics_path: Path, best: Path, num_speculative_tokens: int | None
         train.update(last_step=steps[-1], epochs=max(curves.train_epoch.values()) + 1, last_loss=last.get("loss"))
     train.update(_throughput(curves))
     summary["train"] = train
+    summary["hidden_states"] = hidden_states_source(metrics_path)
     return summary
 
 
@@ -160,6 +161,17 @@ def _epoch_row(val: dict) -> dict:
     return row
 
 
+def hidden_states_source(metrics_path: Path) -> str:
+    """files / online / hybrid, from the run config speculators logged (its --on-missing) and the hybrid cache."""
+    from .metrics import read_metrics
+    from .online import CACHE_DIRNAME
+
+    configs = [r["generation"] for r in read_metrics(metrics_path) if isinstance(r.get("generation"), dict)]
+    if not configs or configs[-1].get("on_missing") != "generate":
+        return "files"
+    return "hybrid" if (Path(metrics_path).parent / CACHE_DIRNAME).is_dir() else "online"
+
+
 def _throughput(curves) -> dict:
     """Median tokens/s per rank and step time over logged steps, step 0 (compilation) left out."""
     profiles = [p for step, p in curves.profile.items() if step > 0]
@@ -170,6 +182,19 @@ def _throughput(curves) -> dict:
         out["median_tokens_per_s_per_rank"] = statistics.median(rates)
     if times:
         out["median_step_ms"] = statistics.median(times)
+    # speculators' step split: waiting for the batch (file reads; with --hidden-states online/hybrid the
+    # vLLM round trips) vs the draft's forward + backward + optimizer.
+    waits = {step: p["fetch_ms"] for step, p in curves.profile.items() if step > 0 and "fetch_ms" in p}
+    computes = [p["fwd_ms"] + p["bwd_ms"] + p["opt_ms"] for p in profiles if {"fwd_ms", "bwd_ms", "opt_ms"} <= set(p)]
+    if waits and computes:
+        out["median_data_wait_ms"] = statistics.median(waits.values())
+        out["median_compute_ms"] = statistics.median(computes)
+        first = min(curves.train_epoch.get(step, 0) for step in waits)
+        later = [ms for step, ms in waits.items() if curves.train_epoch.get(step, 0) > first]
+        if later:  # hybrid: the first epoch generates, the later ones read the cache
+            out["median_data_wait_ms_first_epoch"] = statistics.median(
+                ms for step, ms in waits.items() if curves.train_epoch.get(step, 0) == first)
+            out["median_data_wait_ms_later_epochs"] = statistics.median(later)
     return out
 
 
@@ -206,6 +231,15 @@ def format_summary(summary: dict, out_dir: Path | None = None) -> str:
             lines.append(f"throughput      : median {train['median_tokens_per_s_per_rank']:,.0f} tokens/s per rank"
                          + (f", {train['median_step_ms']:,.0f} ms/step" if "median_step_ms" in train else "")
                          + " (step 0 left out)")
+        if "median_data_wait_ms" in train:
+            source = summary.get("hidden_states", "files")
+            waited = "vLLM generation" if source in ("online", "hybrid") else "reading hidden states"
+            by_epoch = (f"; first epoch {train['median_data_wait_ms_first_epoch']:,.0f} ms, later epochs "
+                        f"{train['median_data_wait_ms_later_epochs']:,.0f} ms"
+                        if source == "hybrid" and "median_data_wait_ms_later_epochs" in train else "")
+            lines.append(f"step split      : median {train['median_data_wait_ms']:,.0f} ms waiting for data ({waited}"
+                         + (", kept after the first epoch" if source == "hybrid" else "") + by_epoch
+                         + f"), {train['median_compute_ms']:,.0f} ms training (forward + backward + optimizer)")
     rows = summary.get("val_by_epoch", {})
     if rows:
         lines.append("")

@@ -29,6 +29,7 @@ from .metrics import (
     is_rank_zero,
     write_record,
 )
+from .online import speculators_args as online_speculators_args
 from .vocab import D2T_NAME, T2D_NAME
 
 log = logging.getLogger("eagle3")
@@ -53,18 +54,27 @@ def hidden_states_dtype(cfg: TrainConfig) -> str:
     return "bfloat16" if on_gpu() else "float32"
 
 
-def read_upstream(cfg: TrainConfig, target, draft: dict) -> tuple[dict, dict, dict]:
-    """Stages 01-03's manifests, checked against one another, the target and the draft config."""
+def read_upstream(cfg: TrainConfig, target, draft: dict) -> tuple[dict, dict | None, dict]:
+    """Stages 01-03's manifests, checked against one another, the target and the draft config.
+    Online/hybrid: no stage 02 (`extracted` is None); stage 01's tokenizer is checked here instead."""
     from .contract import read_manifest, require_equal, require_upstream
     from .extract.common import HS_DIRNAME
 
     prepared = read_manifest(cfg.data, "prepare", "--data")
-    extracted = read_manifest(Path(cfg.data) / HS_DIRNAME, "extract", "--data")
+    online = cfg.hidden_states != "files"
+    extracted = None if online else read_manifest(Path(cfg.data) / HS_DIRNAME, "extract", "--data")
     vocab = read_manifest(cfg.vocab, "vocab", "--vocab")
     hint = "all stages must use the same --target"
-    for manifest in (prepared, extracted, vocab):
+    for manifest in filter(None, (prepared, extracted, vocab)):
         require_equal("target config", target.config_sha256, manifest["target"]["config_sha256"], manifest, hint)
-    require_upstream(extracted, "prepare", prepared)
+    if online:  # what stage 02 checks before it extracts: the rows were tokenized by this target's tokenizer
+        require_equal("tokenizer", target.tokenizer_sha256, prepared["target"]["tokenizer_sha256"], prepared, hint)
+    else:
+        require_upstream(extracted, "prepare", prepared)
+        if cfg.layer_ids and list(cfg.layer_ids) != extracted["layer_ids"][:-1]:
+            raise ConfigError(f"--layer-ids {cfg.layer_ids}: stage 02 extracted {extracted['layer_ids'][:-1]} (+ the final "
+                              f"layer) into {Path(cfg.data) / HS_DIRNAME}; with --hidden-states files the layer ids are "
+                              f"stage 02's (drop --layer-ids, or rerun 02 with them)")
     require_upstream(vocab, "prepare", prepared)
     for key, value in (("hidden_size", target.hidden_size), ("target_vocab_size", target.vocab_size)):
         if draft.get(key) not in (None, value):
@@ -105,7 +115,8 @@ def speculators_argv(cfg: TrainConfig, draft: dict, target_path: str, aux_layer_
         "--prefetch-factor", str(cfg.prefetch_factor),
         "--train-data-ratio", repr(train_data_ratio),
         "--mask-token-id", str(mask_token_id),
-        "--on-missing", "raise",  # offline data: a missing file is a bug, never silently skipped
+        # files: a missing file is a bug, never silently skipped; online/hybrid: vLLM generates each sample
+        *(["--on-missing", "raise"] if cfg.hidden_states == "files" else online_speculators_args(cfg)),
         "--checkpoint-freq", str(cfg.checkpoint_freq),
         "--log-freq", str(cfg.log_freq),
         "--seed", str(cfg.seed),
@@ -158,6 +169,12 @@ def resolved_for_print_config(cfg: TrainConfig) -> dict[str, str]:
                                         f"where bf16 matmuls are several times slower)")
     if int(sent("--num-workers")) != cfg.num_workers:
         notes["num_workers"] = f"{sent('--num-workers')} ({device}: worker processes would only compete for the trainer's cores)"
+    if cfg.hidden_states != "files":
+        notes["hidden_states"] = (f'"{cfg.hidden_states}" -> speculators ' + " ".join(online_speculators_args(cfg))
+                                  + ("; stage 02's files are not read" if cfg.hidden_states == "online" else
+                                     "; each generated sample is kept in --hidden-states-path"))
+        if cfg.layer_ids is None:
+            notes["layer_ids"] = "the target's 2, L//2, L-3 (+ L), checked against the server's card"
     capability = torch.cuda.get_device_capability() if on_gpu() else None
     decision = flex_forward_config.decide(capability, flex_forward_config.parse_setting(cfg.flex_forward_config))
     notes["flex_forward_config"] = ("applied: " if decision.apply else "not applied: ") + decision.reason
@@ -212,9 +229,16 @@ def _split_endpoint(endpoint: str) -> tuple[str, str]:
 def export_compat_settings(cfg: TrainConfig) -> None:
     """Settings of the compat fixes, for this process and every training process it starts
     (`run_in_process` only gets speculators' flags, which have no place for them)."""
+    from . import online
     from .compat import flex_forward_config
 
     os.environ[flex_forward_config.ENV] = cfg.flex_forward_config
+    if cfg.hidden_states == "files":
+        os.environ.pop(online.MODE_ENV, None)
+        os.environ.pop(online.CACHE_ENV, None)
+    else:  # compat/online_generation.py, in every rank and loader worker
+        os.environ[online.MODE_ENV] = cfg.hidden_states
+        os.environ[online.CACHE_ENV] = str(online.cache_dir(cfg.output))
 
 
 def launch_env() -> dict[str, str]:
@@ -243,7 +267,10 @@ def run_in_process(argv: list[str], metrics_path: Path, checkpoint_bytes: int = 
         speculators_main(SpeculatorsTrainConfig.resolve(argv))
     except Exception as exc:
         from .files import is_disk_full
+        from .online import ENDPOINT_DOWN_TAG
 
+        if ENDPOINT_DOWN_TAG in str(exc):  # compat/online_generation.py stopped the run at a batch
+            raise endpoint_down_error(str(exc).split(ENDPOINT_DOWN_TAG, 1)[1], save) from None
         if not is_disk_full(exc):
             raise
         raise disk_full_error(save, checkpoint_bytes) from None
@@ -261,6 +288,18 @@ def run_in_process(argv: list[str], metrics_path: Path, checkpoint_bytes: int = 
                           f"rerun the same command to resume from the last epoch checkpoint in {save}")
 
 
+def endpoint_down_error(problem: str, save: Path):
+    """The vLLM server stopped answering mid-training (online/hybrid): one line, and where a rerun resumes."""
+    from .checkpoints import latest_progress
+    from .errors import StageError
+
+    progress = latest_progress(save)
+    resume_from = (f"from checkpoint {save / progress['checkpoint']} (global step {progress.get('global_step', '?')})"
+                   if progress else "from the start (no checkpoint was saved yet)")
+    return StageError(f"{problem.strip()}: training stopped before that batch's step; start the server again, then rerun "
+                      f"the same command (training resumes {resume_from})")
+
+
 def disk_full_error(save: Path, checkpoint_bytes: int):
     """The checkpoint file being written when the disk filled (the newest under the save path)."""
     import shutil
@@ -275,11 +314,12 @@ def disk_full_error(save: Path, checkpoint_bytes: int):
                       f"last complete checkpoint)")
 
 
-def write_command_file(out_dir: Path, argv: list[str], launch: list[str] | None) -> None:
+def write_command_file(out_dir: Path, argv: list[str], launch: list[str] | None, notes: tuple[str, ...] = ()) -> None:
     plain = "speculators train " + " ".join(shlex.quote(a) for a in argv)
     lines = [
         "# the speculators trainer call this run makes (reproducible with speculators alone):",
         plain,
+        *(f"# {note}" for note in notes),
     ]
     if launch:
         lines += ["# launched as:", " ".join(shlex.quote(a) for a in launch)]

@@ -16,6 +16,9 @@ installed (stage 04 logs them and records them in its manifest, via metrics.json
                        (always; raises if speculators' setup function is gone)
   device_prefetch      the training loader copies the next batch to the GPU on a side stream
                        (gate: CUDA)
+  online_generation    on-demand generation from a vLLM server (04 --hidden-states online/hybrid):
+                       a dead endpoint stops training at that batch with one line; hybrid keeps each
+                       generated sample (gate: online/hybrid mode; speculators 0.9.0, else it raises)
 
 Not applied here: `cpu_hidden_states_connector`, a vLLM KV connector class that vLLM's workers
 load by module path (stage 02 with vLLM's CPU build). This package's import stays light for them.
@@ -26,7 +29,7 @@ from __future__ import annotations
 from pathlib import Path
 
 FIXES = ("cpu_trainer", "fused_loss", "flex_forward_config", "interrupt_progress", "metrics_jsonl",
-         "device_prefetch")
+         "device_prefetch", "online_generation")
 
 
 def apply(metrics_path: str | Path) -> list[str]:
@@ -35,7 +38,15 @@ def apply(metrics_path: str | Path) -> list[str]:
     Once per training process (each torchrun/DeepSpeed rank runs it); the settings that are
     not speculators flags come from the environment (`training.export_compat_settings`).
     """
-    from . import cpu_trainer, device_prefetch, flex_forward_config, fused_loss, interrupt_progress, metrics_jsonl
+    from . import (
+        cpu_trainer,
+        device_prefetch,
+        flex_forward_config,
+        fused_loss,
+        interrupt_progress,
+        metrics_jsonl,
+        online_generation,
+    )
 
     gates = {
         "cpu_trainer": cpu_trainer.apply,
@@ -44,5 +55,6 @@ def apply(metrics_path: str | Path) -> list[str]:
         "interrupt_progress": interrupt_progress.apply,
         "metrics_jsonl": lambda: metrics_jsonl.apply(metrics_path),
         "device_prefetch": device_prefetch.apply,
+        "online_generation": online_generation.apply,
     }
     return [name for name in FIXES if gates[name]()]
