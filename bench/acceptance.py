@@ -12,7 +12,7 @@ One invocation (a CPU with vLLM's CPU build, or a GPU box with vLLM):
   5. plain: `speculators train` with its documented defaults on the same rows and states,
      (a) for the same epochs and (b) for the same training wall time as ours;
   6. recipes (--recipes): one-change variants of ours (TTT steps, lr, epochs, draft vocab,
-     off-policy answers, twice / four times the data);
+     off-policy answers, twice / four times the data, fp8 hidden states);
   7. vLLM: the target alone, then with each draft, greedy, on the held-out prompts, each kind
      generated on its own so vLLM's spec-decode counters are read per kind; tau and per-position
      acceptance (tau for every k below an engine's k follows from its per-position counters),
@@ -20,8 +20,14 @@ One invocation (a CPU with vLLM's CPU build, or a GPU box with vLLM):
 Results: bench/results/<cpu|gpu>-acceptance-smollm2.json and the printed tables.
 
     python bench/acceptance.py                                  # ours vs plain (make bench-acceptance)
-    python bench/acceptance.py --recipes ttt-5 lr-1e-3 offpolicy data-2x
+    python bench/acceptance.py --recipes ttt-5 lr-2e-3 offpolicy data-2x
     python bench/acceptance.py --train-conversations 400 --device cuda
+    python bench/acceptance.py --device cuda --jobs 6 --ks 5 --recipe-ks 5 --recipes ...  # one GPU, shared
+
+--jobs N runs up to N independent stages at once (datasets, trainings, vLLM engines): a GPU box's
+cores and memory hold several of this small target's jobs. Their wall times then include each other's
+load: ours and plain (a) run side by side, so equal time still compares like with like; tokens/s are
+recorded with the job count and compare only runs measured the same way.
 
 On a CPU, flags only the CPU forces are the same for every run and listed in the results
 (`cpu_forced`): sdpa attention, eager loss, no dataloader workers, a shorter packed length.
@@ -38,6 +44,7 @@ import shlex
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -58,14 +65,23 @@ CPU_TRAIN_FLAGS = ["--draft-attn-impl", "sdpa", "--loss-implementation", "eager"
                    "--total-seq-len", str(CPU_TOTAL_SEQ_LEN)]
 CPU_04_FLAGS = ["--attn-impl", "sdpa", "--loss-impl", "eager", "--num-workers", "0",
                 "--total-seq-len", str(CPU_TOTAL_SEQ_LEN)]
+# Stage 02 on a GPU: vLLM (~17x the HF backend's tokens/s there, NOTES "vLLM on a GPU"), eager (CUDA-graph
+# capture costs more than the extraction of this small target), and a fixed KV cache: with --jobs several
+# engines share the GPU, and vLLM's memory profiling would count the others' memory as its own.
+GPU_02_FLAGS = ["--backend", "vllm", "--enforce-eager", "--gpu-memory-utilization", "0.15", "--kv-cache-memory-gib", "4"]
 
 # One-change variants of ours. `train`: extra 04 flags; `draft_vocab`: 03's size (None = the target's
 # whole vocabulary); `data`: "offpolicy" answers or a data-size factor; `epochs_factor`.
 RECIPES = {
     "ttt-5": {"train": ["--ttt-steps", "5"]},
     "ttt-7": {"train": ["--ttt-steps", "7"]},
-    "lr-1e-3": {"train": ["--lr", "1e-3"]},
+    "lr-5e-4": {"train": ["--lr", "5e-4"]},
+    "lr-2e-3": {"train": ["--lr", "2e-3"]},  # the default until the 2026-12-01 H200 run
     "lr-4e-3": {"train": ["--lr", "4e-3"]},
+    # the two levers where plain speculators differs from ours, apart and together
+    "seq-8k": {"train": ["--total-seq-len", "8192"]},
+    "muon": {"train": ["--optimizer", "muon"]},
+    "seq-8k-muon": {"train": ["--total-seq-len", "8192", "--optimizer", "muon"]},
     "epochs-2x": {"epochs_factor": 2},
     "vocab-8k": {"draft_vocab": 8000},
     "vocab-16k": {"draft_vocab": 16000},
@@ -73,6 +89,7 @@ RECIPES = {
     "offpolicy": {"data": "offpolicy"},
     "data-2x": {"data": 2},
     "data-4x": {"data": 4},
+    "fp8": {"storage": "fp8"},
 }
 
 
@@ -117,12 +134,12 @@ class Bench:
         sys.path.insert(0, str(BENCH))  # the bench's own modules, not the product's
         from testbed import build_testbed, read_provenance
 
-        self.target = build_testbed(self.args.cache_dir)
+        self.target = build_testbed(self.args.cache_dir, gguf=self.args.gguf)
         return {"path": str(self.target), "provenance": read_provenance(self.target)}
 
     def build_data(self) -> dict:
         chat = self.work / "chat"
-        prompts = self.work / "prompts.jsonl"
+        prompts = self.args.prompts or self.work / "prompts.jsonl"
         if not prompts.is_file():
             run([sys.executable, BENCH / "chat_data.py", "prompts", "--out", prompts], self.logs / "prompts.log", "prompts")
         factor = max([RECIPES[r]["data"] for r in self.args.recipes if isinstance(RECIPES[r].get("data"), int)] or [1])
@@ -135,15 +152,15 @@ class Bench:
                                               f"conversations, vLLM)", env={"VLLM_CPU_KVCACHE_SPACE": "2"})
         return json.loads((chat / "summary.json").read_text())
 
-    def prepared(self, name: str, source: Path, conversations: int) -> Path:
+    def prepared(self, name: str, source: Path, conversations: int, storage: str = "dtype") -> Path:
         """Stages 01-02 on `source` (first `conversations` conversations); reused when finished."""
         data = self.work / name / "data"
         (self.work / name).mkdir(parents=True, exist_ok=True)
         run(stage("01_prepare_dataset.py", "--target", self.target, "--data", source, "--output", data,
                   "--max-samples", conversations, "--max-seq-len", self.args.max_seq_len),
             self.logs / f"{name}-01.log", f"01 prepare {name} ({conversations} conversations)")
-        extract = ["--backend", "hf", "--device", "cpu", "--dtype", "float32"] if self.cpu else ["--backend", "hf"]
-        run(stage("02_extract_hidden_states.py", "--target", self.target, "--data", data, *extract),
+        extract = ["--backend", "hf", "--device", "cpu", "--dtype", "float32"] if self.cpu else GPU_02_FLAGS
+        run(stage("02_extract_hidden_states.py", "--target", self.target, "--data", data, *extract, "--storage", storage),
             self.logs / f"{name}-02.log", f"02 extract {name}")
         return data
 
@@ -216,6 +233,16 @@ def training_seconds(metrics_jsonl: Path) -> float:
                for seg in segments if any("train" in r for r in seg))
 
 
+def in_parallel(jobs: list, workers: int) -> list:
+    """Call each job (a no-argument callable) with up to `workers` at once; results in order. The jobs
+    start subprocesses, so threads suffice; the first failure is raised once the others finish."""
+    if workers <= 1:
+        return [job() for job in jobs]
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = [pool.submit(job) for job in jobs]
+        return [f.result() for f in futures]
+
+
 def tau_by_k(survival: list[float]) -> list[float]:
     """tau for k = 1..len(survival) from one engine's per-position acceptance: with greedy chain
     verification tau_k = 1 + sum of P(accepted >= i) for i <= k."""
@@ -230,6 +257,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, default=REPO / "work" / "bench-acceptance")
     parser.add_argument("--cache-dir", type=Path, default=REPO / ".cache", help="testbed cache (the wheel in CACHE/wheels)")
+    parser.add_argument("--gguf", type=Path, default=None, help="the testbed's GGUF file instead of the wheel (bench/testbed.py)")
+    parser.add_argument("--prompts", type=Path, default=None,
+                        help="chat_data.py's prompts file, built elsewhere (default: built here from this machine's text)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where training and extraction run")
     parser.add_argument("--train-conversations", type=int, default=160, help="conversations for the drafts' training data")
     parser.add_argument("--eval-per-kind", type=int, default=10, help="held-out prompts per kind (code, explanation, multi-turn)")
@@ -240,6 +270,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=96, help="greedy tokens generated per held-out prompt")
     parser.add_argument("--recipes", nargs="*", default=[], choices=sorted(RECIPES), help="one-change variants of ours")
     parser.add_argument("--recipe-ks", type=int, nargs="+", default=[3], help="k measured for the recipes (TTT ones: also 5)")
+    parser.add_argument("--jobs", type=int, default=1, help="independent stages run at once (datasets, trainings, engines)")
     parser.add_argument("--output", type=Path, default=None,
                         help="results JSON (default bench/results/<device>-acceptance-smollm2.json)")
     args = parser.parse_args()
@@ -254,29 +285,38 @@ def main() -> int:
     chat = bench.work / "chat"
     t_data = time.perf_counter() - started
 
-    # 3-5. One prepared dataset; ours; plain at equal epochs, then at ours' training wall time.
-    base = bench.prepared("onpolicy", chat / "train_tokens.jsonl", args.train_conversations)
-    runs = {"ours": bench.train_ours("ours", base, args.epochs, {})}
-    runs["plain-epochs"] = bench.train_plain("plain-epochs", base, args.epochs)
+    # 3. Every prepared dataset the runs need (stages 01-02), --jobs at a time.
+    def dataset_key(recipe: dict) -> tuple:
+        return recipe.get("data", 1), recipe.get("storage", "dtype")
+
+    def dataset_job(key: tuple):
+        source, storage = key
+        name = ("offpolicy" if source == "offpolicy" else "onpolicy" + (f"-{source}x" if source != 1 else "")) + (
+            f"-{storage}" if storage != "dtype" else "")
+        rows = chat / ("train_offpolicy.jsonl" if source == "offpolicy" else "train_tokens.jsonl")
+        factor = 1 if source == "offpolicy" else source
+        return lambda: bench.prepared(name, rows, args.train_conversations * factor, storage)
+
+    keys = list(dict.fromkeys([(1, "dtype")] + [dataset_key(RECIPES[n]) for n in args.recipes]))
+    datasets = dict(zip(keys, in_parallel([dataset_job(k) for k in keys], args.jobs)))
+    base = datasets[(1, "dtype")]
+
+    # 4-5. Ours and plain at equal epochs side by side (the same load on both), then plain at ours'
+    # training wall time and the recipes.
+    runs = dict(zip(["ours", "plain-epochs"], in_parallel(
+        [lambda: bench.train_ours("ours", base, args.epochs, {}),
+         lambda: bench.train_plain("plain-epochs", base, args.epochs)], args.jobs)))
     ours_s, plain_s = runs["ours"]["times"]["training"], runs["plain-epochs"]["times"]["training"]
     equal_time_epochs = max(1, round(args.epochs * ours_s / plain_s))
+    later = {name: (lambda n=name: bench.train_ours(n, datasets[dataset_key(RECIPES[n])],
+                                                    args.epochs * RECIPES[n].get("epochs_factor", 1), RECIPES[n]))
+             for name in args.recipes}
     if equal_time_epochs == args.epochs:
         log(f"  plain at ours' wall time: {args.epochs} epochs too ({plain_s:.0f} s vs ours {ours_s:.0f} s)")
         runs["plain-time"] = {**runs["plain-epochs"], "same_as": "plain-epochs"}
     else:
-        runs["plain-time"] = bench.train_plain("plain-time", base, equal_time_epochs)
-    recipe_data = {1: base}
-    for name in args.recipes:
-        recipe = RECIPES[name]
-        source = recipe.get("data", 1)
-        if source == "offpolicy":
-            data = recipe_data.get(source) or bench.prepared("offpolicy", chat / "train_offpolicy.jsonl",
-                                                             args.train_conversations)
-        else:
-            data = recipe_data.get(source) or bench.prepared(f"onpolicy-{source}x", chat / "train_tokens.jsonl",
-                                                             args.train_conversations * source)
-        recipe_data[source] = data
-        runs[name] = bench.train_ours(name, data, args.epochs * recipe.get("epochs_factor", 1), recipe)
+        later = {"plain-time": lambda: bench.train_plain("plain-time", base, equal_time_epochs), **later}
+    runs.update(zip(later, in_parallel(list(later.values()), args.jobs)))
     t_train = time.perf_counter() - started - t_data
 
     # 7. vLLM: each draft at each k (recipes at --recipe-ks; TTT recipes also at 5).
@@ -290,16 +330,18 @@ def main() -> int:
             drafts_by_k.setdefault(k, {})[name] = runs[name]["draft"]
     # Eager engines on the GPU too: the measurement is tau, and each engine's CUDA-graph capture would cost
     # more than its whole generation on this small target (bench/vllm_gpu.py measures speed-ups with graphs).
+    # On a GPU a fixed KV cache per engine: --jobs engines share it (see GPU_02_FLAGS).
     settings = VllmSettings(max_tokens=args.max_tokens, max_model_len=2048, dtype="float32" if bench.cpu else "bfloat16",
                             enforce_eager=True, kv_cache_gib=2,
-                            extra_engine_args={} if bench.cpu else {"gpu_memory_utilization": 0.3})
+                            extra_engine_args={} if bench.cpu else {"gpu_memory_utilization": 0.15,
+                                                                     "kv_cache_memory_bytes": 4 * 2**30})
     measured_runs, known = {}, None
     for k, drafts in sorted(drafts_by_k.items()):
         cached = bench.work / f"vllm-k{k}.json"  # one file per k: a rerun skips what was measured
         measured = json.loads(cached.read_text()) if cached.is_file() else None
         if measured is None or measured["drafts"] != drafts:
             measured = measure_acceptance(bench.target, drafts, chat / "eval_prompts.jsonl", ks=[k], settings=settings,
-                                          log_dir=bench.logs, log=log, baseline=known)
+                                          log_dir=bench.logs, log=log, baseline=known, jobs=args.jobs)
             measured["drafts"] = drafts
             cached.write_text(json.dumps(measured, default=str))
         known = (measured["baseline"], measured.pop("baseline_token_ids"))  # the target alone: measured once
@@ -361,7 +403,7 @@ def main() -> int:
                     "load_average_start": load_start, "load_average_end": os.getloadavg()},
         "target": target,
         "data": data_summary,
-        "setup": {"train_conversations": args.train_conversations, "epochs": args.epochs, "ks": args.ks,
+        "setup": {"train_conversations": args.train_conversations, "epochs": args.epochs, "ks": args.ks, "jobs": args.jobs,
                   "max_tokens": args.max_tokens, "equal_time_plain_epochs": equal_time_epochs,
                   "cpu_forced": {"ours_04": CPU_04_FLAGS, "plain": CPU_TRAIN_FLAGS} if bench.cpu else None,
                   "recipes": {n: RECIPES[n] for n in args.recipes}},

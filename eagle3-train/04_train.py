@@ -5,7 +5,10 @@ Checks stages 01-03 (same target, same prepared data, mapping built from this da
 builds the `speculators train` flags from draft_config.json + profile + flags, and runs
 speculators' trainer in-process (one GPU or the CPU) or under torchrun/DeepSpeed
 (--nproc/--nnodes). Checkpoints, resume (automatic: rerun the same command), SIGTERM
-saves and validation metrics are speculators'. Run with --help for flags and an example.
+saves and validation metrics are speculators'. With --hidden-states online/hybrid there is no
+stage 02: a running vLLM (`python -m eagle3_pipeline.serve_target`) computes each sample's
+states when the trainer needs them, checked first (eagle3_pipeline/online.py).
+Run with --help for flags and an example.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from eagle3_pipeline import checkpoints
+from eagle3_pipeline import checkpoints, online
 from eagle3_pipeline.config import TrainConfig, load_draft_config, resolve_stage_config
 from eagle3_pipeline.contract import MANIFEST_NAME, input_record, write_manifest
 from eagle3_pipeline.errors import ContractError, Interrupted, StageError
@@ -30,10 +33,11 @@ from eagle3_pipeline.stage import (
     stage_identity,
     stage_main,
 )
-from eagle3_pipeline.target import load_target_info
+from eagle3_pipeline.target import extraction_layer_ids, load_target_info
 from eagle3_pipeline.train_report import summarize, write_summary
 from eagle3_pipeline.training import (
     METRICS_FILE,
+    endpoint_down_error,
     export_compat_settings,
     launch_command,
     launch_env,
@@ -54,15 +58,23 @@ def main(argv: list[str] | None = None) -> int:
 
     # 2. Contracts: one target, one prepared dataset, states and vocab both built from it.
     prepared, extracted, vocab = read_upstream(cfg, target, draft)
-    aux_layer_ids = extracted["layer_ids"][:-1]
-    inputs = {name: input_record(m) for name, m in (("prepare", prepared), ("extract", extracted), ("vocab", vocab))}
+    upstream = {"prepare": prepared, "extract": extracted, "vocab": vocab}
+    if extracted is not None:
+        layer_ids, source = extracted["layer_ids"], {}
+    else:  # online/hybrid: the states a vLLM server computes (checked below, once the run is not a no-op)
+        online.require_endpoint(cfg)
+        layer_ids = extraction_layer_ids(target.num_layers, cfg.layer_ids)
+        source = {"hidden_states_source": "vllm", "layer_ids": layer_ids}
+        del upstream["extract"]
+    aux_layer_ids = layer_ids[:-1]
+    inputs = {name: input_record(m) for name, m in upstream.items()}
     # The one rule for "done" (stage.finished). A resume restores speculators' optimizer AND its lr
     # scheduler (built for the old lr, epochs and steps), so every setting that shapes the run is
     # part of the identity: changing one mid-run is refused, never recorded as if it had happened.
     identity = stage_identity(
-        cfg, {name: m["_content_sha256"] for name, m in (("prepare", prepared), ("extract", extracted), ("vocab", vocab))},
+        cfg, {name: m["_content_sha256"] for name, m in upstream.items()},
         target_config_sha256=target.config_sha256, draft_config={k: v for k, v in draft.items() if k != "description"},
-        ttt_steps=cfg.ttt_steps or draft.get("ttt_steps", 3), world_size=cfg.nproc * cfg.nnodes,
+        ttt_steps=cfg.ttt_steps or draft.get("ttt_steps", 3), world_size=cfg.nproc * cfg.nnodes, **source,
     )
     check_writable_dir(out_dir, "--output")
     if cfg.nnodes > 1 and not cfg.check:  # nodes share --output (node 0 writes it): one process per node
@@ -84,8 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     epochs_done = 0 if replace else len(checkpoints.complete(out_dir))
     for line in preflight_train(cfg, draft, target, vocab["draft_vocab_size"], out_dir,
                                 prepared.get("counts", {}).get("tokens", 0),  # synthetic bench data: none
-                                epochs_done=epochs_done, nproc_source=sources["nproc"]):
+                                epochs_done=epochs_done, nproc_source=sources["nproc"],
+                                train_data_ratio=prepared["train_data_ratio"]):
         log.info("preflight %s", line)
+    server = None
+    if extracted is None:  # the server must feed exactly what stage 02 would have written, before any training
+        server = online.preflight(cfg, target, prepared, layer_ids, layer_ids_stated=sources["layer_ids"] != "default")
     if cfg.check:
         return 0
     if cfg.node_rank == 0:  # one node tidies the (shared) folder
@@ -93,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             removed = checkpoints.delete_own(out_dir)
             log.info("--overwrite: deleted this stage's outputs from another run: %s", ", ".join(removed) or "none")
         remove_stale_temps(out_dir)
+        remove_stale_temps(online.cache_dir(out_dir))  # hybrid samples a killed run was writing
     # speculators resumes from the newest <epoch>/ by itself; make sure that one is whole.
     # One node tidies the (shared) checkpoint folder; the others must not race it.
     resume = prepare_resume(out_dir) if cfg.node_rank == 0 else {"incomplete_removed": [], "interrupted": None}
@@ -103,14 +120,17 @@ def main(argv: list[str] | None = None) -> int:
 
     spec_argv = speculators_argv(
         cfg, draft, target.path, aux_layer_ids, vocab["draft_vocab_size"], prepared["train_data_ratio"],
-        mask_token_id=target.text_config.get("pad_token_id") or 0, hidden_states_storage=extracted.get("storage", "dtype"),
+        mask_token_id=target.text_config.get("pad_token_id") or 0,
+        hidden_states_storage=(extracted or {}).get("storage", "dtype"),
     )
     launch = launch_command(cfg, spec_argv)
-    write_command_file(out_dir, spec_argv, launch)
+    write_command_file(out_dir, spec_argv, launch, () if server is None else (online.command_note(cfg),))
     write_manifest(out_dir, "train", complete=False, identity=identity)
 
     # 3. Work: speculators' trainer (it resumes from the newest checkpoint by itself).
-    log.info("training with speculators (%s); command in %s", "in-process" if launch is None else launch[0], out_dir / "command.txt")
+    log.info("training with speculators (%s, hidden states %s); command in %s", "in-process" if launch is None else launch[0],
+             "from stage 02's files" if server is None else f"{cfg.hidden_states} from {server['endpoint']}",
+             out_dir / "command.txt")
     export_compat_settings(cfg)
     if launch is None:
         run_in_process(spec_argv, out_dir / METRICS_FILE, checkpoint_bytes(cfg, draft, target, vocab["draft_vocab_size"]))
@@ -119,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         if result.returncode == Interrupted.exit_code:
             raise Interrupted(f"training interrupted; checkpoint saved in {out_dir / INTERRUPTED} if the save finished; "
                               f"rerun the same command to resume")
+        if result.returncode != 0 and server is not None and (problem := online.endpoint_problem(server["endpoint"])):
+            raise endpoint_down_error(problem, out_dir)
         if result.returncode != 0:
             raise StageError(f"training processes exited with code {result.returncode} (see their log above); rerun to resume")
     if cfg.dry_run:
@@ -147,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         config=cfg.model_dump(), draft_config=draft, aux_layer_ids=aux_layer_ids,
         draft_vocab_size=vocab["draft_vocab_size"], best_checkpoint=best.name, summary=summary,
         config_sha256=config_fingerprint(cfg), resume=resume, compat_applied=compat_applied(out_dir / METRICS_FILE),
+        hidden_states=server or {"mode": "files", "from": inputs["extract"]["path"]},
     )
     return 0
 

@@ -51,7 +51,7 @@ def test_profile_beats_default_and_flag_beats_profile():
     cfg, sources = build_config(TrainConfig, flags, "rtx-pro-6000-8x")
     assert (cfg.total_seq_len, sources["total_seq_len"]) == (1024, "flag")  # flag over profile's 32768
     assert (cfg.nproc, sources["nproc"]) == (8, "profile:rtx-pro-6000-8x")  # profile over default 1
-    assert (cfg.lr, sources["lr"]) == (2e-3, "default")
+    assert (cfg.lr, sources["lr"]) == (1e-3, "default")
     cfg, sources = build_config(TrainConfig, required(TrainConfig))
     assert (cfg.nproc, cfg.total_seq_len, sources["nproc"]) == (1, 32768, "default")
 
@@ -112,7 +112,7 @@ def test_print_config_shows_each_value_and_its_source(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert "total_seq_len = 1024  # flag" in lines
     assert "nproc = 8  # profile:rtx-pro-6000-8x" in lines
-    assert "lr = 0.002  # default" in lines
+    assert "lr = 0.001  # default" in lines
     assert 'target = "t"  # flag' in lines
 
 

@@ -380,10 +380,10 @@ def test_resume_refuses_what_it_cannot_change_and_the_manifest_records_what_ran(
     (ckpt / "manifest.json").write_text(json.dumps({**manifest(ckpt), "complete": False}))
     before = state(work["root"])
     code, error = refused(capsys, *args("train", work, kimi_target, "--lr", "1e-5"))
-    assert code == 3 and "holds an unfinished run made with settings.lr = 0.002 there, 1e-05 in this run" in error
+    assert code == 3 and "holds an unfinished run made with settings.lr = 0.001 there, 1e-05 in this run" in error
     assert state(work["root"]) == before
     recorded = json.loads((work["checkpoints"] / "manifest.json").read_text())
-    assert recorded["identity"]["settings"]["lr"] == recorded["config"]["lr"] == 0.002
+    assert recorded["identity"]["settings"]["lr"] == recorded["config"]["lr"] == 0.001
 
 
 # --- 5. hidden states: partial extractions are not complete ----------------------------------------------

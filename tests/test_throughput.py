@@ -164,7 +164,37 @@ def test_synthetic_dataset_reads_back_through_speculators_dataset(tmp_path):
         assert int(item["loss_mask"].sum()) == 12 - 1  # 10% prompt, masked
 
 
+def test_synthetic_fp8_dataset_reads_back_through_speculators_fp8_transfer(tmp_path):
+    """--cold-warm's fp8 data is stage 02's fp8 format: speculators' fp8 backend dequantizes it."""
+    info = throughput.write_synthetic_prepared_dataset(
+        tmp_path, num_rows=3, seq_len=12, hidden_size=8, vocab_size=50, storage="fp8")
+    assert info["hidden_state_bytes_per_token"] == 4 * 8 + 4 and info["storage"] == "fp8"
+    from hs_connectors.transfer import FP8Transfer
+    from safetensors.torch import load_file
+    from speculators.train.data import ArrowDataset
+
+    stored = load_file(str(tmp_path / "hidden_states" / "hs_1.safetensors"))
+    assert stored["hidden_states"].dtype == torch.float8_e4m3fn and stored["hidden_states_scales"].shape == (12, 1, 1)
+    transfer = FP8Transfer(tmp_path / "hidden_states", dequantize_dtype=torch.float32)
+    dataset = ArrowDataset(max_len=64, datapath=str(tmp_path), on_missing="raise", transfer=transfer)
+    item = dataset[1]
+    assert item["hidden_states"].shape == (12, 3 * 8) and torch.isfinite(item["hidden_states"]).all()
+    assert item["hidden_states"].abs().max() > 0.5  # N(0, 1) states, not zeros
+
+
 # ---------------------------------------------------------------- step metrics
+
+
+def test_summary_by_epoch_splits_the_run_and_skips_warm_up_only_in_the_first():
+    def record(step, epoch, t):
+        return {"global_step": step, "epoch": epoch, "time": t,
+                "profile": {"tokens_per_s": 2000.0, "step_ms": 500.0}}
+    # epoch 0: 2 s per step (cold reads); a 60 s validation gap; epoch 1: 1 s per step (cached)
+    records = [record(s, 0, 2.0 * s) for s in range(6)] + [record(s, 1, 70.0 + (s - 6)) for s in range(6, 12)]
+    by_epoch = throughput.summarize_by_epoch(records, warmup_steps=2)
+    assert sorted(by_epoch) == [0, 1]
+    assert by_epoch[0]["measured_steps"] == 3 and by_epoch[0]["tokens_per_s"] == pytest.approx(500.0)
+    assert by_epoch[1]["measured_steps"] == 5 and by_epoch[1]["tokens_per_s"] == pytest.approx(1000.0)
 
 
 def test_summary_takes_tokens_per_second_from_the_wall_clock_window():

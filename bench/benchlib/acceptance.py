@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -394,13 +395,14 @@ def agreement(reference: list[list[int]], other: list[list[int]]) -> dict:
 def measure_acceptance(target_dir, drafts: Mapping[str, str], prompts_path,
                        ks: Sequence[int] = (1, 2, 3), settings: VllmSettings | None = None,
                        num_prompts: int | None = None, log_dir: str | os.PathLike | None = None,
-                       log=print, baseline: tuple[dict, list[list[int]]] | None = None) -> dict:
+                       log=print, baseline: tuple[dict, list[list[int]]] | None = None, jobs: int = 1) -> dict:
     """Baseline (no draft) plus every (draft, k): tau, per-position acceptance, tokens/s.
 
     `drafts` maps a label to an exported EAGLE-3 draft directory. `baseline` = (the "baseline"
     and "baseline_token_ids" of an earlier call on the same prompts and settings) skips measuring
     the target alone again. Returns a JSON-ready dict; generated token ids are dropped after
-    comparing each run with the baseline.
+    comparing each run with the baseline. `jobs` engines run at once after the baseline (on one GPU
+    each needs a fixed KV cache, `kv_cache_memory_bytes`); their tokens/s then include each other's load.
     """
     settings = settings or VllmSettings()
     prompts = prompt_token_ids(target_dir, prompts_path, num_prompts)
@@ -419,20 +421,24 @@ def measure_acceptance(target_dir, drafts: Mapping[str, str], prompts_path,
         log(f"vllm: baseline {baseline['tokens_per_s']:.1f} tokens/s")
     else:
         baseline, reference = baseline
-    runs = {}
-    for label, draft_dir in drafts.items():
-        for k in ks:
-            name = f"{label}-k{k}"
-            result = run_engine_isolated(target_dir, draft_dir, k, prompts, settings, _log_path(name), groups=kinds)
-            result["agreement_with_baseline"] = agreement(reference, result.pop("generated_token_ids"))
-            result["speedup_tokens_per_s"] = result["tokens_per_s"] / baseline["tokens_per_s"]
-            runs[name] = {"label": label, **result}
-            sd = result["spec_decode"]
-            log(
-                f"vllm: {name}: tau {sd['mean_acceptance_length']:.3f}, per-position "
-                f"{[round(x, 3) for x in sd['acceptance_rate_per_pos']]}, "
-                f"{result['tokens_per_s']:.1f} tokens/s (x{result['speedup_tokens_per_s']:.2f})"
-            )
+    def one(label: str, draft_dir: str, k: int) -> dict:
+        name = f"{label}-k{k}"
+        result = run_engine_isolated(target_dir, draft_dir, k, prompts, settings, _log_path(name), groups=kinds)
+        result["agreement_with_baseline"] = agreement(reference, result.pop("generated_token_ids"))
+        result["speedup_tokens_per_s"] = result["tokens_per_s"] / baseline["tokens_per_s"]
+        result["concurrent_engines"] = jobs
+        sd = result["spec_decode"]
+        log(
+            f"vllm: {name}: tau {sd['mean_acceptance_length']:.3f}, per-position "
+            f"{[round(x, 3) for x in sd['acceptance_rate_per_pos']]}, "
+            f"{result['tokens_per_s']:.1f} tokens/s (x{result['speedup_tokens_per_s']:.2f})"
+        )
+        return {"label": label, **result}
+
+    todo = [(label, draft_dir, k) for label, draft_dir in drafts.items() for k in ks]
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:  # each engine is its own process
+        results = list(pool.map(lambda job: one(*job), todo))
+    runs = {f"{label}-k{k}": result for (label, _, k), result in zip(todo, results)}
     return {
         "target": str(target_dir),
         "prompts": str(prompts_path),

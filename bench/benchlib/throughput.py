@@ -172,8 +172,13 @@ def write_synthetic_prepared_dataset(
     prompt_fraction: float = 0.1,
     seed: int = 0,
     device: str = "cpu",
+    storage: str = "dtype",
 ) -> dict[str, Any]:
     """A prepared dataset in speculators' layout, with random hidden states.
+
+    `storage="fp8"` writes stage 02's fp8 files instead (the product's `quantize_fp8`: float8_e4m3fn
+    values + one float32 scale per token, half the bytes), which speculators reads with
+    `--hidden-states-backend fp8`.
 
     `out_dir` gets the `datasets.save_to_disk` table (input_ids, loss_mask int64, seq_len;
     torch format, as speculators' prepare-data saves it), `hidden_states/hs_{i}.safetensors`
@@ -188,6 +193,10 @@ def write_synthetic_prepared_dataset(
     from safetensors.torch import save_file
     from speculators.train.vocab_mapping import save_token_frequency_distribution
 
+    from eagle3_pipeline.extract.common import quantize_fp8
+
+    if storage not in ("dtype", "fp8"):
+        raise ValueError(f"storage {storage!r}: 'dtype' (bf16) or 'fp8'")
     out = Path(out_dir)
     hs_dir = out / "hidden_states"
     hs_dir.mkdir(parents=True, exist_ok=True)
@@ -201,7 +210,8 @@ def write_synthetic_prepared_dataset(
             dtype=torch.float32,
         ).to(torch.bfloat16)
         tokens = tokens.to(torch.int64).cpu()
-        save_file({"hidden_states": hidden.cpu().contiguous(), "token_ids": tokens},
+        states = quantize_fp8(hidden) if storage == "fp8" else {"hidden_states": hidden}
+        save_file({**{k: v.cpu().contiguous() for k, v in states.items()}, "token_ids": tokens},
                   str(hs_dir / f"hs_{i}.safetensors"))
         token_rows.append(tokens)
     for i in range(distinct, num_rows):
@@ -230,8 +240,10 @@ def write_synthetic_prepared_dataset(
         "rows": num_rows,
         "distinct_files": distinct,
         "seq_len": seq_len,
+        "storage": storage,
         "hidden_state_file_bytes": file_bytes,
-        "hidden_state_bytes_per_token": HIDDEN_STATE_SLOTS * hidden_size * 2,
+        "hidden_state_bytes_per_token": (HIDDEN_STATE_SLOTS * hidden_size + 4 if storage == "fp8"
+                                         else HIDDEN_STATE_SLOTS * hidden_size * 2),
     }
 
 
@@ -506,6 +518,19 @@ def summarize_train_metrics(
     }
 
 
+def summarize_by_epoch(records: Sequence[Mapping[str, Any]], *, warmup_steps: int) -> dict[int, dict[str, Any]]:
+    """`summarize_train_metrics` per epoch (the first skips `warmup_steps`): each epoch's window runs
+    from its first logged step to its last, so the validation and checkpoint between epochs are not in
+    it. With files dropped from the page cache before the run, epoch 0 reads them cold and epoch 1 from
+    the page cache (when they fit in RAM): one process, one compile, the same steps."""
+    by_epoch: dict[int, list] = {}
+    for record in records:
+        if record.get("profile") and "epoch" in record:
+            by_epoch.setdefault(int(record["epoch"]), []).append(record)
+    return {epoch: summarize_train_metrics(rows, warmup_steps=warmup_steps if epoch == min(by_epoch) else 0)
+            for epoch, rows in sorted(by_epoch.items())}
+
+
 def run_speculators_train(
     argv: Sequence[str], metrics_path: str | Path, *, stop_after_step: int | None = None,
     device_prefetch: bool = False,
@@ -550,6 +575,7 @@ def run_speculators_train(
 def write_synthetic_stage_manifests(
     verifier_dir: str | Path, data_dir: str | Path, vocab_dir: str | Path, *,
     aux_layer_ids: Sequence[int], draft_vocab_size: int, train_data_ratio: float = 0.9,
+    storage: str = "dtype",
 ) -> None:
     """Stage 01/02/03 manifests (and 03's d2t/t2d) for a synthetic prepared dataset.
 
@@ -576,7 +602,7 @@ def write_synthetic_stage_manifests(
                    train_data_ratio=train_data_ratio)
     prepared = read_manifest(data, "prepare", "--data")
     write_manifest(data / "hidden_states", "extract", synthetic=True, target=summary,
-                   layer_ids=layer_ids, dtype="bfloat16",
+                   layer_ids=layer_ids, dtype="bfloat16", storage=storage,
                    target_config_sha256=target.config_sha256,
                    inputs={"prepare": input_record(prepared)})
     d2t, t2d = build_mapping(load_token_freq(data / "token_freq.pt"), draft_vocab_size,

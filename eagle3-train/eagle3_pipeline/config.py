@@ -113,6 +113,9 @@ class ExtractConfig(StageConfig):
     # vLLM backend
     tensor_parallel_size: int = _field(1, "vLLM tensor parallel size (8 for Kimi-K2.5 on one 8-GPU box)", ge=1)
     gpu_memory_utilization: float = _field(0.9, "vLLM GPU memory fraction", gt=0, le=1)
+    kv_cache_memory_gib: Optional[float] = _field(
+        None, "GPU: the KV cache's size in GiB instead of vLLM's memory profiling (which counts other "
+        "processes' memory on a shared GPU as its own)", gt=0)
     max_model_len: Optional[int] = _field(None, "vLLM max model length (default: the prepared data's --max-seq-len + 1)")
     max_num_seqs: int = _field(64, "vLLM concurrent sequences (requests in flight)", ge=1)
     language_model_only: Optional[bool] = _field(None, "skip the vision tower of a multimodal wrapper (default: on for wrappers)")
@@ -152,17 +155,34 @@ class TrainConfig(StageConfig):
         "    --data work/data --vocab work/vocab --output work/checkpoints"
     )
     target: str = _field(..., "target (verifier) model directory")
-    data: str = _field(..., "stage 01+02 output directory")
+    data: str = _field(..., "stage 01+02 output directory (stage 01's alone with --hidden-states online/hybrid)")
     vocab: str = _field(..., "stage 03 output directory")
     output: str = _field(..., "checkpoint directory (speculators' <epoch>/ folders, resumed automatically)")
+    hidden_states: Literal["files", "online", "hybrid"] = _field(
+        "files", "where the target's hidden states come from: 'files' = stage 02's DATA/hidden_states; 'online' = a "
+        "running vLLM (--vllm-endpoint) computes each sample's states when the trainer needs them and they are deleted "
+        "after use (no stage 02, no disk); 'hybrid' = online, and each sample's states are kept in "
+        "OUTPUT/hidden_states_cache the first time, so later epochs and resumes read them from disk")
+    vllm_endpoint: Optional[str] = _field(
+        None, "online/hybrid: URL of the vLLM server serving the target with hidden-state extraction, started with "
+        "`python -m eagle3_pipeline.serve_target` (e.g. http://box-a:8000); checked before training: served model, "
+        "max-model-len, layer ids, and that this machine reads the files it writes")
+    layer_ids: Optional[list[int]] = _field(
+        None, "online/hybrid: the 3 aux layer ids the server extracts (default 2, L//2, L-3; the final layer L is "
+        "added). Checked against the server's card when serve_target started it; required when the server has "
+        "no card this machine can read")
+    vllm_retries: int = _field(3, "online/hybrid: HTTP retries per vLLM request (exponential backoff 2, 4, 8 s; "
+                                  "speculators --max-retries); a server that still does not answer stops training", ge=0)
+    vllm_request_timeout: float = _field(120.0, "online/hybrid: seconds per vLLM request (speculators --request-timeout)", gt=0)
     draft_config: str = _field(str(DEFAULT_DRAFT_CONFIG), "draft architecture file")
     epochs: int = _field(10, "training epochs", ge=1)
     max_steps: Optional[int] = _field(None, "stop after this many optimizer steps")
-    # Defaults measured on an H200 at Kimi geometry (NOTES.md, "Training throughput"): 32K tokens/step
-    # with AdamW is 2.0x plain speculators' tokens/s, and on the learning-parity bench AdamW at 2e-3
-    # with 4x packing reached a lower val loss per token than speculators' Muon at 8K.
-    total_seq_len: int = _field(32768, "tokens packed per step per GPU (16384 on 80 GB cards)", ge=16)
-    lr: float = _field(2e-3, "learning rate")
+    # Throughput defaults measured on an H200 at Kimi geometry (NOTES.md, "Training throughput"): 32K
+    # tokens/step with AdamW is 2.1x plain speculators' tokens/s. lr: on the SmolLM2 testbed in vLLM
+    # (NOTES.md, "Acceptance length") 1e-3 beat 2e-3 and 4e-3 at this batch (tau 1.94 / 1.63 / 1.33).
+    total_seq_len: int = _field(32768, "tokens packed per step per GPU (16384 on 80 GB cards; 8192 when a run "
+                                       "has under ~1,000 optimizer steps, see the preflight line)", ge=16)
+    lr: float = _field(1e-3, "learning rate")
     optimizer: Literal["muon", "adamw"] = _field("adamw", "optimizer (Muon's ~113 TFLOP per step is 41 percent of a Kimi-size step at 8K tokens)")
     ttt_steps: Optional[int] = _field(None, "test-time-training steps (default: draft_config.json's)", ge=1)
     attn_impl: Literal["auto", "simple_flex_attention", "sdpa", "eager"] = _field("auto", "draft attention; auto = flex_attention on GPU, sdpa on CPU")
@@ -303,8 +323,11 @@ def build_parser(cls: type[StageConfig]) -> argparse.ArgumentParser:
 
 def resolve_stage_config(cls: type[StageConfig], argv: list[str] | None = None):
     """Parse argv for one stage; returns (config, sources). Exits 0 after --print-config."""
-    parser = build_parser(cls)
-    args = vars(parser.parse_args(argv))
+    return resolve_parsed(cls, vars(build_parser(cls).parse_args(argv)))
+
+
+def resolve_parsed(cls: type[StageConfig], args: dict):
+    """`resolve_stage_config` after parsing (a caller with flags of its own pops them first)."""
     profile_name = args.pop("profile", None)
     print_config = args.pop("print_config", False)
     try:

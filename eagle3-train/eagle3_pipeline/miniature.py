@@ -111,10 +111,13 @@ def kimi_text_config(vocab_size: int, special_ids: dict[str, int]) -> dict:
         "norm_topk_prob": True,
         "routed_scaling_factor": 2.827,
         "q_lora_rank": 64,
+        # Kimi-K2.5's own MLA head dims, not toy ones: vLLM's CPU kernel needs kv_lora_rank +
+        # qk_rope_head_dim = 576, and its CUDA MLA prefill (0.26, FLASH_ATTN) accepts only
+        # DeepSeek's (128, 64, 128) or GLM's: with 32/64/32 the engine did not start on an H200.
         "kv_lora_rank": 512,
-        "qk_nope_head_dim": 32,
+        "qk_nope_head_dim": 128,
         "qk_rope_head_dim": 64,
-        "v_head_dim": 32,
+        "v_head_dim": 128,
         "hidden_act": "silu",
         "max_position_embeddings": 4096,
         "rope_theta": 50000.0,

@@ -402,8 +402,27 @@ def checkpoint_bytes(cfg, draft: dict, target, draft_vocab: int) -> int:
     return saved * CHECKPOINT_BYTES + trainable * CHECKPOINT_BYTES * OPTIMIZER_STATES[cfg.optimizer]
 
 
+# Below this many optimizer steps a run is in the regime where steps, not tokens, limit the draft: on the
+# SmolLM2 testbed (one H200, bench/results/h200-acceptance-smollm2.json) 190 steps of 32K tokens reached
+# tau 1.63 at k = 5, 380 steps 2.23, and plain speculators' 808 steps of 8K tokens (Muon) 2.36.
+FEW_OPTIMIZER_STEPS = 1000
+
+
+def check_optimizer_steps(cfg, total_tokens: int, train_data_ratio: float) -> str:
+    """About how many optimizer steps the run takes (rows are packed up to total_seq_len per rank)."""
+    world = cfg.nproc * getattr(cfg, "nnodes", 1)
+    per_epoch = max(1, round(total_tokens * train_data_ratio / (cfg.total_seq_len * world)))
+    steps = per_epoch * cfg.epochs
+    line = (f"optimizer steps: ~{steps:,} ({cfg.epochs} epochs x ~{per_epoch:,}; {cfg.total_seq_len:,} tokens per step "
+            f"per rank x {world} rank(s))")
+    if steps < FEW_OPTIMIZER_STEPS and cfg.total_seq_len > 8192:
+        line += (f"; fewer than {FEW_OPTIMIZER_STEPS:,}: with so few steps smaller steps learn more per token "
+                 f"(NOTES.md, 'Acceptance length'): --total-seq-len 8192, more epochs or more data")
+    return line
+
+
 def preflight_train(cfg, draft: dict, target, draft_vocab: int, out_dir: Path, total_tokens: int = 0,
-                    epochs_done: int = 0, nproc_source: str = "flag") -> list[str]:
+                    epochs_done: int = 0, nproc_source: str = "flag", train_data_ratio: float = 1.0) -> list[str]:
     """Stage 04: disk for the checkpoints still to write (`epochs_done`: a resume's finished epochs),
     GPUs vs --nproc (none visible with --nproc > 1: refused before any rank starts), memory for
     verifier head + draft, hidden-state read speed (`total_tokens`: the prepared dataset's), versions."""
@@ -425,13 +444,15 @@ def preflight_train(cfg, draft: dict, target, draft_vocab: int, out_dir: Path, t
     if gpus:
         lines.append(check_gpu_count(len(gpus), cfg.nproc, "--nproc"))
         lines.append(check_memory("draft + frozen verifier head", need, int(min(gpus) * TRAIN_MEMORY_HEADROOM), 1, "gpu"))
-        if total_tokens:
+        if total_tokens and getattr(cfg, "hidden_states", "files") == "files":  # online: no files to read
             from .extract.common import HS_DIRNAME
 
             lines.append(check_hidden_state_reads(Path(cfg.data) / HS_DIRNAME, total_tokens, cfg.nproc))
     else:
         lines.append("gpus: none visible; training runs on the CPU (miniature/testing only)")
         lines.append(check_memory("draft + frozen verifier head", need, host_memory(), 1, "host"))
+    if total_tokens:
+        lines.append(check_optimizer_steps(cfg, total_tokens, train_data_ratio))
     lines.append(check_training_versions(target.model_type))
     return lines
 

@@ -38,7 +38,7 @@ NOT_IDENTITY: dict[str, frozenset[str]] = {
                           "trust_remote_code"}),
     "extract": frozenset({
         "target", "data", "backend", "device", "max_samples", "world_size", "rank", "retries", "validate_only",
-        "validate_sample", "check", "trust_remote_code", "tensor_parallel_size", "gpu_memory_utilization",
+        "validate_sample", "check", "trust_remote_code", "tensor_parallel_size", "gpu_memory_utilization", "kv_cache_memory_gib",
         "max_model_len", "max_num_seqs", "language_model_only", "attention_backend", "enforce_eager", "staging_dir",
         "endpoint", "print_server_cmd", "server_port", "layer_ids",  # layer_ids: recorded resolved
     }),
@@ -47,6 +47,9 @@ NOT_IDENTITY: dict[str, frozenset[str]] = {
         "target", "data", "vocab", "output", "draft_config", "ttt_steps", "attn_impl", "loss_impl",
         "flex_forward_config", "num_workers", "prefetch_factor", "nproc", "nnodes", "node_rank", "rdzv_endpoint",
         "launcher", "hostfile", "fsdp", "log_freq", "logger", "trust_remote_code", "dry_run", "overwrite", "check",
+        # online/hybrid: where the states come from is recorded resolved (hidden_states_source, layer_ids); online
+        # and hybrid train on the same states (hybrid only keeps them), and the server's address is not the data
+        "hidden_states", "vllm_endpoint", "layer_ids", "vllm_retries", "vllm_request_timeout",
     }),
     "export": frozenset({"checkpoints", "output", "vocab", "checkpoint", "num_speculative_tokens", "overwrite",
                          "check"}),

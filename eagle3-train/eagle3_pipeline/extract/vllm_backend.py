@@ -264,6 +264,8 @@ def engine_kwargs(cfg: ExtractConfig, target: TargetInfo, layer_ids: list[int], 
     }
     if not on_cpu:
         kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization  # on CPU: VLLM_CPU_KVCACHE_SPACE
+        if cfg.kv_cache_memory_gib:
+            kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_memory_gib * 2**30)
     if cfg.attention_backend:
         kwargs["attention_backend"] = cfg.attention_backend
     elif on_cpu and target.is_mla and cfg.dtype == "float32":
@@ -288,12 +290,14 @@ _FLAGS_ON_BY_DEFAULT = {"enable_prefix_caching"}  # vLLM flags whose False must 
 
 
 def server_command(cfg: ExtractConfig, target: TargetInfo, layer_ids: list[int], staging_dir: Path,
-                   max_model_len: int, on_cpu: bool | None = None) -> list[str]:
+                   max_model_len: int, on_cpu: bool | None = None, host: str = "127.0.0.1",
+                   served_model_name: str | None = None) -> list[str]:
     """The vLLM server for `--endpoint`, as argv (print it with shlex.join).
 
     `python -m vllm.entrypoints.openai.api_server` rather than `vllm serve`: the console script
-    fails with the vllm-cpu distribution, the module works with both builds. Binds 127.0.0.1:
-    the client must share the server's filesystem anyway (it moves the files vLLM writes).
+    fails with the vllm-cpu distribution, the module works with both builds. Binds 127.0.0.1 by
+    default: stage 02's client must share the server's filesystem anyway (it moves the files vLLM
+    writes). `host`/`served_model_name`: online training from another machine (serve_target).
     """
     problem = layer_ids_problem(target, list(layer_ids))
     if problem:
@@ -305,7 +309,9 @@ def server_command(cfg: ExtractConfig, target: TargetInfo, layer_ids: list[int],
     if on_cpu:
         argv += ["env"] + [f"{key}={value}" for key, value in cpu_environment().items()]
     argv += [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-             "--model", kwargs.pop("model"), "--host", "127.0.0.1", "--port", str(cfg.server_port)]
+             "--model", kwargs.pop("model"), "--host", host, "--port", str(cfg.server_port)]
+    if served_model_name:
+        argv += ["--served-model-name", served_model_name]
     for name, value in kwargs.items():
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
