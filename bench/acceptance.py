@@ -17,7 +17,8 @@ One invocation (a CPU with vLLM's CPU build, or a GPU box with vLLM):
      generated on its own so vLLM's spec-decode counters are read per kind; tau and per-position
      acceptance (tau for every k below an engine's k follows from its per-position counters),
      tokens/s with and without the draft; the offline estimate beside it.
-Results: bench/results/<cpu|gpu>-acceptance-smollm2.json and the printed tables.
+Results: bench/results/<cpu|gpu>-acceptance-smollm2.json and the printed tables. A rerun on the same
+--work resumes: finished trainings whose settings are unchanged (bench-run.json) and measured engines are kept.
 
     python bench/acceptance.py                                  # ours vs plain (make bench-acceptance)
     python bench/acceptance.py --recipes ttt-5 lr-2e-3 offpolicy data-2x
@@ -41,13 +42,16 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from importlib.metadata import version
 from pathlib import Path
 
 import numpy as np
+from pydantic_core import PydanticUndefined
 
 from benchlib.acceptance import VllmSettings, draft_vocab_coverage, measure_acceptance, offline_estimate, read_val_metrics
 
@@ -165,19 +169,31 @@ class Bench:
         return data
 
     # --- 4-6. drafts ----------------------------------------------------------------------------
-    def finished_run(self, name: str) -> dict | None:
-        """A run this work directory already finished (the bench resumes after a kill or a time limit)."""
+    def finished_run(self, name: str, settings: dict) -> dict | None:
+        """A run this work directory already finished with the same settings (the bench resumes after a
+        kill or a time limit). Other settings (a changed recipe, epochs or the pipeline's own defaults):
+        the old run's folder, the bench's own, is removed and the run is made again."""
         record = self.work / name / "bench-run.json"
-        return json.loads(record.read_text()) if record.is_file() else None
+        if not record.is_file():
+            return None
+        done = json.loads(record.read_text())
+        settings = json.loads(json.dumps(settings, default=str))  # as it reads back from the record
+        if done.get("settings") == settings:
+            return done
+        log(f"  {name}: recorded with other settings than now; training it again")
+        shutil.rmtree(self.work / name)
+        return None
 
-    def record_run(self, name: str, result: dict) -> dict:
+    def record_run(self, name: str, settings: dict, result: dict) -> dict:
         record = self.work / name / "bench-run.json"
+        result = {**result, "settings": settings}
         record.with_name(record.name + ".tmp").write_text(json.dumps(result, indent=2, default=str))
         os.replace(record.with_name(record.name + ".tmp"), record)
         return result
 
     def train_ours(self, name: str, data: Path, epochs: int, recipe: dict) -> dict:
-        if done := self.finished_run(name):
+        settings = {"data": str(data), "epochs": epochs, "recipe": recipe, "pipeline_defaults": pipeline_defaults()}
+        if done := self.finished_run(name, settings):
             return done
         out = self.work / name
         draft_vocab = recipe.get("draft_vocab", "default")
@@ -192,13 +208,14 @@ class Bench:
                                        "--tensor-parallel-size", 1), self.logs / f"{name}-05.log", f"05 export {name}")
         times["training"] = training_seconds(out / "checkpoints" / "metrics.jsonl")
         summary = json.loads((out / "checkpoints" / "summary.json").read_text())
-        return self.record_run(name, {
+        return self.record_run(name, settings, {
             "draft": str(out / "draft"), "times": times, "epochs": epochs, "t2d": str(out / "vocab" / "t2d.npy"),
             "offline": {"full_acc": summary.get("full_acc"), "expected_accepted_length": summary.get("expected_accepted_length")}})
 
     def train_plain(self, name: str, data: Path, epochs: int) -> dict:
         """`speculators train` with its defaults: only what the CPU and the prepared split force is passed."""
-        if done := self.finished_run(name):
+        settings = {"data": str(data), "epochs": epochs, "speculators": version("speculators")}
+        if done := self.finished_run(name, settings):
             return done
         prepared = json.loads((data / "manifest.json").read_text())
         out = self.work / name
@@ -209,13 +226,28 @@ class Bench:
         # speculators' own CLI through the pipeline's entry point, which adds only the gated CPU trainer fix.
         seconds = run([sys.executable, "-m", "eagle3_pipeline.train_entry", *argv], self.logs / f"{name}.log",
                       f"plain speculators train {name} ({epochs} epochs)")
-        return self.record_run(name, {
+        return self.record_run(name, settings, {
             "draft": str((out / "checkpoint_best").resolve()), "epochs": epochs,
             "times": {"04_train": seconds, "training": training_seconds(out / "metrics.jsonl")},
             "argv": ["speculators", "train", *map(str, argv)], "offline": offline_estimate(read_val_metrics(out))})
 
     def vocab_size(self) -> int:
         return json.loads((self.target / "config.json").read_text())["vocab_size"]
+
+
+def draft_stamp(path: str) -> str:
+    """A draft directory and the newest modification time of its files."""
+    return f"{path}@{max((p.stat().st_mtime_ns for p in Path(path).iterdir() if p.is_file()), default=0)}"
+
+
+def pipeline_defaults() -> dict:
+    """What ours trains with unless a recipe says otherwise: stage 03/04's config defaults and the draft
+    config (a rerun after they change must not reuse drafts made with the old ones)."""
+    from eagle3_pipeline.config import DEFAULT_DRAFT_CONFIG, TrainConfig, VocabConfig
+
+    return {"train": {k: f.default for k, f in TrainConfig.model_fields.items() if f.default is not PydanticUndefined},
+            "vocab": {k: f.default for k, f in VocabConfig.model_fields.items() if f.default is not PydanticUndefined},
+            "draft_config": json.loads(Path(DEFAULT_DRAFT_CONFIG).read_text())}
 
 
 def training_seconds(metrics_jsonl: Path) -> float:
@@ -339,11 +371,15 @@ def main() -> int:
     for k, drafts in sorted(drafts_by_k.items()):
         cached = bench.work / f"vllm-k{k}.json"  # one file per k: a rerun skips what was measured
         measured = json.loads(cached.read_text()) if cached.is_file() else None
-        if measured is None or measured["drafts"] != drafts:
+        # a draft retrained at the same path is another draft: the key holds each draft's files' times
+        key = {label: draft_stamp(path) for label, path in drafts.items()}
+        if measured is None or measured.get("draft_stamps") != key:
             measured = measure_acceptance(bench.target, drafts, chat / "eval_prompts.jsonl", ks=[k], settings=settings,
                                           log_dir=bench.logs, log=log, baseline=known, jobs=args.jobs)
-            measured["drafts"] = drafts
-            cached.write_text(json.dumps(measured, default=str))
+            measured.update(drafts=drafts, draft_stamps=key)
+            tmp = cached.with_name(cached.name + ".tmp")
+            tmp.write_text(json.dumps(measured, default=str))
+            os.replace(tmp, cached)
         known = (measured["baseline"], measured.pop("baseline_token_ids"))  # the target alone: measured once
         measured_runs.update(measured["runs"])
     baseline, reference = known
