@@ -553,6 +553,23 @@ def test_preflight_refuses_kimi_hidden_states_that_do_not_fit_with_the_numbers(m
         "20.0 TB free at /nvme/x")
 
 
+def test_preflight_counts_optimizer_steps_and_recommends_smaller_steps_for_a_short_run():
+    """The SmolLM2 testbed's lesson (NOTES 'Acceptance length'): under ~1,000 steps, 32K-token steps lose."""
+    from eagle3_pipeline import preflight
+    from eagle3_pipeline.config import TrainConfig, build_config
+
+    required = {"target": "t", "data": "d", "vocab": "v", "output": "o"}
+    short, _ = build_config(TrainConfig, required)  # defaults: 32K tokens per step, 10 epochs, 1 GPU
+    line = preflight.check_optimizer_steps(short, 710_078, 0.9)  # the testbed's 1,500 conversations
+    assert line.startswith("optimizer steps: ~200 (10 epochs x ~20; 32,768 tokens per step per rank x 1 rank(s))")
+    assert "--total-seq-len 8192" in line
+    kimi, _ = build_config(TrainConfig, {**required, "nproc": 8})  # Kimi-K2.5 at 100K x 2K tokens on 8 GPUs
+    line = preflight.check_optimizer_steps(kimi, 100_000 * 2048, 0.9)
+    assert line == "optimizer steps: ~7,030 (10 epochs x ~703; 32,768 tokens per step per rank x 8 rank(s))"
+    small_steps, _ = build_config(TrainConfig, {**required, "total_seq_len": 8192})
+    assert "--total-seq-len" not in preflight.check_optimizer_steps(small_steps, 710_078, 0.9)
+
+
 def test_preflight_refuses_fewer_gpus_than_tensor_parallel_and_too_little_gpu_memory():
     from eagle3_pipeline import preflight
     from eagle3_pipeline.errors import PreflightError
