@@ -46,14 +46,20 @@ import shutil
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from importlib.metadata import version
 from pathlib import Path
 
 import numpy as np
 from pydantic_core import PydanticUndefined
 
-from benchlib.acceptance import VllmSettings, draft_vocab_coverage, measure_acceptance, offline_estimate, read_val_metrics
+from benchlib.acceptance import (
+    VllmSettings,
+    draft_vocab_coverage,
+    in_parallel,
+    measure_acceptance,
+    offline_estimate,
+    read_val_metrics,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "eagle3-train"
@@ -263,16 +269,6 @@ def training_seconds(metrics_jsonl: Path) -> float:
             segments[-1].append(record)
     return sum(max(r["time"] for r in seg) - min(r["time"] for r in seg)
                for seg in segments if any("train" in r for r in seg))
-
-
-def in_parallel(jobs: list, workers: int) -> list:
-    """Call each job (a no-argument callable) with up to `workers` at once; results in order. The jobs
-    start subprocesses, so threads suffice; the first failure is raised once the others finish."""
-    if workers <= 1:
-        return [job() for job in jobs]
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = [pool.submit(job) for job in jobs]
-        return [f.result() for f in futures]
 
 
 def tau_by_k(survival: list[float]) -> list[float]:

@@ -21,7 +21,7 @@ set -uo pipefail
 STASH=/root/stash
 SITE=/root/site
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
-GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  # = bench/testbed.py's GGUF_SHA256
+GGUF_SHA256=$(sed -n 's/^GGUF_SHA256 = "\([0-9a-f]*\)".*/\1/p' bench/testbed.py)  # the one pinned digest
 cmd=${1:?usage: h200_vllm_gpu.sh prepare|stash|install|run|acceptance}
 shift
 case "$cmd" in

@@ -392,6 +392,16 @@ def agreement(reference: list[list[int]], other: list[list[int]]) -> dict:
     return {"identical_fraction": identical / count, "mean_shared_prefix_fraction": prefix_frac / count}
 
 
+def in_parallel(jobs: list, workers: int) -> list:
+    """Call each job (a no-argument callable) with up to `workers` at once; results in order. The jobs
+    start subprocesses, so threads suffice; the first failure is raised once the others finish."""
+    if workers <= 1:
+        return [job() for job in jobs]
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = [pool.submit(job) for job in jobs]
+        return [f.result() for f in futures]
+
+
 def measure_acceptance(target_dir, drafts: Mapping[str, str], prompts_path,
                        ks: Sequence[int] = (1, 2, 3), settings: VllmSettings | None = None,
                        num_prompts: int | None = None, log_dir: str | os.PathLike | None = None,
@@ -436,8 +446,7 @@ def measure_acceptance(target_dir, drafts: Mapping[str, str], prompts_path,
         return {"label": label, **result}
 
     todo = [(label, draft_dir, k) for label, draft_dir in drafts.items() for k in ks]
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:  # each engine is its own process
-        results = list(pool.map(lambda job: one(*job), todo))
+    results = in_parallel([lambda job=job: one(*job) for job in todo], jobs)  # each engine is its own process
     runs = {f"{label}-k{k}": result for (label, _, k), result in zip(todo, results)}
     return {
         "target": str(target_dir),

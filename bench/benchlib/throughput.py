@@ -30,6 +30,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eagle3_pipeline.miniature import KIMI_K25_ROUTING_AND_MLA_HEADS
+
 # --------------------------------------------------------------------------------------
 # Kimi-K2.5's config (the real dims; ../shared/KNOWLEDGE.md). Only what the draft reads
 # matters for training speed: hidden 7168, vocab 163840, 61 layers, heads, intermediate.
@@ -46,22 +48,10 @@ KIMI_K25_TEXT_CONFIG: dict[str, Any] = {
     "num_hidden_layers": 61,
     "num_attention_heads": 64,
     "num_key_value_heads": 64,
-    "n_shared_experts": 1,
     "n_routed_experts": 384,
     "num_experts_per_tok": 8,
-    "routed_scaling_factor": 2.827,
-    "first_k_dense_replace": 1,
-    "moe_layer_freq": 1,
-    "n_group": 1,
-    "topk_group": 1,
-    "topk_method": "noaux_tc",
-    "scoring_func": "sigmoid",
-    "norm_topk_prob": True,
+    **KIMI_K25_ROUTING_AND_MLA_HEADS,
     "q_lora_rank": 1536,
-    "kv_lora_rank": 512,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
     "hidden_act": "silu",
     "max_position_embeddings": 262144,
     "rope_theta": 50000.0,

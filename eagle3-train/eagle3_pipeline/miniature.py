@@ -87,6 +87,28 @@ KIMI_CHAT_TEMPLATE = (
 )
 
 
+# Kimi-K2.5's own MoE routing and MLA head dims (its config.json). The miniature keeps them at toy
+# sizes, and the bench's full-size Kimi config (bench/benchlib/throughput.py) takes them from here.
+# MLA head dims, not toy ones: vLLM's CPU kernel needs kv_lora_rank + qk_rope_head_dim = 576, and its
+# CUDA MLA prefill (0.26, FLASH_ATTN) accepts only DeepSeek's (128, 64, 128) or GLM's: with 32/64/32
+# the engine did not start on an H200.
+KIMI_K25_ROUTING_AND_MLA_HEADS = {
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid",
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.827,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+}
+
+
 def kimi_text_config(vocab_size: int, special_ids: dict[str, int]) -> dict:
     """DeepSeek-V3 text config with Kimi-K2.5's structure at toy sizes."""
     return {
@@ -101,23 +123,8 @@ def kimi_text_config(vocab_size: int, special_ids: dict[str, int]) -> dict:
         "num_key_value_heads": 4,
         "n_routed_experts": 4,
         "num_experts_per_tok": 2,
-        "n_shared_experts": 1,
-        "first_k_dense_replace": 1,
-        "moe_layer_freq": 1,
-        "n_group": 1,
-        "topk_group": 1,
-        "topk_method": "noaux_tc",
-        "scoring_func": "sigmoid",
-        "norm_topk_prob": True,
-        "routed_scaling_factor": 2.827,
+        **KIMI_K25_ROUTING_AND_MLA_HEADS,
         "q_lora_rank": 64,
-        # Kimi-K2.5's own MLA head dims, not toy ones: vLLM's CPU kernel needs kv_lora_rank +
-        # qk_rope_head_dim = 576, and its CUDA MLA prefill (0.26, FLASH_ATTN) accepts only
-        # DeepSeek's (128, 64, 128) or GLM's: with 32/64/32 the engine did not start on an H200.
-        "kv_lora_rank": 512,
-        "qk_nope_head_dim": 128,
-        "qk_rope_head_dim": 64,
-        "v_head_dim": 128,
         "hidden_act": "silu",
         "max_position_embeddings": 4096,
         "rope_theta": 50000.0,

@@ -410,7 +410,7 @@ FEW_OPTIMIZER_STEPS = 1000
 
 def check_optimizer_steps(cfg, total_tokens: int, train_data_ratio: float) -> str:
     """About how many optimizer steps the run takes (rows are packed up to total_seq_len per rank)."""
-    world = cfg.nproc * getattr(cfg, "nnodes", 1)
+    world = cfg.nproc * cfg.nnodes
     per_epoch = max(1, round(total_tokens * train_data_ratio / (cfg.total_seq_len * world)))
     steps = per_epoch * cfg.epochs
     line = (f"optimizer steps: ~{steps:,} ({cfg.epochs} epochs x ~{per_epoch:,}; {cfg.total_seq_len:,} tokens per step "
@@ -444,7 +444,7 @@ def preflight_train(cfg, draft: dict, target, draft_vocab: int, out_dir: Path, t
     if gpus:
         lines.append(check_gpu_count(len(gpus), cfg.nproc, "--nproc"))
         lines.append(check_memory("draft + frozen verifier head", need, int(min(gpus) * TRAIN_MEMORY_HEADROOM), 1, "gpu"))
-        if total_tokens and getattr(cfg, "hidden_states", "files") == "files":  # online: no files to read
+        if total_tokens and cfg.hidden_states == "files":  # online: no files to read
             from .extract.common import HS_DIRNAME
 
             lines.append(check_hidden_state_reads(Path(cfg.data) / HS_DIRNAME, total_tokens, cfg.nproc))
