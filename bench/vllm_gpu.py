@@ -50,6 +50,11 @@ STEPS = ["testbed", "kimi", "smol-data", "smol-extract", "smol-train", "kimi-dra
 # Rough cost of each step on an H200 (s), to stop before a --deadline-s instead of being killed.
 STEP_ESTIMATE_S = {"testbed": 40, "kimi": 150, "smol-data": 120, "smol-extract": 150, "smol-train": 200,
                    "kimi-draft": 60, "smol-spec": 80, "kimi-spec": 90}
+# The Kimi miniature's engines are tiny: a fixed KV cache and a small memory share let them start beside
+# other GPU work (bench/acceptance.py's engines, on the H200 route); a fixed KV cache also skips vLLM's
+# memory profiling, which other processes' allocations would upset.
+KIMI_ENGINE_MEMORY = {"gpu_memory_utilization": 0.1, "kv_cache_memory_bytes": 2 << 30}
+KIMI_02_MEMORY_FLAGS = ["--gpu-memory-utilization", "0.1", "--kv-cache-memory-gib", "2"]
 # Kimi-K2.5's real text geometry (KNOWLEDGE.md), for the preflight's verdict on this vLLM.
 KIMI_K25_TEXT = {"hidden_size": 7168, "num_hidden_layers": 61, "vocab_size": 163840, "kv_lora_rank": 512,
                  "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128, "num_attention_heads": 64}
@@ -121,7 +126,8 @@ class Bench:
         return {"path": str(self.testbed_dir()), "wall_s": wall,
                 "provenance": json.loads((self.testbed_dir() / "provenance.json").read_text())}
 
-    def extract_compare(self, tag: str, target: Path, data: Path, compare_rows: int | None, extra: list[str]) -> dict:
+    def extract_compare(self, tag: str, target: Path, data: Path, compare_rows: int | None, extra: list[str],
+                        memory_flags: tuple[str, ...] = ("--gpu-memory-utilization", "0.5")) -> dict:
         """stage 02 vllm on DATA, hf bf16 and hf fp32 on copies (first compare_rows rows); diffs; tokens/s."""
         result: dict = {}
         copies = {}
@@ -130,7 +136,7 @@ class Bench:
             if not copy.exists():
                 shutil.copytree(data, copy, ignore=shutil.ignore_patterns("hidden_states"))
             copies[variant] = copy
-        vllm_flags = ["--target", target, "--data", data, "--backend", "vllm", "--gpu-memory-utilization", "0.5", *extra]
+        vllm_flags = ["--target", target, "--data", data, "--backend", "vllm", *memory_flags, *extra]
         try:
             text, wall = self.stage(f"{tag}-02-vllm", 2, *vllm_flags)
         except RuntimeError as exc:
@@ -164,7 +170,7 @@ class Bench:
         # the version verdict first: it needs no engine, and is wanted even when extraction fails
         result = {"target": str(target), "real_kimi_k25_preflight": real_kimi_preflight(target)}
         self.results["steps"]["kimi-preflight"] = result["real_kimi_k25_preflight"]
-        result.update(self.extract_compare("kimi", target, data, None, []))
+        result.update(self.extract_compare("kimi", target, data, None, [], memory_flags=tuple(KIMI_02_MEMORY_FLAGS)))
         return result
 
     def step_smol_data(self) -> dict:
@@ -319,7 +325,7 @@ class Bench:
                 prompts.append({"kind": "sample", "messages": messages[: roles.index("user") + 1]})
         attempts = []
         for backend in (None, "TRITON_MLA"):
-            engine_args = {"dtype": "bfloat16", "max_model_len": 1024, "gpu_memory_utilization": 0.3,
+            engine_args = {"dtype": "bfloat16", "max_model_len": 1024, **KIMI_ENGINE_MEMORY,
                            "language_model_only": True, "trust_remote_code": False}
             if backend:
                 engine_args["attention_backend"] = backend

@@ -16,6 +16,7 @@ from benchlib.acceptance import (
     agreement,
     counters_delta,
     draft_vocab_coverage,
+    in_dependency_order,
     measure_acceptance,
     offline_estimate,
     read_val_metrics,
@@ -206,3 +207,44 @@ def test_vllm_reports_drafts_for_a_speculators_initialised_draft(tiny_organism, 
     assert len(spec["acceptance_rate_per_pos"]) == 2
     assert run["generated_tokens"] == result["baseline"]["generated_tokens"] > 0
     assert run["agreement_with_baseline"]["identical_fraction"] == 1.0
+
+
+# --- the bench's scheduler ---------------------------------------------------------------------
+
+def test_tasks_run_after_what_they_need_within_the_slot_limit():
+    import threading
+    import time
+
+    running, peak, order, lock = [0], [0], [], threading.Lock()
+
+    def job(name, seconds=0.1):
+        def fn(done):
+            with lock:
+                running[0] += 1
+                peak[0] = max(peak[0], running[0])
+                order.append(name)
+            time.sleep(seconds)
+            with lock:
+                running[0] -= 1
+            return {"name": name, "saw": sorted(done)}
+        return fn
+
+    def broken(done):
+        raise ValueError("no such file")
+
+    out = in_dependency_order({
+        "data-a": ((), job("data-a")),
+        "data-b": ((), job("data-b", 0.4)),
+        "bad-data": ((), broken),
+        "train-a": (("data-a",), job("train-a")),
+        "train-b": (("data-b",), job("train-b")),
+        "after-both": (("train-a", "train-b"), job("after-both")),
+        "needs-bad": (("bad-data",), job("needs-bad")),
+    }, workers=2)
+    assert peak[0] <= 2
+    # train-a starts while data-b is still running: a waiting task holds no slot
+    assert order.index("train-a") < order.index("train-b")
+    assert out["after-both"] == {"name": "after-both", "saw": ["train-a", "train-b"]}
+    assert isinstance(out["bad-data"], ValueError)
+    assert isinstance(out["needs-bad"], RuntimeError) and "bad-data failed" in str(out["needs-bad"])
+    assert "needs-bad" not in order

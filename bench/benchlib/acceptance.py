@@ -33,8 +33,9 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -400,6 +401,39 @@ def in_parallel(jobs: list, workers: int) -> list:
     with ThreadPoolExecutor(max_workers=workers) as pool:
         futures = [pool.submit(job) for job in jobs]
         return [f.result() for f in futures]
+
+
+def in_dependency_order(tasks: Mapping[str, tuple[Sequence[str], Callable[[dict], object]]], workers: int) -> dict:
+    """Run named tasks, each once the tasks it names are finished, at most `workers` at once (a task still
+    waiting for others holds no slot, so a training starts as soon as its own dataset is ready instead of
+    after every dataset). A task is `name: (names it needs, fn(results of those))`; slots go out in the
+    order given. Returns name -> result, or the exception it raised (also for the tasks needing it)."""
+    slots = threading.Semaphore(max(1, workers))
+    results: dict = {}
+    finished = {name: threading.Event() for name in tasks}
+
+    def work(name: str) -> None:
+        needs, fn = tasks[name]
+        try:
+            for need in needs:
+                finished[need].wait()
+            failed = [n for n in needs if isinstance(results[n], BaseException)]
+            if failed:
+                raise RuntimeError(f"{name} not run: {', '.join(failed)} failed")
+            with slots:
+                results[name] = fn({n: results[n] for n in needs})
+        except Exception as exc:  # reported to the caller, which decides what a failure costs
+            results[name] = exc
+        finally:
+            finished[name].set()
+
+    threads = [threading.Thread(target=work, args=(name,), name=f"task-{name}") for name in tasks]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.05)  # start in the given order, so the slots are handed out in it
+    for thread in threads:
+        thread.join()
+    return {name: results[name] for name in tasks}
 
 
 def measure_acceptance(target_dir, drafts: Mapping[str, str], prompts_path,
