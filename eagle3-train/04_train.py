@@ -23,7 +23,7 @@ from eagle3_pipeline.errors import ContractError, Interrupted, StageError
 from eagle3_pipeline.files import check_writable_dir, held_lock_fds, remove_stale_temps
 from eagle3_pipeline.metrics import compat_applied
 from eagle3_pipeline.plots import PLOTS_DIRNAME, write_plots
-from eagle3_pipeline.preflight import checkpoint_bytes, preflight_train
+from eagle3_pipeline.preflight import checkpoint_bytes, fit_seq_len_to_run, preflight_train
 from eagle3_pipeline.resume import INTERRUPTED, prepare_resume
 from eagle3_pipeline.stage import (
     config_fingerprint,
@@ -58,6 +58,11 @@ def main(argv: list[str] | None = None) -> int:
 
     # 2. Contracts: one target, one prepared dataset, states and vocab both built from it.
     prepared, extracted, vocab = read_upstream(cfg, target, draft)
+    # Few optimizer steps: smaller steps (NOTES.md, "Acceptance length"). Before the identity, which records it.
+    cfg, packing_note = fit_seq_len_to_run(cfg, sources["total_seq_len"], prepared.get("counts", {}),
+                                           prepared["train_data_ratio"])
+    if packing_note:
+        log.info("%s", packing_note)
     upstream = {"prepare": prepared, "extract": extracted, "vocab": vocab}
     if extracted is not None:
         layer_ids, source = extracted["layer_ids"], {}

@@ -234,7 +234,7 @@ def test_tasks_run_after_what_they_need_within_the_slot_limit():
 
     out = in_dependency_order({
         "data-a": ((), job("data-a")),
-        "data-b": ((), job("data-b", 0.4)),
+        "data-b": ((), job("data-b", 1.0)),
         "bad-data": ((), broken),
         "train-a": (("data-a",), job("train-a")),
         "train-b": (("data-b",), job("train-b")),

@@ -570,6 +570,28 @@ def test_preflight_counts_optimizer_steps_and_recommends_smaller_steps_for_a_sho
     assert "--total-seq-len" not in preflight.check_optimizer_steps(small_steps, 710_078, 0.9)
 
 
+def test_a_short_run_packs_8k_tokens_per_step_unless_the_flag_says_otherwise():
+    """The measured winner at few steps (NOTES 'Acceptance length': tau 2.51 at 8K vs 1.93 at 32K) is the default."""
+    from eagle3_pipeline import preflight
+    from eagle3_pipeline.config import TrainConfig, build_config
+
+    required = {"target": "t", "data": "d", "vocab": "v", "output": "o"}
+    testbed = {"tokens": 710_078, "max_row_tokens": 1084}  # stage 01's counts for 1,500 conversations
+    cfg, sources = build_config(TrainConfig, required)
+    fitted, note = preflight.fit_seq_len_to_run(cfg, sources["total_seq_len"], testbed, 0.9)
+    assert fitted.total_seq_len == 8192 and cfg.total_seq_len == 32768
+    assert note.startswith("total_seq_len: 8,192 instead of 32,768 (default): the run would take ~200 optimizer steps")
+    assert "--total-seq-len" not in preflight.check_optimizer_steps(fitted, 710_078, 0.9)
+    # an explicit flag is kept; a row longer than 8K sets the floor (no row is cut); a long run keeps 32K
+    flagged, flag_sources = build_config(TrainConfig, {**required, "total_seq_len": 32768})
+    assert preflight.fit_seq_len_to_run(flagged, flag_sources["total_seq_len"], testbed, 0.9) == (flagged, None)
+    long_rows, _ = preflight.fit_seq_len_to_run(cfg, "default", {**testbed, "max_row_tokens": 12_000}, 0.9)
+    assert long_rows.total_seq_len == 12_000
+    kimi, kimi_sources = build_config(TrainConfig, {**required, "nproc": 8})
+    assert preflight.fit_seq_len_to_run(kimi, kimi_sources["total_seq_len"], {"tokens": 100_000 * 2048}, 0.9) == (kimi, None)
+    assert preflight.fit_seq_len_to_run(cfg, "default", {}, 0.9) == (cfg, None)  # synthetic data: no counts
+
+
 def test_preflight_refuses_fewer_gpus_than_tensor_parallel_and_too_little_gpu_memory():
     from eagle3_pipeline import preflight
     from eagle3_pipeline.errors import PreflightError

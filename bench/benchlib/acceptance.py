@@ -422,7 +422,7 @@ def in_dependency_order(tasks: Mapping[str, tuple[Sequence[str], Callable[[dict]
                 raise RuntimeError(f"{name} not run: {', '.join(failed)} failed")
             with slots:
                 results[name] = fn({n: results[n] for n in needs})
-        except Exception as exc:  # reported to the caller, which decides what a failure costs
+        except BaseException as exc:  # SystemExit too (a failed stage): reported, the caller decides
             results[name] = exc
         finally:
             finished[name].set()

@@ -178,10 +178,13 @@ class TrainConfig(StageConfig):
     epochs: int = _field(10, "training epochs", ge=1)
     max_steps: Optional[int] = _field(None, "stop after this many optimizer steps")
     # Throughput defaults measured on an H200 at Kimi geometry (NOTES.md, "Training throughput"): 32K
-    # tokens/step with AdamW is 2.1x plain speculators' tokens/s. lr: on the SmolLM2 testbed in vLLM
-    # (NOTES.md, "Acceptance length") 1e-3 beat 2e-3 and 4e-3 at this batch (tau 1.94 / 1.63 / 1.33).
-    total_seq_len: int = _field(32768, "tokens packed per step per GPU (16384 on 80 GB cards; 8192 when a run "
-                                       "has under ~1,000 optimizer steps, see the preflight line)", ge=16)
+    # tokens/step with AdamW is 2.1x plain speculators' tokens/s. A run with under 1,000 optimizer steps packs
+    # 8K instead (preflight.fit_seq_len_to_run): on the SmolLM2 testbed in vLLM (NOTES.md, "Acceptance length")
+    # 8K tokens/step reached tau 2.51 vs 1.93 at 32K on the same data (760 vs 190 steps). lr: there 1e-3 beat
+    # 2e-3 and 4e-3 at 32K (tau 1.94 / 1.63 / 1.33).
+    total_seq_len: int = _field(32768, "tokens packed per step per GPU (16384 on 80 GB cards); unless given as a "
+                                       "flag, 8192 when the run would have under 1,000 optimizer steps (preflight line)",
+                                ge=16)
     lr: float = _field(1e-3, "learning rate")
     optimizer: Literal["muon", "adamw"] = _field("adamw", "optimizer (Muon's ~113 TFLOP per step is 41 percent of a Kimi-size step at 8K tokens)")
     ttt_steps: Optional[int] = _field(None, "test-time-training steps (default: draft_config.json's)", ge=1)

@@ -402,22 +402,46 @@ def checkpoint_bytes(cfg, draft: dict, target, draft_vocab: int) -> int:
     return saved * CHECKPOINT_BYTES + trainable * CHECKPOINT_BYTES * OPTIMIZER_STATES[cfg.optimizer]
 
 
-# Below this many optimizer steps a run is in the regime where steps, not tokens, limit the draft: on the
-# SmolLM2 testbed (one H200, bench/results/h200-acceptance-smollm2.json) 190 steps of 32K tokens reached
-# tau 1.63 at k = 5, 380 steps 2.23, and plain speculators' 808 steps of 8K tokens (Muon) 2.36.
+# Below this many optimizer steps a run is in the regime where steps, not tokens, limit the draft. On the
+# SmolLM2 testbed (one H200, bench/results/h200-acceptance-smollm2.json; same 1,500 conversations, 10
+# epochs) 190 steps of 32K tokens reached tau 1.93 at k = 5, 760 steps of 8K tokens 2.51 (plain
+# speculators' 808 steps of 8K with Muon: 2.37). So a run with few steps packs SMALL_RUN_SEQ_LEN tokens.
 FEW_OPTIMIZER_STEPS = 1000
+SMALL_RUN_SEQ_LEN = 8192
+
+
+def optimizer_steps(cfg, total_tokens: int, train_data_ratio: float, total_seq_len: int | None = None) -> tuple[int, int]:
+    """(steps per epoch, steps in the run), rows packed up to total_seq_len per rank."""
+    world = cfg.nproc * cfg.nnodes
+    per_epoch = max(1, round(total_tokens * train_data_ratio / ((total_seq_len or cfg.total_seq_len) * world)))
+    return per_epoch, per_epoch * cfg.epochs
+
+
+def fit_seq_len_to_run(cfg, source: str, counts: dict, train_data_ratio: float):
+    """(config, note): total_seq_len lowered to SMALL_RUN_SEQ_LEN (or the longest row, if longer: a row is
+    never cut) when the run would take fewer than FEW_OPTIMIZER_STEPS steps at the default or profile
+    value; an explicit --total-seq-len is kept. `counts`: stage 01's manifest counts."""
+    total_tokens = counts.get("tokens", 0)  # synthetic bench datasets record none: unchanged
+    smaller = max(SMALL_RUN_SEQ_LEN, counts.get("max_row_tokens", 0))
+    if source == "flag" or not total_tokens or cfg.total_seq_len <= smaller:
+        return cfg, None
+    _, steps = optimizer_steps(cfg, total_tokens, train_data_ratio)
+    if steps >= FEW_OPTIMIZER_STEPS:
+        return cfg, None
+    note = (f"total_seq_len: {smaller:,} instead of {cfg.total_seq_len:,} ({source}): the run would take "
+            f"~{steps:,} optimizer steps, fewer than {FEW_OPTIMIZER_STEPS:,}, where smaller steps learn more per token "
+            f"(NOTES.md, 'Acceptance length'); pass --total-seq-len to keep a size")
+    return cfg.model_copy(update={"total_seq_len": smaller}), note
 
 
 def check_optimizer_steps(cfg, total_tokens: int, train_data_ratio: float) -> str:
     """About how many optimizer steps the run takes (rows are packed up to total_seq_len per rank)."""
-    world = cfg.nproc * cfg.nnodes
-    per_epoch = max(1, round(total_tokens * train_data_ratio / (cfg.total_seq_len * world)))
-    steps = per_epoch * cfg.epochs
+    per_epoch, steps = optimizer_steps(cfg, total_tokens, train_data_ratio)
     line = (f"optimizer steps: ~{steps:,} ({cfg.epochs} epochs x ~{per_epoch:,}; {cfg.total_seq_len:,} tokens per step "
-            f"per rank x {world} rank(s))")
-    if steps < FEW_OPTIMIZER_STEPS and cfg.total_seq_len > 8192:
+            f"per rank x {cfg.nproc * cfg.nnodes} rank(s))")
+    if steps < FEW_OPTIMIZER_STEPS and cfg.total_seq_len > SMALL_RUN_SEQ_LEN:
         line += (f"; fewer than {FEW_OPTIMIZER_STEPS:,}: with so few steps smaller steps learn more per token "
-                 f"(NOTES.md, 'Acceptance length'): --total-seq-len 8192, more epochs or more data")
+                 f"(NOTES.md, 'Acceptance length'): --total-seq-len {SMALL_RUN_SEQ_LEN}, more epochs or more data")
     return line
 
 

@@ -158,6 +158,12 @@ def resolved_for_print_config(cfg: TrainConfig) -> dict[str, str]:
         return argv[argv.index(flag) + 1]
 
     device = "CUDA" if on_gpu() else "no CUDA device"
+    from .preflight import FEW_OPTIMIZER_STEPS, SMALL_RUN_SEQ_LEN
+
+    if cfg.total_seq_len > SMALL_RUN_SEQ_LEN:
+        notes["total_seq_len"] = (f"{cfg.total_seq_len}, or {SMALL_RUN_SEQ_LEN} (the longest row if longer) when --data's "
+                                  f"rows give fewer than {FEW_OPTIMIZER_STEPS:,} optimizer steps and the value is not "
+                                  f"an explicit --total-seq-len (the preflight line says which)")
     if cfg.ttt_steps is None:
         notes["ttt_steps"] = f"{sent('--ttt-steps')} ({cfg.draft_config}'s ttt_steps)"
     if cfg.attn_impl == "auto":
