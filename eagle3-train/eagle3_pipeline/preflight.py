@@ -410,10 +410,9 @@ FEW_OPTIMIZER_STEPS = 1000
 SMALL_RUN_SEQ_LEN = 8192
 
 
-def optimizer_steps(cfg, total_tokens: int, train_data_ratio: float, total_seq_len: int | None = None) -> tuple[int, int]:
+def optimizer_steps(cfg, total_tokens: int, train_data_ratio: float) -> tuple[int, int]:
     """(steps per epoch, steps in the run), rows packed up to total_seq_len per rank."""
-    world = cfg.nproc * cfg.nnodes
-    per_epoch = max(1, round(total_tokens * train_data_ratio / ((total_seq_len or cfg.total_seq_len) * world)))
+    per_epoch = max(1, round(total_tokens * train_data_ratio / (cfg.total_seq_len * cfg.nproc * cfg.nnodes)))
     return per_epoch, per_epoch * cfg.epochs
 
 

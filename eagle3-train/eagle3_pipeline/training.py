@@ -146,6 +146,7 @@ def resolved_for_print_config(cfg: TrainConfig) -> dict[str, str]:
     (`--print-config`): read back from `speculators_argv` itself, so it cannot drift from a run."""
     from .compat import flex_forward_config
     from .config import load_draft_config
+    from .preflight import FEW_OPTIMIZER_STEPS, SMALL_RUN_SEQ_LEN
 
     notes: dict[str, str] = {}
     try:
@@ -158,8 +159,6 @@ def resolved_for_print_config(cfg: TrainConfig) -> dict[str, str]:
         return argv[argv.index(flag) + 1]
 
     device = "CUDA" if on_gpu() else "no CUDA device"
-    from .preflight import FEW_OPTIMIZER_STEPS, SMALL_RUN_SEQ_LEN
-
     if cfg.total_seq_len > SMALL_RUN_SEQ_LEN:
         notes["total_seq_len"] = (f"{cfg.total_seq_len}, or {SMALL_RUN_SEQ_LEN} (the longest row if longer) when --data's "
                                   f"rows give fewer than {FEW_OPTIMIZER_STEPS:,} optimizer steps and the value is not "
