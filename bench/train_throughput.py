@@ -467,20 +467,23 @@ def cold_warm(args: argparse.Namespace, work: Path, verifier: Path, geometry, re
         metrics = run_dir / "out" / "metrics.jsonl"
         try:
             epochs = throughput.summarize_by_epoch(read_metrics(metrics), warmup_steps=args.warmup_steps)
+            if not (epochs.get(0) and epochs.get(1)):  # no figures rather than zeros: a refusal, a timeout
+                raise ValueError(f"{metrics}: no steps logged for both epochs (exit {outcome.get('exit')})")
         except (OSError, ValueError) as exc:
             print((run_dir / "log.txt").read_text()[-4000:], flush=True)
+            print(f"[cold-warm-{storage}] no cold/warm figures: {exc}", flush=True)
             report["cold_warm"][storage] = {**outcome, "error": str(exc)}
             continue
-        cold, warm = epochs.get(0, {}), epochs.get(1, {})
+        cold, warm = epochs[0], epochs[1]
         result = {**outcome, "page_cache_dropped": dropped, "files": len(files),
                   "bytes": sum(f.stat().st_size for f in files), "cold": cold, "warm": warm,
-                  "cold_over_warm": cold["tokens_per_s"] / warm["tokens_per_s"] if cold and warm else None,
+                  "cold_over_warm": cold["tokens_per_s"] / warm["tokens_per_s"],
                   "command": shlex.join(command)}
         report["cold_warm"][storage] = result
         shutil.rmtree(data.parent, ignore_errors=True)  # a 64 GiB disk holds one format's data + checkpoints
         shutil.rmtree(run_dir / "out", ignore_errors=True)
-        print(f"[cold-warm-{storage}] cold {cold.get('tokens_per_s', 0):,.0f} tokens/s, warm "
-              f"{warm.get('tokens_per_s', 0):,.0f} tokens/s, cold/warm {result['cold_over_warm'] or 0:.3f} "
+        print(f"[cold-warm-{storage}] cold {cold['tokens_per_s']:,.0f} tokens/s, warm "
+              f"{warm['tokens_per_s']:,.0f} tokens/s, cold/warm {result['cold_over_warm']:.3f} "
               f"({len(files)} files, {result['bytes'] / 1e9:.1f} GB)", flush=True)
         _write_report(report, args.results, suffix="cold-warm-train")
     print(f"wrote {_write_report(report, args.results, suffix='cold-warm-train')}")

@@ -36,7 +36,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -393,16 +392,6 @@ def agreement(reference: list[list[int]], other: list[list[int]]) -> dict:
     return {"identical_fraction": identical / count, "mean_shared_prefix_fraction": prefix_frac / count}
 
 
-def in_parallel(jobs: list, workers: int) -> list:
-    """Call each job (a no-argument callable) with up to `workers` at once; results in order. The jobs
-    start subprocesses, so threads suffice; the first failure is raised once the others finish."""
-    if workers <= 1:
-        return [job() for job in jobs]
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = [pool.submit(job) for job in jobs]
-        return [f.result() for f in futures]
-
-
 def in_dependency_order(tasks: Mapping[str, tuple[Sequence[str], Callable[[dict], object]]], workers: int) -> dict:
     """Run named tasks, each once the tasks it names are finished, at most `workers` at once (a task still
     waiting for others holds no slot, so a training starts as soon as its own dataset is ready instead of
@@ -479,9 +468,12 @@ def measure_acceptance(target_dir, drafts: Mapping[str, str], prompts_path,
         )
         return {"label": label, **result}
 
-    todo = [(label, draft_dir, k) for label, draft_dir in drafts.items() for k in ks]
-    results = in_parallel([lambda job=job: one(*job) for job in todo], jobs)  # each engine is its own process
-    runs = {f"{label}-k{k}": result for (label, _, k), result in zip(todo, results)}
+    # each engine is its own process, so threads suffice; a failed engine is raised once the others finish
+    runs = in_dependency_order({f"{label}-k{k}": ((), lambda done, job=(label, draft_dir, k): one(*job))
+                                for label, draft_dir in drafts.items() for k in ks}, jobs)
+    for result in runs.values():
+        if isinstance(result, BaseException):
+            raise result
     return {
         "target": str(target_dir),
         "prompts": str(prompts_path),
