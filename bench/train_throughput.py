@@ -22,6 +22,7 @@ Random data: the numbers say how fast, never how well (see NOTES.md, "Training t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import gzip
 import json
@@ -289,11 +290,13 @@ def main() -> None:
                         "kernel class and the top kernels -> <results>/trace-ours/kernels.{txt,json}, trace.json.gz")
     parser.add_argument("--run-timeout", type=float, default=420)
     parser.add_argument("--cold-warm", action="store_true",
-                        help="instead of the runs: ours for 2 epochs on distinct files dropped from the page cache "
-                        "first (epoch 0 reads them cold, epoch 1 from the cache), in bf16 and in fp8")
-    parser.add_argument("--cold-warm-rows", type=int, default=192,
-                        help="distinct 2048-token rows per format (192: 22.5 GB bf16, 11.3 GB fp8 of Kimi states; "
-                        "each format's data and checkpoints, ~11 GB an epoch, are deleted after its run)")
+                        help="instead of the runs: ours on files kept out of the page cache (cold) vs the same run "
+                        "with them cached (warm), in bf16 and in fp8")
+    parser.add_argument("--cold-warm-files", type=int, default=192,
+                        help="distinct 2048-token hidden-state files per format (192: 22.5 GB bf16, 11.3 GB fp8 of "
+                        "Kimi states; rows beyond are hard links to them); each format's data is deleted after its runs")
+    parser.add_argument("--cold-warm-steps", type=int, default=30,
+                        help="measured steps per cold/warm run, after warm-up + 3x the loader's read-ahead")
     sub = parser.add_subparsers(dest="child")
     child = sub.add_parser("_child")
     child.add_argument("--metrics", required=True)
@@ -331,6 +334,8 @@ def main() -> None:
     if not (verifier / "model.safetensors").is_file():
         throughput.write_head_only_verifier(verifier, device="cuda")
     geometry = throughput.kimi_draft_geometry(verifier, draft_vocab_size=DRAFT_VOCAB)
+    if args.cold_warm:  # its own datasets, one format at a time
+        return cold_warm(args, work, verifier, geometry, report)
     # Each run logs every log_freq steps; size the data for the longest run.
     plan = _plan_runs(args)
     rows_needed = max(p["rows"] for p in plan.values())
@@ -355,9 +360,6 @@ def main() -> None:
                                  for t in (1, 8)]
         for r in report["disk_direct"]:
             print(f"disk O_DIRECT read, {r['threads']} threads: {r['gb_per_s']:.2f} GB/s", flush=True)
-
-    if args.cold_warm:
-        return cold_warm(args, work, verifier, geometry, report)
 
     # 3. The runs.
     runs: dict = {}
@@ -434,57 +436,87 @@ def main() -> None:
 
 
 def cold_warm(args: argparse.Namespace, work: Path, verifier: Path, geometry, report: dict) -> None:
-    """Does training keep the GPU fed from files that are not in page cache? Per format: a dataset of
-    distinct files (no hard links), the page cache dropped, then ours for 2 epochs with a logged step
-    each step; epoch 0's tokens/s (cold) over epoch 1's (the same files, now cached)."""
+    """Does training keep the GPU fed from files that are not in page cache? Per format, the same one-GPU
+    run of ours twice on one dataset: "warm" after every file was read into the page cache, "cold" while
+    a PageCacheEvictor keeps them out of it, so every read goes to the disk (as in a real run, whose
+    states are many times the RAM). Rows are hard links to --cold-warm-files distinct files: a long
+    window without a dataset the size of the disk. The window starts after warm-up plus three times the
+    loader's read-ahead (num_workers x prefetch_factor batches, filled while the first step compiles and
+    drained at the disk's pace), so it measures the steady state."""
     from eagle3_pipeline.target import default_aux_layer_ids
 
     if not throughput.drop_page_cache():
-        raise SystemExit("--cold-warm needs root (echo 3 > /proc/sys/vm/drop_caches): without it epoch 0 is not cold")
+        raise SystemExit("--cold-warm needs root (echo 3 > /proc/sys/vm/drop_caches): without it the first reads "
+                         "are not cold")
+    resolved = _resolved_04_config(args)
+    read_ahead = int(resolved.get("num_workers", 8)) * int(resolved.get("prefetch_factor", 2))
+    rows_per_step = max(int(resolved.get("total_seq_len", 32768)) // ROW_TOKENS, 1)
+    skip = args.warmup_steps + 3 * read_ahead
+    rows = int((skip + args.cold_warm_steps + 4) * rows_per_step / 0.9) + 2  # 0.9: the validation split
+    report["cold_warm_settings"] = {"read_ahead_batches": read_ahead, "skipped_steps": skip,
+                                    "window_steps": args.cold_warm_steps, "rows": rows,
+                                    "distinct_files": args.cold_warm_files}
     report["cold_warm"] = {}
     for storage in ("dtype", "fp8"):
-        data, vocab = work / f"cold-warm-{storage}" / "data", work / f"cold-warm-{storage}" / "vocab"
-        if _dataset_rows(data) != args.cold_warm_rows:
-            shutil.rmtree(data.parent, ignore_errors=True)
-            info = throughput.write_synthetic_prepared_dataset(
-                data, num_rows=args.cold_warm_rows, seq_len=ROW_TOKENS, hidden_size=geometry.hidden_size,
-                vocab_size=throughput.KIMI_K25_TEXT_CONFIG["vocab_size"], distinct_files=None, device="cuda",
-                storage=storage)
-            throughput.write_synthetic_stage_manifests(
-                verifier, data, vocab, aux_layer_ids=default_aux_layer_ids(geometry_layers(verifier)),
-                draft_vocab_size=DRAFT_VOCAB, storage=storage)
-            report.setdefault("cold_warm_data", {})[storage] = info
-        files = sorted((data / "hidden_states").glob("hs_*.safetensors"))
-        dropped = throughput.drop_page_cache()
-        run_dir = work / "runs" / f"cold-warm-{storage}"
-        shutil.rmtree(run_dir, ignore_errors=True)
-        run_dir.mkdir(parents=True)
-        command = [sys.executable, str(REPO / "eagle3-train" / "04_train.py"), "--profile", args.ours_profile,
-                   "--target", str(verifier), "--data", str(data), "--vocab", str(vocab),
-                   "--output", str(run_dir / "out"), "--nproc", "1", "--epochs", "2", "--log-freq", "1"]
-        outcome = launch(f"cold-warm-{storage}", command, gpus=[0], log=run_dir / "log.txt",
-                         timeout=args.run_timeout)
-        metrics = run_dir / "out" / "metrics.jsonl"
-        try:
-            epochs = throughput.summarize_by_epoch(read_metrics(metrics), warmup_steps=args.warmup_steps)
-            if not (epochs.get(0) and epochs.get(1)):  # no figures rather than zeros: a refusal, a timeout
-                raise ValueError(f"{metrics}: no steps logged for both epochs (exit {outcome.get('exit')})")
-        except (OSError, ValueError) as exc:
-            print((run_dir / "log.txt").read_text()[-4000:], flush=True)
-            print(f"[cold-warm-{storage}] no cold/warm figures: {exc}", flush=True)
-            report["cold_warm"][storage] = {**outcome, "error": str(exc)}
-            continue
-        cold, warm = epochs[0], epochs[1]
-        result = {**outcome, "page_cache_dropped": dropped, "files": len(files),
-                  "bytes": sum(f.stat().st_size for f in files), "cold": cold, "warm": warm,
-                  "cold_over_warm": cold["tokens_per_s"] / warm["tokens_per_s"],
-                  "command": shlex.join(command)}
+        base = work / f"cold-warm-{storage}"
+        data, vocab = base / "data", base / "vocab"
+        shutil.rmtree(base, ignore_errors=True)
+        info = throughput.write_synthetic_prepared_dataset(
+            data, num_rows=rows, seq_len=ROW_TOKENS, hidden_size=geometry.hidden_size,
+            vocab_size=throughput.KIMI_K25_TEXT_CONFIG["vocab_size"], distinct_files=args.cold_warm_files,
+            device="cuda", storage=storage)
+        throughput.write_synthetic_stage_manifests(
+            verifier, data, vocab, aux_layer_ids=default_aux_layer_ids(geometry_layers(verifier)),
+            draft_vocab_size=DRAFT_VOCAB, storage=storage)
+        files = [data / "hidden_states" / f"hs_{i}.safetensors" for i in range(info["distinct_files"])]
+        result: dict = {"data": info, "bytes": sum(f.stat().st_size for f in files)}
+        if storage == "dtype" and not args.skip_disk:  # the disk's own cold read rate, on the same files
+            throughput.drop_page_cache()
+            report["disk_direct"] = [measure_cold_read_bandwidth(files, threads=t) for t in (1, 8)]
+            throughput.drop_page_cache()
+            report["disk_buffered_after_drop_caches"] = measure_cold_read_bandwidth(files, threads=8, direct=False)
+            for r in [*report["disk_direct"], report["disk_buffered_after_drop_caches"]]:
+                print(f"disk read, {'O_DIRECT' if r['direct'] else 'buffered, cache dropped'}, {r['threads']} "
+                      f"threads: {r['gb_per_s']:.2f} GB/s", flush=True)
+        for state in ("warm", "cold"):
+            name = f"cold-warm-{storage}-{state}"
+            run_dir = work / "runs" / name
+            shutil.rmtree(run_dir, ignore_errors=True)
+            run_dir.mkdir(parents=True)
+            metrics = run_dir / "out" / "metrics.jsonl"
+            command = [sys.executable, str(REPO / "eagle3-train" / "04_train.py"), "--profile", args.ours_profile,
+                       "--target", str(verifier), "--data", str(data), "--vocab", str(vocab),
+                       "--output", str(run_dir / "out"), "--nproc", "1", "--epochs", "1", "--log-freq", "1",
+                       "--max-steps", str(skip + args.cold_warm_steps + 2)]
+            if state == "warm":
+                preread = throughput.read_into_page_cache(files)
+                page_cache = {"preread": preread, "resident_fraction": throughput.page_cache_resident_fraction(files)}
+                evictor = contextlib.nullcontext()
+            else:
+                evictor = throughput.PageCacheEvictor(files)
+            with evictor:
+                outcome = launch(name, command, gpus=[0], log=run_dir / "log.txt", timeout=args.run_timeout,
+                                 stop_when=lambda: window_complete(metrics, skip, args.cold_warm_steps))
+            if state == "cold":
+                page_cache = evictor.stats()
+            try:
+                summary = throughput.summarize_train_metrics(read_metrics(metrics), warmup_steps=skip)
+            except (OSError, ValueError) as exc:  # no figures rather than zeros: a refusal, a timeout
+                print((run_dir / "log.txt").read_text()[-4000:], flush=True)
+                print(f"[{name}] no figures: {exc} (exit {outcome.get('exit')})", flush=True)
+                result[state] = {**outcome, "error": str(exc), "page_cache": page_cache}
+                continue
+            result[state] = {**outcome, **summary, "page_cache": page_cache, "command": shlex.join(command)}
+            print(f"[{name}] {summary['tokens_per_s']:,.0f} tokens/s over steps {skip}-"
+                  f"{skip + summary['measured_steps']}, fetch {summary['step_split_ms'].get('fetch_ms', 0):.0f} ms "
+                  f"median; page cache {page_cache}", flush=True)
+        if all("tokens_per_s" in result.get(state, {}) for state in ("warm", "cold")):
+            result["cold_over_warm"] = result["cold"]["tokens_per_s"] / result["warm"]["tokens_per_s"]
+            print(f"[cold-warm-{storage}] cold/warm {result['cold_over_warm']:.3f} ({len(files)} files, "
+                  f"{result['bytes'] / 1e9:.1f} GB, read {rows_per_step * ROW_TOKENS * info['hidden_state_bytes_per_token'] / 1e9:.2f} "
+                  f"GB a step)", flush=True)
         report["cold_warm"][storage] = result
-        shutil.rmtree(data.parent, ignore_errors=True)  # a 64 GiB disk holds one format's data + checkpoints
-        shutil.rmtree(run_dir / "out", ignore_errors=True)
-        print(f"[cold-warm-{storage}] cold {cold['tokens_per_s']:,.0f} tokens/s, warm "
-              f"{warm['tokens_per_s']:,.0f} tokens/s, cold/warm {result['cold_over_warm']:.3f} "
-              f"({len(files)} files, {result['bytes'] / 1e9:.1f} GB)", flush=True)
+        shutil.rmtree(base, ignore_errors=True)  # a 64 GiB disk holds one format's data at a time
         _write_report(report, args.results, suffix="cold-warm-train")
     print(f"wrote {_write_report(report, args.results, suffix='cold-warm-train')}")
 

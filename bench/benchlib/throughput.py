@@ -25,6 +25,8 @@ import json
 import logging
 import os
 import statistics
+import threading
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -459,6 +461,97 @@ def drop_page_cache() -> bool:
         return True
     except OSError:
         return False
+
+
+def page_cache_resident_fraction(paths: Iterable[str | Path]) -> float:
+    """The fraction of the files' pages now in the page cache (mincore(2) on a mapping that touches
+    nothing, so asking does not change the answer)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    page = os.sysconf("SC_PAGE_SIZE")
+    resident = total = 0
+    for path in paths:
+        size = os.path.getsize(path)
+        if not size:
+            continue
+        pages = -(-size // page)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            if address in (None, ctypes.c_void_p(-1).value):
+                raise OSError(ctypes.get_errno(), f"mmap {path}")
+            try:
+                vector = ctypes.create_string_buffer(pages)
+                if libc.mincore(address, size, vector) != 0:
+                    raise OSError(ctypes.get_errno(), f"mincore {path}")
+                resident += pages - vector.raw[:pages].count(0)
+            finally:
+                libc.munmap(address, size)
+        finally:
+            os.close(fd)
+        total += pages
+    return resident / total if total else 0.0
+
+
+def evict_from_page_cache(paths: Iterable[str | Path]) -> None:
+    """Drop these files' clean pages from the page cache (POSIX_FADV_DONTNEED; no root needed)."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def read_into_page_cache(paths: Iterable[str | Path]) -> dict[str, float]:
+    """Read every file once through the page cache (so a following run reads them from RAM)."""
+    start, total = time.perf_counter(), 0
+    for path in paths:
+        with open(path, "rb", buffering=0) as handle:
+            while chunk := handle.read(64 << 20):
+                total += len(chunk)
+    seconds = time.perf_counter() - start
+    return {"bytes": total, "seconds": seconds, "gb_per_s": total / max(seconds, 1e-9) / 1e9}
+
+
+class PageCacheEvictor:
+    """While open, a thread keeps `paths` out of the page cache: every `interval_s` it samples how much
+    of them is resident, then evicts them. A training run inside it reads every file from the disk, as
+    it does when the hidden states are many times the RAM (the Kimi-K2.5 run's 11.7 TB), even where a
+    benchmark's files would fit in RAM. The resident samples say how cold the reads really were."""
+
+    def __init__(self, paths: Sequence[str | Path], interval_s: float = 0.25):
+        self.paths, self.interval_s = list(paths), interval_s
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append(page_cache_resident_fraction(self.paths))
+            evict_from_page_cache(self.paths)
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> PageCacheEvictor:
+        evict_from_page_cache(self.paths)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def stats(self) -> dict[str, float]:
+        """Evictions done and the resident fraction of the files found before each (mean, max)."""
+        return {"evictions": len(self.samples), "interval_s": self.interval_s,
+                "resident_fraction_mean": statistics.fmean(self.samples) if self.samples else 0.0,
+                "resident_fraction_max": max(self.samples, default=0.0)}
 
 
 def required_read_bandwidth(tokens_per_s: float, bytes_per_token: int) -> float:
