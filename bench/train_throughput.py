@@ -297,6 +297,8 @@ def main() -> None:
                         "Kimi states; rows beyond are hard links to them); each format's data is deleted after its runs")
     parser.add_argument("--cold-warm-steps", type=int, default=30,
                         help="measured steps per cold/warm run, after warm-up + 3x the loader's read-ahead")
+    parser.add_argument("--cold-warm-order", choices=("warm-first", "cold-first"), default="warm-first",
+                        help="which of each format's two runs goes first (run both to see an order effect)")
     sub = parser.add_subparsers(dest="child")
     child = sub.add_parser("_child")
     child.add_argument("--metrics", required=True)
@@ -451,11 +453,13 @@ def cold_warm(args: argparse.Namespace, work: Path, verifier: Path, geometry, re
     resolved = _resolved_04_config(args)
     read_ahead = int(resolved.get("num_workers", 8)) * int(resolved.get("prefetch_factor", 2))
     rows_per_step = max(int(resolved.get("total_seq_len", 32768)) // ROW_TOKENS, 1)
+    log_freq = int(resolved.get("log_freq", 10))  # the profile's: each logged step synchronises the GPU
     skip = args.warmup_steps + 3 * read_ahead
-    rows = int((skip + args.cold_warm_steps + 4) * rows_per_step / 0.9) + 2  # 0.9: the validation split
+    rows = int((skip + args.cold_warm_steps + 2 * log_freq + 4) * rows_per_step / 0.9) + 2  # 0.9: the validation split
+    states = ("warm", "cold") if args.cold_warm_order == "warm-first" else ("cold", "warm")
     report["cold_warm_settings"] = {"read_ahead_batches": read_ahead, "skipped_steps": skip,
-                                    "window_steps": args.cold_warm_steps, "rows": rows,
-                                    "distinct_files": args.cold_warm_files}
+                                    "window_steps": args.cold_warm_steps, "rows": rows, "log_freq": log_freq,
+                                    "distinct_files": args.cold_warm_files, "order": list(states)}
     report["cold_warm"] = {}
     for storage in ("dtype", "fp8"):
         base = work / f"cold-warm-{storage}"
@@ -478,7 +482,7 @@ def cold_warm(args: argparse.Namespace, work: Path, verifier: Path, geometry, re
             for r in [*report["disk_direct"], report["disk_buffered_after_drop_caches"]]:
                 print(f"disk read, {'O_DIRECT' if r['direct'] else 'buffered, cache dropped'}, {r['threads']} "
                       f"threads: {r['gb_per_s']:.2f} GB/s", flush=True)
-        for state in ("warm", "cold"):
+        for state in states:
             name = f"cold-warm-{storage}-{state}"
             run_dir = work / "runs" / name
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -486,8 +490,8 @@ def cold_warm(args: argparse.Namespace, work: Path, verifier: Path, geometry, re
             metrics = run_dir / "out" / "metrics.jsonl"
             command = [sys.executable, str(REPO / "eagle3-train" / "04_train.py"), "--profile", args.ours_profile,
                        "--target", str(verifier), "--data", str(data), "--vocab", str(vocab),
-                       "--output", str(run_dir / "out"), "--nproc", "1", "--epochs", "1", "--log-freq", "1",
-                       "--max-steps", str(skip + args.cold_warm_steps + 2)]
+                       "--output", str(run_dir / "out"), "--nproc", "1", "--epochs", "1",
+                       "--max-steps", str(skip + args.cold_warm_steps + 2 * log_freq + 2)]
             if state == "warm":
                 preread = throughput.read_into_page_cache(files)
                 page_cache = {"preread": preread, "resident_fraction": throughput.page_cache_resident_fraction(files)}
