@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -182,6 +183,27 @@ def test_synthetic_fp8_dataset_reads_back_through_speculators_fp8_transfer(tmp_p
     assert item["hidden_states"].abs().max() > 0.5  # N(0, 1) states, not zeros
 
 
+def test_page_cache_evictor_keeps_a_file_out_of_the_page_cache_while_open(tmp_path):
+    """--cold-warm's cold runs: a file read inside the evictor is out of the page cache again moments later."""
+    from eagle3_pipeline.preflight import evict_from_page_cache, page_cache_resident_fraction
+
+    path = tmp_path / "hs_0.safetensors"
+    path.write_bytes(os.urandom(8 << 20))
+    throughput.read_into_page_cache([path])
+    assert page_cache_resident_fraction([path]) == 1.0
+    evict_from_page_cache([path])
+    if page_cache_resident_fraction([path]) > 0.05:
+        pytest.skip(f"{tmp_path}: this filesystem keeps pages cached (tmpfs)")
+    with throughput.PageCacheEvictor([path], interval_s=0.05) as evictor:
+        assert throughput.read_into_page_cache([path])["bytes"] == 8 << 20
+        deadline = time.monotonic() + 10  # an eviction after the read (every 0.05 s; slack for a loaded machine)
+        while page_cache_resident_fraction([path]) > 0.0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert page_cache_resident_fraction([path]) == 0.0
+    stats = evictor.stats()
+    assert stats["evictions"] >= 1 and 0.0 < stats["resident_fraction_max"] <= 1.0  # it saw the read, then evicted it
+
+
 # ---------------------------------------------------------------- step metrics
 
 
@@ -251,13 +273,16 @@ def test_bench_plans_each_run_from_its_own_flags(monkeypatch):
 
     bench = _bench_module()
     monkeypatch.setattr(bench, "_resolved_04_config", lambda args: {"log_freq": "10", "total_seq_len": "32768"})
-    args = argparse.Namespace(runs=["plain", "ours"], variant=[], ddp=2, ours_via="04_train",
+    args = argparse.Namespace(runs=["plain", "ours"], variant=[], ddp=2, ours_via="04_train", ours_profile="h200-8x",
                               ours_variant=["48k=--total-seq-len 49152 --lr 2.4e-3"], warmup_steps=2, steps=8)
     plan = bench._plan_runs(args)
     assert list(plan) == ["plain", "ours", "48k", "ours-2gpu"]
     assert (plan["plain"]["log_freq"], plan["plain"]["stop"]) == (1, 10)  # speculators logs every step
     assert (plan["ours"]["log_freq"], plan["ours"]["warmup"], plan["ours"]["stop"]) == (10, 10, 20)
     assert plan["48k"]["flags"] == ["--total-seq-len", "49152", "--lr", "2.4e-3"] and plan["48k"]["via_04"]
+    # the profile's 32K steps as a flag: 04 would pack 8K steps on a dataset this short
+    assert plan["ours"]["flags"] == plan["ours-2gpu"]["flags"] == ["--total-seq-len", "32768"]
+    assert plan["plain"]["flags"] == []
     # rows for the run's steps + 3 at its tokens/step (2048-token rows), over the 90% train split
     assert plan["48k"]["rows"] == int(23 * 24 / 0.9) + 2 and plan["ours"]["rows"] == int(23 * 16 / 0.9) + 2
     assert plan["ours-2gpu"]["gpus"] == 2 and plan["ours-2gpu"]["rows"] == int(23 * 16 * 2 / 0.9) + 2
@@ -268,7 +293,7 @@ def test_bench_trace_run_profiles_ours_after_the_warm_up(monkeypatch):
 
     bench = _bench_module()
     monkeypatch.setattr(bench, "_resolved_04_config", lambda args: {"log_freq": "10", "total_seq_len": "32768"})
-    args = argparse.Namespace(runs=[], variant=[], ddp=0, ours_via="04_train", ours_variant=[],
+    args = argparse.Namespace(runs=[], variant=[], ddp=0, ours_via="04_train", ours_variant=[], ours_profile="h200-8x",
                               warmup_steps=3, steps=10, trace=True)
     plan = bench._plan_runs(args)
     assert list(plan) == ["trace"] and plan["trace"]["via_04"] and plan["trace"]["warmup"] == 10

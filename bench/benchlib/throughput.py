@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_pipeline.miniature import KIMI_K25_ROUTING_AND_MLA_HEADS
+from eagle3_pipeline.preflight import evict_from_page_cache, page_cache_resident_fraction
 
 # --------------------------------------------------------------------------------------
 # Kimi-K2.5's config (the real dims; ../shared/KNOWLEDGE.md). Only what the draft reads
@@ -450,63 +451,6 @@ def measure_bf16_matmul_peak(
         torch.cuda.empty_cache()
     return {"peak_tflops": max(r["tflops"] for r in results), "shapes": results,
             "device_name": torch.cuda.get_device_name(device)}
-
-
-def drop_page_cache() -> bool:
-    """Ask the kernel to drop clean page-cache pages (root only); True if it did."""
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as handle:
-            handle.write("3\n")
-        return True
-    except OSError:
-        return False
-
-
-def page_cache_resident_fraction(paths: Iterable[str | Path]) -> float:
-    """The fraction of the files' pages now in the page cache (mincore(2) on a mapping that touches
-    nothing, so asking does not change the answer)."""
-    import ctypes
-    import mmap
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    page = os.sysconf("SC_PAGE_SIZE")
-    resident = total = 0
-    for path in paths:
-        size = os.path.getsize(path)
-        if not size:
-            continue
-        pages = -(-size // page)
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-            if address in (None, ctypes.c_void_p(-1).value):
-                raise OSError(ctypes.get_errno(), f"mmap {path}")
-            try:
-                vector = ctypes.create_string_buffer(pages)
-                if libc.mincore(address, size, vector) != 0:
-                    raise OSError(ctypes.get_errno(), f"mincore {path}")
-                resident += pages - vector.raw[:pages].count(0)
-            finally:
-                libc.munmap(address, size)
-        finally:
-            os.close(fd)
-        total += pages
-    return resident / total if total else 0.0
-
-
-def evict_from_page_cache(paths: Iterable[str | Path]) -> None:
-    """Drop these files' clean pages from the page cache (POSIX_FADV_DONTNEED; no root needed)."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def read_into_page_cache(paths: Iterable[str | Path]) -> dict[str, float]:

@@ -11,8 +11,9 @@ implies (bf16 files, fp8 files, or training against a running vLLM).
         --rows 100000 --tokens-per-row 2048
     eagle3-train/run_all.sh --plan ...                     (the same, with run_all's flags)
 
-It writes nothing. The disk's cold read rate is measured (O_DIRECT) only from hidden-state files
-already under --work; otherwise it is "not measured" unless --disk-read-gb-s gives it.
+It writes nothing. The disk's cold read rate is measured (files evicted from the page cache, then read
+as the loader reads them) only from hidden-state files already under --work; otherwise it is "not
+measured" unless --disk-read-gb-s gives it.
 """
 
 from __future__ import annotations
@@ -100,7 +101,8 @@ def cold_read(work: Path, given: float | None) -> tuple[float | None, str]:
         measured = measure_cold_read_bandwidth(files, threads=8)
     except OSError as exc:
         return None, f"not measured ({exc.strerror or exc})"
-    return measured["gb_per_s"], f"measured: O_DIRECT, 8 readers, {human_bytes(measured['bytes'])} of {work / 'data'}"
+    return measured["gb_per_s"], (f"measured: cold (evicted from the page cache), 8 readers, "
+                                  f"{human_bytes(measured['bytes'])} of {work / 'data'}")
 
 
 def recommend(plan: Plan) -> str:
