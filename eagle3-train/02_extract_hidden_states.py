@@ -33,6 +33,7 @@ from eagle3_pipeline.extract.run import (
     validate_sample_of_files,
 )
 from eagle3_pipeline.files import DiskFull, check_writable_dir, remove_stale_temps
+from eagle3_pipeline.plan import check_plan_lines
 from eagle3_pipeline.preflight import hidden_state_bytes_per_token, human_bytes
 from eagle3_pipeline.prepared import load_rows
 from eagle3_pipeline.stage import config_fingerprint, finished, log, stage_identity, stage_main
@@ -42,7 +43,7 @@ from eagle3_pipeline.target import extraction_layer_ids, load_target_info
 @stage_main
 def main(argv: list[str] | None = None) -> int:
     # 1. Config.
-    cfg, _ = resolve_stage_config(ExtractConfig, argv)
+    cfg, sources = resolve_stage_config(ExtractConfig, argv)
     data_dir = Path(cfg.data)
     hs_dir = data_dir / HS_DIRNAME
     target = load_target_info(cfg.target)
@@ -92,7 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     # 3. Preflight before any heavy work (prints the estimate even when it passes).
     for line in preflight(cfg, plan, target, hs_dir):
         log.info("preflight %s", line)
-    if cfg.check:
+    if cfg.check:  # and the whole run's plan: bytes per format, disk, reads, hours (the profile's training)
+        for line in check_plan_lines(cfg.target, data_dir, sources.get("profile")):
+            log.info("%s", line)
         return 0
     remove_stale_temps(hs_dir, owned=None if cfg.world_size == 1 else lambda name: row_of(name) in plan.rows)
     for extra in hs_dir.glob("hs_*.safetensors"):  # rows stage 01 no longer has (it was redone on other data)

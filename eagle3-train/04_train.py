@@ -22,6 +22,7 @@ from eagle3_pipeline.contract import MANIFEST_NAME, input_record, write_manifest
 from eagle3_pipeline.errors import ContractError, Interrupted, StageError
 from eagle3_pipeline.files import check_writable_dir, held_lock_fds, remove_stale_temps
 from eagle3_pipeline.metrics import compat_applied
+from eagle3_pipeline.plan import check_plan_lines
 from eagle3_pipeline.plots import PLOTS_DIRNAME, write_plots
 from eagle3_pipeline.preflight import checkpoint_bytes, fit_seq_len_to_run, preflight_train
 from eagle3_pipeline.resume import INTERRUPTED, prepare_resume
@@ -107,7 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     server = None
     if extracted is None:  # the server must feed exactly what stage 02 would have written, before any training
         server = online.preflight(cfg, target, prepared, layer_ids, layer_ids_stated=sources["layer_ids"] != "default")
-    if cfg.check:
+    if cfg.check:  # and the whole run's plan: bytes per format, disk, reads, hours
+        for line in check_plan_lines(cfg.target, cfg.data, sources.get("profile"), gpus=cfg.nproc * cfg.nnodes,
+                                     epochs=cfg.epochs):
+            log.info("%s", line)
         return 0
     if cfg.node_rank == 0:  # one node tidies the (shared) folder
         if replace:

@@ -727,9 +727,14 @@ def test_every_stage_check_prints_its_estimate_and_writes_nothing(capsys, caplog
         caplog.clear()
         succeeded(capsys, stage, *args, "--check")
         assert "preflight disk: ~" in caplog.text, (stage, caplog.text[-2000:])
+        if stage == "train":  # 04's --check ends with the run plan, for its own GPUs and epochs
+            rows, tokens = (json.loads((work["data"] / "manifest.json").read_text())["counts"][k] for k in ("rows", "tokens"))
+            assert f"{rows:,} rows, {tokens:,} tokens (stage 01's" in caplog.text and "recommendation: bf16" in caplog.text
+            assert "run plan: " in caplog.text and "1 training GPU(s), 2 epochs" in caplog.text, caplog.text[-2000:]
     shutil.rmtree(work["hs"])
     caplog.clear()
     succeeded(capsys, "extract", "--profile", "cpu-mini", "--target", kimi_target, "--data", work["data"], "--check")
     assert "preflight disk: ~" in caplog.text and "preflight host memory: target weights" in caplog.text
+    assert "run plan: " in caplog.text and "profile cpu-mini" in caplog.text and "hidden states: bf16 " in caplog.text
     written = [p for p in tmp_path.rglob("*") if p.is_file() and p.parent.name in ("data", "vocab", "ckpt", "draft")]
     assert written == [] and not (tmp_path / "draft").exists()

@@ -108,7 +108,7 @@ class ExtractConfig(StageConfig):
     retries: int = _field(2, "re-extract a row whose file fails validation this many times before giving up", ge=0)
     validate_only: bool = _field(False, flag="--validate", help="only validate existing files and list the rows to redo (a rerun redoes them)")
     validate_sample: int = _field(16, "after extraction, re-read this many landed files end to end (0 = none, -1 = all)")
-    check: bool = _field(False, "preflight only: print the disk/GPU/version estimate and exit")
+    check: bool = _field(False, "preflight only: print the disk/GPU/version estimate and the run plan (bytes per format, disk, reads, hours; eagle3_pipeline.plan) and exit")
     trust_remote_code: bool = _field(False, "allow the target's own code (Kimi-K2.5 needs it)")
     # vLLM backend
     tensor_parallel_size: int = _field(1, "vLLM tensor parallel size (8 for Kimi-K2.5 on one 8-GPU box)", ge=1)
@@ -210,7 +210,7 @@ class TrainConfig(StageConfig):
     extra_args: list[str] = _field([], "further speculators train flags, passed through verbatim (e.g. --extra-args=--muon-lr --extra-args=0.02)")
     overwrite: bool = _field(False, "train anew over a run made with other settings or inputs: deletes only what "
                                     "stage 04 and speculators wrote there (never another stage's output or your files)")
-    check: bool = _field(False, "preflight only: print the disk/GPU/version estimate and exit")
+    check: bool = _field(False, "preflight only: print the disk/GPU/version estimate and the run plan (bytes per format, disk, reads, hours; eagle3_pipeline.plan) and exit")
 
     @field_validator("flex_forward_config")
     @classmethod
@@ -350,7 +350,8 @@ def build_config(cls: type[StageConfig], flags: dict[str, Any], profile_name: st
     """Layer default < profile < flags and validate; the argv-free seam tests use.
 
     `placeholders` (for --print-config only): a missing required flag becomes "<--flag>"
-    instead of an error.
+    instead of an error. `sources`: each field's source, plus "profile" -> the --profile given (the
+    run plan reads another stage's section of it).
     """
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
@@ -358,6 +359,7 @@ def build_config(cls: type[StageConfig], flags: dict[str, Any], profile_name: st
         for key, value in load_profile(profile_name).get(cls.STAGE, {}).items():
             values[key] = value
             sources[key] = f"profile:{profile_name}"
+        sources["profile"] = profile_name
     for key, value in flags.items():
         values[key] = value
         sources[key] = "flag"

@@ -28,6 +28,8 @@ from .config import TrainConfig, load_profile
 from .contract import manifest_path
 from .errors import StageError
 from .preflight import (
+    READ_PROBE_BYTES,
+    READ_PROBE_MIN_TOTAL_BYTES,
     TRAIN_TOKENS_PER_S_PER_GPU,
     disk_free,
     hidden_state_bytes_per_token,
@@ -56,7 +58,7 @@ class Plan:
     rows: int
     tokens: int
     tokens_source: str
-    work: str
+    data: str
     free_bytes: int
     bytes_per_token: dict
     total_bytes: dict
@@ -78,9 +80,9 @@ class Plan:
         return self.tokens * self.epochs / rate / 3600
 
 
-def data_tokens(work: Path, rows: int | None, tokens_per_row: int | None) -> tuple[int, int, str]:
-    """(rows, tokens, where from): stage 01's manifest under WORK/data, else the hypothetical figures."""
-    manifest = manifest_path(work / "data")
+def data_tokens(data: Path, rows: int | None, tokens_per_row: int | None) -> tuple[int, int, str]:
+    """(rows, tokens, where from): stage 01's manifest in `data`, else the hypothetical figures."""
+    manifest = manifest_path(data)
     if rows is None and manifest.is_file():
         counts = json.loads(manifest.read_text()).get("counts", {})
         if counts.get("tokens"):
@@ -90,19 +92,24 @@ def data_tokens(work: Path, rows: int | None, tokens_per_row: int | None) -> tup
     return rows, rows * tokens_per_row, f"--rows {rows:,} x --tokens-per-row {tokens_per_row:,}"
 
 
-def cold_read(work: Path, given: float | None) -> tuple[float | None, str]:
+def cold_read(data: Path, given: float | None) -> tuple[float | None, str]:
     if given is not None:
         return given, "--disk-read-gb-s"
-    files = sorted((work / "data" / "hidden_states").glob("hs_*.safetensors"))[:64]
-    if sum(f.stat().st_size for f in files) < 10**9:
-        return None, (f"not measured (no hidden states under {work / 'data'} to read yet; give --disk-read-gb-s, "
-                      f"or rerun after a 10-sample stage 02)")
+    files, total = [], 0
+    for path in sorted((data / "hidden_states").glob("hs_*.safetensors")):  # stage 02's HS_DIRNAME (torch-free here)
+        if total >= READ_PROBE_BYTES or len(files) == 64:
+            break
+        files.append(path)
+        total += path.stat().st_size
+    if total < READ_PROBE_MIN_TOTAL_BYTES:  # smaller: the page cache holds them
+        return None, (f"not measured (under {READ_PROBE_MIN_TOTAL_BYTES / 1e9:.0f} GB of hidden states in {data} to "
+                      f"read; give --disk-read-gb-s, or rerun after a 10-sample stage 02)")
     try:
         measured = measure_cold_read_bandwidth(files, threads=8)
     except OSError as exc:
         return None, f"not measured ({exc.strerror or exc})"
     return measured["gb_per_s"], (f"measured: cold (evicted from the page cache), 8 readers, "
-                                  f"{human_bytes(measured['bytes'])} of {work / 'data'}")
+                                  f"{human_bytes(measured['bytes'])} of {data}")
 
 
 def recommend(plan: Plan) -> str:
@@ -122,21 +129,26 @@ def recommend(plan: Plan) -> str:
             "online, the server from python -m eagle3_pipeline.serve_target), or extract and train in slices of the data")
 
 
-def make_plan(target_dir: str, profile: str, work: str, rows: int | None = None, tokens_per_row: int | None = None,
+def make_plan(target_dir: str, profile: str | None, work: str, rows: int | None = None, tokens_per_row: int | None = None,
               train_tokens_per_s: float | None = None, disk_read_gb_s: float | None = None,
-              extract_tokens_per_s: float | None = None) -> Plan:
+              extract_tokens_per_s: float | None = None, *, data: str | None = None, gpus: int | None = None,
+              epochs: int | None = None) -> Plan:
+    """`data`: stage 01's output (default WORK/data); `gpus`/`epochs`: stage 04's resolved values (default:
+    the profile's train section, else 04's defaults)."""
     target = load_target_info(target_dir)
-    train = load_profile(profile).get("train", {})
-    gpus = int(train.get("nproc", TrainConfig.model_fields["nproc"].default)) * int(train.get("nnodes", 1))
-    epochs = int(train.get("epochs", TrainConfig.model_fields["epochs"].default))
-    work_dir = Path(work)
-    num_rows, tokens, source = data_tokens(work_dir, rows, tokens_per_row)
+    train = load_profile(profile).get("train", {}) if profile else {}
+    if gpus is None:
+        gpus = int(train.get("nproc", TrainConfig.model_fields["nproc"].default)) * int(train.get("nnodes", 1))
+    if epochs is None:
+        epochs = int(train.get("epochs", TrainConfig.model_fields["epochs"].default))
+    data_dir = Path(data) if data else Path(work) / "data"
+    num_rows, tokens, source = data_tokens(data_dir, rows, tokens_per_row)
     per_token = {s: bytes_per_token(target.hidden_size, s) for s in FORMATS}
-    read, read_source = cold_read(work_dir, disk_read_gb_s)
+    read, read_source = cold_read(data_dir, disk_read_gb_s)
     plan = Plan(
-        target=target.path, hidden_size=target.hidden_size, num_layers=target.num_layers, profile=profile, gpus=gpus,
-        epochs=epochs, rows=num_rows, tokens=tokens, tokens_source=source, work=str(work_dir),
-        free_bytes=disk_free(work_dir), bytes_per_token=per_token,
+        target=target.path, hidden_size=target.hidden_size, num_layers=target.num_layers, profile=profile or "none",
+        gpus=gpus, epochs=epochs, rows=num_rows, tokens=tokens, tokens_source=source, data=str(data_dir),
+        free_bytes=disk_free(data_dir), bytes_per_token=per_token,
         total_bytes={s: tokens * per_token[s] for s in FORMATS},
         train_tokens_per_s_per_gpu=train_tokens_per_s or TRAIN_TOKENS_PER_S_PER_GPU,
         train_rate_source="--train-tokens-per-s" if train_tokens_per_s else
@@ -146,6 +158,14 @@ def make_plan(target_dir: str, profile: str, work: str, rows: int | None = None,
     )
     plan.recommendation = recommend(plan)
     return plan
+
+
+def check_plan_lines(target_dir: str, data: str | Path, profile: str | None, *, gpus: int | None = None,
+                     epochs: int | None = None) -> list[str]:
+    """The run plan as stage 02's and 04's --check print it: stage 01's output in `data`; no rates but the
+    assumed training rate (the plan's own flags give the rest)."""
+    return format_plan(make_plan(target_dir, profile, str(Path(data).parent), data=str(data), gpus=gpus,
+                                 epochs=epochs)).splitlines()
 
 
 def format_plan(plan: Plan) -> str:
@@ -163,7 +183,7 @@ def format_plan(plan: Plan) -> str:
         f"run plan: {plan.target} (hidden {plan.hidden_size}, {plan.num_layers} layers, {NUM_SLOTS} states per token), "
         f"profile {plan.profile}: {plan.gpus} training GPU(s), {plan.epochs} epochs",
         f"  data:          {plan.rows:,} rows, {plan.tokens:,} tokens ({plan.tokens_source})",
-        f"  hidden states: {size('bf16')}; {size('fp8')}; free at {plan.work}: {human_bytes(plan.free_bytes)}",
+        f"  hidden states: {size('bf16')}; {size('fp8')}; free at {plan.data}: {human_bytes(plan.free_bytes)}",
         f"  reads:         {plan.gpus} GPU(s) x {plan.train_tokens_per_s_per_gpu:,.0f} tokens/s need "
         f"{plan.need_gb_s('bf16'):.2f} GB/s in bf16, {plan.need_gb_s('fp8'):.2f} GB/s in fp8; the disk gives {disk} cold "
         f"({plan.disk_read_source})",
