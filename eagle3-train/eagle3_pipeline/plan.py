@@ -103,7 +103,7 @@ def cold_read(data: Path, given: float | None) -> tuple[float | None, str]:
         total += path.stat().st_size
     if total < READ_PROBE_MIN_TOTAL_BYTES:  # smaller: the page cache holds them
         return None, (f"not measured (under {READ_PROBE_MIN_TOTAL_BYTES / 1e9:.0f} GB of hidden states in {data} to "
-                      f"read; give --disk-read-gb-s, or rerun after a 10-sample stage 02)")
+                      f"read; the plan's --disk-read-gb-s gives it, or rerun after a 10-sample stage 02)")
     try:
         measured = measure_cold_read_bandwidth(files, threads=8)
     except OSError as exc:
