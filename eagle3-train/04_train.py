@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                             f"--overwrite to delete them")
     epochs_done = 0 if replace else len(checkpoints.complete(out_dir))
     for line in preflight_train(cfg, draft, target, vocab["draft_vocab_size"], out_dir,
-                                prepared.get("counts", {}).get("tokens", 0),  # synthetic bench data: none
+                                prepared.get("counts", {}).get("tokens", 0),
                                 epochs_done=epochs_done, nproc_source=sources["nproc"],
                                 train_data_ratio=prepared["train_data_ratio"]):
         log.info("preflight %s", line)

@@ -28,13 +28,13 @@ from .config import TrainConfig, load_profile
 from .contract import manifest_path
 from .errors import StageError
 from .preflight import (
-    READ_PROBE_BYTES,
     READ_PROBE_MIN_TOTAL_BYTES,
     TRAIN_TOKENS_PER_S_PER_GPU,
     disk_free,
     hidden_state_bytes_per_token,
     human_bytes,
     measure_cold_read_bandwidth,
+    read_probe_sample,
 )
 from .target import load_target_info
 
@@ -95,12 +95,7 @@ def data_tokens(data: Path, rows: int | None, tokens_per_row: int | None) -> tup
 def cold_read(data: Path, given: float | None) -> tuple[float | None, str]:
     if given is not None:
         return given, "--disk-read-gb-s"
-    files, total = [], 0
-    for path in sorted((data / "hidden_states").glob("hs_*.safetensors")):  # stage 02's HS_DIRNAME (torch-free here)
-        if total >= READ_PROBE_BYTES or len(files) == 64:
-            break
-        files.append(path)
-        total += path.stat().st_size
+    files, total = read_probe_sample(data / "hidden_states")  # stage 02's HS_DIRNAME (torch-free here)
     if total < READ_PROBE_MIN_TOTAL_BYTES:  # smaller: the page cache holds them
         return None, (f"not measured (under {READ_PROBE_MIN_TOTAL_BYTES / 1e9:.0f} GB of hidden states in {data} to "
                       f"read; the plan's --disk-read-gb-s gives it, or rerun after a 10-sample stage 02)")

@@ -153,14 +153,11 @@ def check_hidden_state_reads(hs_dir: Path, total_tokens: int, nproc: int, *,
     cached reads would flatter the disk), `readers` at a time as the loader workers do. Where the page
     cache cannot be emptied (tmpfs) that is reported, not probed.
     """
-    files = sorted(Path(hs_dir).glob("hs_*.safetensors"))
-    total = sum(f.stat().st_size for f in files)
+    sample, total = read_probe_sample(hs_dir, probe_bytes)
     if total < min_total_bytes:
         return f"hidden-state reads: not probed ({human_bytes(total)} of hidden states: the page cache holds them)"
     per_token = total / max(total_tokens, 1)
     need = nproc * TRAIN_TOKENS_PER_S_PER_GPU * per_token / 1e9
-    count = max(1, min(len(files), round(probe_bytes * len(files) / total)))  # ~probe_bytes in all
-    sample = [files[round(i * len(files) / count)] for i in range(count)]  # spread over the directory
     try:
         measured = measure_cold_read_bandwidth(sample, threads=min(readers, len(sample)))
     except OSError as exc:
@@ -175,6 +172,15 @@ def check_hidden_state_reads(hs_dir: Path, total_tokens: int, nproc: int, *,
         line += (f"; WARNING: the disk would cap training at ~{capped:,.0f} tokens/s per GPU "
                  f"(NOTES.md, 'Disk': local NVMe striped, or fewer GPUs per node)")
     return line
+
+
+def read_probe_sample(hs_dir: str | Path, probe_bytes: int = READ_PROBE_BYTES) -> tuple[list[Path], int]:
+    """(a spread of the hidden-state files of ~probe_bytes in all, the bytes of all of them): what the read
+    probes (this module's and the run plan's) read."""
+    files = sorted(Path(hs_dir).glob("hs_*.safetensors"))
+    total = sum(f.stat().st_size for f in files)
+    count = max(1, min(len(files), round(probe_bytes * len(files) / max(total, 1))))
+    return [files[round(i * len(files) / count)] for i in range(count)] if files else [], total
 
 
 def measure_cold_read_bandwidth(paths: Sequence[str | Path], *, threads: int = 1, how: str = "evicted") -> dict:
@@ -479,7 +485,7 @@ def fit_seq_len_to_run(cfg, source: str, counts: dict, train_data_ratio: float):
     """(config, note): total_seq_len lowered to SMALL_RUN_SEQ_LEN (or the longest row, if longer: a row is
     never cut) when the run would take fewer than FEW_OPTIMIZER_STEPS steps at the default or profile
     value; an explicit --total-seq-len is kept. `counts`: stage 01's manifest counts."""
-    total_tokens = counts.get("tokens", 0)  # synthetic bench datasets record none: unchanged
+    total_tokens = counts.get("tokens", 0)  # none recorded: unchanged (bench/ passes --total-seq-len itself)
     smaller = max(SMALL_RUN_SEQ_LEN, counts.get("max_row_tokens", 0))
     if source == "flag" or not total_tokens or cfg.total_seq_len <= smaller:
         return cfg, None
