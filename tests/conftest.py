@@ -2,6 +2,11 @@
 
 Every test builds its own tiny models and data through `eagle3_pipeline.miniature`; nothing
 is downloaded.
+
+Lanes: tests/bench/ tests the benchmarks' code (marked `bench`). `make test-fast`
+(-m "not gpu and not slow and not vllm") runs no stage: a test that uses a stage-running fixture
+(STAGE_RUN_FIXTURES, however indirectly) is marked `slow` here, and `run_stage` refuses to run a stage
+inside a test that is not `slow`, so the fast lane cannot start one unnoticed.
 """
 
 from __future__ import annotations
@@ -23,11 +28,40 @@ from eagle3_pipeline.contract import STAGES
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "eagle3-train"
 SAMPLES = SCRIPTS / "samples"
+BENCH_TESTS = REPO / "tests" / "bench"  # tests of bench/ (benchlib, the bench scripts): marked `bench`
 STAGE_SCRIPTS = STAGES  # stage name -> script, in pipeline order
+
+# Fixtures that run stages (a module's own ones too). pytest's item.fixturenames is the whole closure,
+# so a test reaching one through another fixture (`ref`, `work`) is marked as well.
+STAGE_RUN_FIXTURES = frozenset({"kimi_run", "fp8_run", "kimi_vllm_run"})
+# Flags with which a stage script does no work (reads, checks, prints): allowed in the fast lane.
+NO_WORK_FLAGS = frozenset({"--check", "--print-config", "--help"})
+
+_current_test: dict[str, pytest.Item | None] = {"item": None}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Mark `slow` every test that uses a stage-running fixture, `bench` every test under tests/bench/
+    (tryfirst: before `-m` deselects)."""
+    for item in items:
+        if STAGE_RUN_FIXTURES.intersection(item.fixturenames):
+            item.add_marker(pytest.mark.slow)
+        if BENCH_TESTS in item.path.parents:
+            item.add_marker(pytest.mark.bench)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    _current_test["item"] = item  # before any fixture: session fixtures run stages in the first test's setup
 
 
 def run_stage(stage: str, *args: str, check: bool = True, timeout: float = 600, env: dict | None = None):
     """Run one stage script as a user would; returns the CompletedProcess (text output)."""
+    item = _current_test["item"]
+    if item is not None and item.get_closest_marker("slow") is None and not NO_WORK_FLAGS.intersection(map(str, args)):
+        raise AssertionError(f"{item.nodeid} runs stage {stage} but is not marked slow: mark it "
+                             "@pytest.mark.slow (or add its fixture to conftest.STAGE_RUN_FIXTURES)")
     cmd = [sys.executable, str(SCRIPTS / STAGE_SCRIPTS[stage]), *map(str, args)]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)

@@ -187,6 +187,7 @@ def test_content_parts_other_than_text_are_refused_with_turn_and_part(content, m
         to_messages({"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": "A"}]}, "x")
 
 
+@pytest.mark.slow
 def test_a_utf8_bom_at_the_start_of_a_jsonl_file_is_accepted(tmp_path, kimi_target):
     source = tmp_path / "bom.jsonl"
     rows = [{"messages": [{"role": "user", "content": f"Say {w}"}, {"role": "assistant", "content": w}]}
@@ -381,6 +382,7 @@ def test_smollm2_real_template_indented_answers_train_exactly_the_answer_tokens(
         assert trained(row) == answer_ids and tok.convert_ids_to_tokens(answer_ids[-1]) == "<|im_end|>"
 
 
+@pytest.mark.slow
 def test_smollm2_template_drops_tool_calls_so_such_rows_are_refused_and_skippable(tmp_path, smollm2):
     source = tmp_path / "agentic.jsonl"
     good = [{"messages": [{"role": "user", "content": f"Say {w}"}, {"role": "assistant", "content": f"    {w}"}]}

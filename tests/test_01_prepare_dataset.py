@@ -194,6 +194,7 @@ def test_speculators_regenerate_responses_output_feeds_stage_01(tmp_path, llama_
     assert sorted(map(tuple, dataset["loss_mask"])) == sorted(tuple(r["loss_mask"]) for r in rows)
 
 
+@pytest.mark.slow
 def test_token_rows_for_another_vocabulary_are_refused_with_file_and_line(tmp_path, kimi_target):
     source = tmp_path / "bad.jsonl"
     source.write_text(json.dumps({"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}) + "\n"

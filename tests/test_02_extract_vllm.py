@@ -142,7 +142,7 @@ def _run_scripts(target_dir: Path, work: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def kimi_run(mini, tmp_path_factory):
+def kimi_vllm_run(mini, tmp_path_factory):
     """The Kimi miniature through the real scripts (stage 01, then stage 02 with --backend vllm)."""
     target = load_target_info(mini["kimi"])
     work = tmp_path_factory.mktemp("vllm-kimi")
@@ -236,11 +236,11 @@ def test_vllm_states_equal_hf_transformers_states_for_the_same_layer_ids(name, r
     assert max(worst) <= 10 * TOLERANCE["kimi"], worst
 
 
-def test_kimi_final_slot_is_the_output_before_the_final_norm(kimi_run):
+def test_kimi_final_slot_is_the_output_before_the_final_norm(kimi_vllm_run):
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
-    run = kimi_run
+    run = kimi_vllm_run
     index, ids = run["rows"][0]
     got = load_file(str(hs_file(run["hs_dir"], index)))["hidden_states"][:, -1]
     norm_w = None
@@ -263,10 +263,10 @@ def test_staging_and_lock_files_are_cleaned_up(name, request):
         assert not run["staging_run_dir"].exists()  # the backend's per-run directory is removed on close
 
 
-def test_stage_02_manifest_records_the_vllm_backend(kimi_run):
-    manifest = json.loads((kimi_run["hs_dir"] / "manifest.json").read_text())
+def test_stage_02_manifest_records_the_vllm_backend(kimi_vllm_run):
+    manifest = json.loads((kimi_vllm_run["hs_dir"] / "manifest.json").read_text())
     assert manifest["complete"] and manifest["backend"] == "vllm"
-    assert manifest["shapes"]["hidden_states"] == ["T", 4, kimi_run["target"].hidden_size]
+    assert manifest["shapes"]["hidden_states"] == ["T", 4, kimi_vllm_run["target"].hidden_size]
 
 
 def run_files(root: Path) -> list[Path]:
@@ -275,11 +275,11 @@ def run_files(root: Path) -> list[Path]:
 
 # --- speculators reads the files ---------------------------------------------------------------
 
-def test_landed_files_load_in_speculators_arrow_dataset(kimi_run):
+def test_landed_files_load_in_speculators_arrow_dataset(kimi_vllm_run):
     """Stage 01's dataset + stage 02's hidden_states/ are speculators' training layout as they are."""
     from speculators.train.data import ArrowDataset
 
-    run = kimi_run
+    run = kimi_vllm_run
     dataset = ArrowDataset(max_len=MAX_MODEL_LEN, datapath=str(run["data_dir"]), on_missing="raise")
     hidden = run["target"].hidden_size
     assert len(dataset) == len(run["rows"])
@@ -302,10 +302,10 @@ def _copy_with(src: Path, dst: Path, **changes) -> Path:
     return dst
 
 
-def test_land_sample_refuses_a_file_without_the_final_layer(kimi_run, tmp_path):
+def test_land_sample_refuses_a_file_without_the_final_layer(kimi_vllm_run, tmp_path):
     from safetensors.torch import load_file
 
-    run = kimi_run
+    run = kimi_vllm_run
     index, ids = run["rows"][0]
     src = hs_file(run["hs_dir"], index)
     short = load_file(str(src))["hidden_states"][:, :3]  # what vLLM < 0.25 wrote for DeepSeek backbones
@@ -316,8 +316,8 @@ def test_land_sample_refuses_a_file_without_the_final_layer(kimi_run, tmp_path):
     assert not hs_file(tmp_path / "hs", index).exists()
 
 
-def test_land_sample_refuses_a_file_with_other_token_ids(kimi_run, tmp_path):
-    run = kimi_run
+def test_land_sample_refuses_a_file_with_other_token_ids(kimi_vllm_run, tmp_path):
+    run = kimi_vllm_run
     (index, ids), (_, other_ids) = run["rows"][0], run["rows"][1]
     staged = tmp_path / "1-abc.safetensors"
     src = hs_file(run["hs_dir"], index)
@@ -417,19 +417,19 @@ def test_gpu_gets_the_stock_connector_and_cpu_the_compat_one(tmp_path):
 
 # --- the server path ------------------------------------------------------------------------------
 
-def test_endpoint_path_against_the_printed_server_command(mini, kimi_run, tmp_path):
+def test_endpoint_path_against_the_printed_server_command(mini, kimi_vllm_run, tmp_path):
     """Start the server exactly as --print-server-cmd prints it (127.0.0.1), extract over HTTP,
     and get the same files as in-process."""
-    target = kimi_run["target"]
+    target = kimi_vllm_run["target"]
     port = free_port()
     cfg = _cfg(target.path, server_port=port)
-    argv = vb.server_command(cfg, target, kimi_run["layer_ids"], tmp_path / "staging", MAX_MODEL_LEN)
+    argv = vb.server_command(cfg, target, kimi_vllm_run["layer_ids"], tmp_path / "staging", MAX_MODEL_LEN)
     started = time.monotonic()
     with http_server(argv, port, tmp_path / "server.log", SERVER_START_TIMEOUT_S) as url:
         print(f"\n[kimi server] ready in {time.monotonic() - started:.1f}s")
-        backend = vb.VllmBackend(_cfg(target.path, endpoint=url), target, kimi_run["layer_ids"],
+        backend = vb.VllmBackend(_cfg(target.path, endpoint=url), target, kimi_vllm_run["layer_ids"],
                                  tmp_path / "unused", MAX_MODEL_LEN)
-        rows = kimi_run["rows"]
+        rows = kimi_vllm_run["rows"]
         too_long = (999, [5] * MAX_MODEL_LEN)
         try:
             result = _land_all(backend, rows + [too_long], tmp_path / "hidden_states", target)
@@ -442,7 +442,7 @@ def test_endpoint_path_against_the_printed_server_command(mini, kimi_run, tmp_pa
         # Other batches than in-process (requests arrive one by one): the same MLA bounds as vs HF.
         diffs = torch.cat([
             (load_file(str(hs_file(tmp_path / "hidden_states", index)))["hidden_states"]
-             - load_file(str(hs_file(kimi_run["hs_dir"], index)))["hidden_states"]).abs().amax(dim=-1)
+             - load_file(str(hs_file(kimi_vllm_run["hs_dir"], index)))["hidden_states"]).abs().amax(dim=-1)
             for index, _ in rows])
         assert float(diffs.quantile(0.9, dim=0).max()) <= TOLERANCE["kimi"]
         assert float(diffs.max()) <= 10 * TOLERANCE["kimi"]

@@ -234,7 +234,7 @@ def test_summary_takes_tokens_per_second_from_the_wall_clock_window():
 def _bench_module():
     import importlib.util
 
-    path = Path(__file__).parents[1] / "bench" / "train_throughput.py"
+    path = Path(__file__).resolve().parents[2] / "bench" / "train_throughput.py"
     spec = importlib.util.spec_from_file_location("train_throughput_bench", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -324,7 +324,7 @@ def test_bench_trace_child_profiles_04_train_in_process(tmp_path, kimi_run, kimi
     out = tmp_path / "trace"
     result = subprocess.run(
         [sys.executable, str(_bench_module().__file__), "_trace", "--out", str(out), "--after-step", "1",
-         "--steps", "1", str(Path(__file__).parents[1] / "eagle3-train" / "04_train.py"), "--profile", "cpu-mini",
+         "--steps", "1", str(Path(__file__).resolve().parents[2] / "eagle3-train" / "04_train.py"), "--profile", "cpu-mini",
          "--target", str(kimi_target), "--data", str(kimi_run["data"]), "--vocab", str(kimi_run["vocab"]),
          "--output", str(tmp_path / "run"), "--epochs", "1", "--logger", ""],
         capture_output=True, text=True, timeout=600)
