@@ -21,7 +21,7 @@ from eagle3_pipeline.config import TrainConfig, load_draft_config, resolve_stage
 from eagle3_pipeline.contract import MANIFEST_NAME, input_record, write_manifest
 from eagle3_pipeline.errors import ContractError, Interrupted, StageError
 from eagle3_pipeline.files import check_writable_dir, held_lock_fds, remove_stale_temps
-from eagle3_pipeline.metrics import compat_applied
+from eagle3_pipeline.metrics import METRICS_FILE, compat_applied
 from eagle3_pipeline.plan import check_plan_lines
 from eagle3_pipeline.plots import PLOTS_DIRNAME, write_plots
 from eagle3_pipeline.preflight import checkpoint_bytes, fit_seq_len_to_run, preflight_train
@@ -37,7 +37,6 @@ from eagle3_pipeline.stage import (
 from eagle3_pipeline.target import extraction_layer_ids, load_target_info
 from eagle3_pipeline.train_report import summarize, write_summary
 from eagle3_pipeline.training import (
-    METRICS_FILE,
     endpoint_down_error,
     export_compat_settings,
     launch_command,

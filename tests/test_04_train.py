@@ -7,11 +7,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from eagle3_pipeline.checkpoints import complete as checkpoint_dirs
 from eagle3_pipeline.compat import cpu_trainer
 from eagle3_pipeline.config import TrainConfig, build_config
 from eagle3_pipeline.metrics import read_metrics
 from eagle3_pipeline.target import weight_map
-from eagle3_pipeline.training import checkpoint_dirs, resolve_kernels, speculators_argv
+from eagle3_pipeline.training import resolve_kernels, speculators_argv
 
 from conftest import run_stage
 

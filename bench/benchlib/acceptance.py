@@ -331,48 +331,6 @@ def run_engine_isolated(target_dir, draft_dir, num_speculative_tokens, prompts,
         return json.loads(result_path.read_text())
 
 
-def regenerate_responses(target_dir, conversations_path, out_path, limit: int | None = None,
-                         max_tokens: int = 256, log_path: str | os.PathLike | None = None) -> dict:
-    """Replace each assistant turn with the target's own greedy answer (vLLM), as a jsonl.
-
-    The draft is judged on the target's outputs, not the dataset's: training on what the target
-    itself says is the "regenerate responses" recipe (speculators ships `regenerate-responses`
-    for a running server; this does the same in-process). Rows whose answer comes back empty
-    are dropped. Returns counts and wall time.
-    """
-    from transformers import AutoTokenizer
-
-    rows = []
-    with open(conversations_path) as f:
-        for line in f:
-            if line.strip():
-                rows.append(json.loads(line))
-    rows = rows[:limit] if limit is not None else rows
-    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
-    prompts = []
-    for row in rows:
-        user_turns = [m for m in row["messages"] if m["role"] != "assistant"]
-        ids = tokenizer.apply_chat_template(user_turns, tokenize=True, add_generation_prompt=True)
-        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-    t0 = time.perf_counter()
-    result = run_engine_isolated(target_dir, None, 0, prompts,
-                                 VllmSettings(max_tokens=max_tokens, warmup_prompts=0, max_num_seqs=32), log_path)
-    written = 0
-    tmp = Path(str(out_path) + ".tmp")
-    with open(tmp, "w") as f:
-        for row, generated in zip(rows, result["generated_token_ids"]):
-            answer = tokenizer.decode(generated, skip_special_tokens=True)
-            if not answer.strip():
-                continue
-            messages = [m for m in row["messages"] if m["role"] != "assistant"]
-            messages.append({"role": "assistant", "content": answer})
-            f.write(json.dumps({**row, "messages": messages, "regenerated_by": str(target_dir)}) + "\n")
-            written += 1
-    os.replace(tmp, out_path)
-    return {"rows": len(rows), "written": written, "generated_tokens": result["generated_tokens"],
-            "wall_s": time.perf_counter() - t0}
-
-
 def agreement(reference: list[list[int]], other: list[list[int]]) -> dict:
     """How closely two greedy runs agree: identical outputs, and mean shared-prefix fraction.
 

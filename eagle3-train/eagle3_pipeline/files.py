@@ -126,13 +126,6 @@ def atomic_save_safetensors(tensors: dict, final: Path, metadata: dict | None = 
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
 
 
-def atomic_torch_save(obj: Any, final: Path) -> None:
-    import torch
-
-    with atomic_path(final) as tmp:
-        torch.save(obj, tmp)
-
-
 def atomic_numpy_save(array: Any, final: Path) -> None:
     import numpy as np
 
@@ -220,10 +213,6 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
 
 def sha256_json(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def dir_size_bytes(directory: Path) -> int:
-    return sum(p.stat().st_size for p in Path(directory).rglob("*") if p.is_file())
 
 
 def check_writable_dir(directory: Path, flag: str) -> None:

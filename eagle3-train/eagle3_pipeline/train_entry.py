@@ -7,7 +7,8 @@ speculators' own `main`. (Plain `torchrun -m speculators.train` would skip the f
 import sys
 from pathlib import Path
 
-from .training import METRICS_FILE, run_in_process
+from .metrics import METRICS_FILE
+from .training import run_in_process
 
 
 def main(argv: list[str]) -> None:

@@ -288,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("checkpoints", help="stage 04's --output directory")
     args = parser.parse_args(argv)
     out_dir = Path(args.checkpoints)
-    from .training import METRICS_FILE, best_checkpoint
+    from .checkpoints import best as best_checkpoint
+    from .metrics import METRICS_FILE
 
     best = best_checkpoint(out_dir)
     if best is None:

@@ -17,15 +17,11 @@ from pathlib import Path
 
 import torch
 
-# The checkpoint layout lives in checkpoints.py; these names stay for train_report and the tests.
-from .checkpoints import best as best_checkpoint  # noqa: F401
-from .checkpoints import complete as checkpoint_dirs  # noqa: F401
 from .config import SCRIPTS_DIR, TrainConfig
 from .errors import ConfigError
 from .files import atomic_write_text
 from .metrics import (
     COMPAT_KEY,
-    METRICS_FILE,  # noqa: F401  (stage 04 and train_entry take the file name from here)
     is_rank_zero,
     write_record,
 )

@@ -75,9 +75,3 @@ def count_loss_tokens(rows_input_ids, rows_loss_mask, desc: str) -> dict[int, in
             if m:
                 counts[token] = counts.get(token, 0) + 1
     return counts
-
-
-def mapping_sha256(directory: Path) -> str:
-    from .files import sha256_file, sha256_json
-
-    return sha256_json({name: sha256_file(Path(directory) / name) for name in (D2T_NAME, T2D_NAME)})

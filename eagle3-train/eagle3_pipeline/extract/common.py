@@ -19,7 +19,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Protocol
+from typing import Iterator, Protocol
 
 import torch
 
@@ -192,11 +192,6 @@ def _move_or_copy(src: Path, dst: Path) -> None:
     except OSError:
         shutil.copyfile(src, dst)  # staging on another disk: copy into the temp, then rename
         src.unlink(missing_ok=True)
-
-
-def find_done(hs_dir: Path, indices: Iterable[int]) -> set[int]:
-    """Rows whose final file exists (a final name is only ever created by a rename)."""
-    return {i for i in indices if hs_file(hs_dir, i).is_file()}
 
 
 def validate_all(hs_dir: Path, rows: dict[int, list[int]], num_slots: int, hidden_size: int,
