@@ -16,7 +16,7 @@ One invocation, on one GPU machine, on the same data:
     python bench/train_throughput.py --runs --trace   # where ours' step time goes, per GPU kernel
     python bench/train_throughput.py --cold-warm      # ours from files not in page cache vs cached, bf16 and fp8
 
-Random data: the numbers say how fast, never how well (see NOTES.md, "Training throughput").
+Random data: the numbers say how fast, never how well (bench/README.md, "Training throughput").
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ DRAFT_VOCAB = 32000        # the draft vocab every run uses (plain's own default
 # which the head-only verifier does not have.
 MASK_TOKEN_ID = throughput.KIMI_K25_TEXT_CONFIG["pad_token_id"]
 
-# Our recommended training defaults as speculators flags (reasons: NOTES.md, "Training throughput"),
+# Our recommended training defaults as speculators flags (reasons: NOTES.md, "Training defaults and why"),
 # for `--ours-via flags`: speculators train + DevicePrefetchLoader through this script's own
 # launcher. The default, `--ours-via 04_train`, runs the pipeline's stage 04 instead.
 OURS_FLAGS = ["--total-seq-len", "32768", "--optimizer", "adamw", "--log-freq", "10",

@@ -570,7 +570,7 @@ def test_preflight_counts_optimizer_steps_and_recommends_smaller_steps_for_a_sho
 
 
 def test_a_short_run_packs_8k_tokens_per_step_unless_the_flag_says_otherwise():
-    """The measured winner at few steps (NOTES 'Acceptance length': tau 2.51 at 8K vs 1.93 at 32K) is the default."""
+    """The measured winner at few steps (bench/README.md, 'Acceptance length in vLLM': 8K beat 32K) is the default."""
     from eagle3_pipeline import preflight
     from eagle3_pipeline.config import TrainConfig, build_config
 

@@ -177,11 +177,10 @@ class TrainConfig(StageConfig):
     draft_config: str = _field(str(DEFAULT_DRAFT_CONFIG), "draft architecture file")
     epochs: int = _field(10, "training epochs", ge=1)
     max_steps: Optional[int] = _field(None, "stop after this many optimizer steps")
-    # Throughput defaults measured on an H200 at Kimi geometry (NOTES.md, "Training throughput"): 32K
-    # tokens/step with AdamW is 2.1x plain speculators' tokens/s. A run with under 1,000 optimizer steps packs
-    # 8K instead (preflight.fit_seq_len_to_run): on the SmolLM2 testbed in vLLM (NOTES.md, "Acceptance length")
-    # 8K tokens/step reached tau 2.51 vs 1.93 at 32K on the same data (760 vs 190 steps). lr: there 1e-3 beat
-    # 2e-3 and 4e-3 at 32K (tau 1.94 / 1.63 / 1.33).
+    # Throughput defaults measured on an H200 at Kimi geometry (NOTES.md, "Training defaults and why"; figures in
+    # bench/README.md, "Training throughput"). A run with under 1,000 optimizer steps packs 8K instead
+    # (preflight.fit_seq_len_to_run): on the SmolLM2 testbed in vLLM 8K steps trained a better draft than 32K on
+    # the same data, and lr 1e-3 beat 2e-3 and 4e-3 (bench/README.md, "Acceptance length in vLLM").
     total_seq_len: int = _field(32768, "tokens packed per step per GPU (16384 on 80 GB cards); unless given as a "
                                        "flag, 8192 when the run would have under 1,000 optimizer steps (preflight line)",
                                 ge=16)

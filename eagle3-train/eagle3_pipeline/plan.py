@@ -147,7 +147,7 @@ def make_plan(target_dir: str, profile: str | None, work: str, rows: int | None 
         total_bytes={s: tokens * per_token[s] for s in FORMATS},
         train_tokens_per_s_per_gpu=train_tokens_per_s or TRAIN_TOKENS_PER_S_PER_GPU,
         train_rate_source="--train-tokens-per-s" if train_tokens_per_s else
-        "04_train's defaults at Kimi-K2.5 geometry on one H200 (NOTES.md); measure yours with bench/train_throughput.py",
+        "04_train's defaults at Kimi-K2.5 geometry on one H200 (bench/README.md); measure yours with bench/train_throughput.py",
         disk_read_gb_s=read, disk_read_source=read_source, extract_tokens_per_s=extract_tokens_per_s,
         recommendation="",
     )

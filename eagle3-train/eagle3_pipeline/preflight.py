@@ -49,11 +49,11 @@ PREPARED_BYTES_PER_INPUT_BYTE = 4
 # (Muon: one momentum buffer; AdamW: two moments).
 CHECKPOINT_BYTES = 2
 OPTIMIZER_STATES = {"muon": 1, "adamw": 2}
-# Training tokens/s per GPU that 04_train's defaults reach at Kimi-K2.5 geometry on an H200
-# (NOTES.md, "Training throughput": 36,715 on one; 34,218 per GPU on two, before the flex-attention
-# forward config), rounded down: the rate the hidden-state reads must keep up with.
+# Training tokens/s per GPU that 04_train's defaults reach at Kimi-K2.5 geometry on an H200, one GPU and
+# two under DDP (bench/README.md, "Training throughput"), rounded down: the rate the hidden-state reads
+# must keep up with.
 TRAIN_TOKENS_PER_S_PER_GPU = 35_000
-# The read probe: at most this much (~1-3 s at the 0.65-1.8 GB/s the H200 machine's disk gave), and none
+# The read probe: at most this much (a few seconds on the H200 machine's disk), and none
 # below the floor (hidden states that small live in the page cache).
 READ_PROBE_BYTES = 2 * 10**9
 READ_PROBE_MIN_TOTAL_BYTES = 10**9
@@ -170,7 +170,7 @@ def check_hidden_state_reads(hs_dir: Path, total_tokens: int, nproc: int, *,
     if got < need:
         capped = got * 1e9 / per_token / nproc
         line += (f"; WARNING: the disk would cap training at ~{capped:,.0f} tokens/s per GPU "
-                 f"(NOTES.md, 'Disk': local NVMe striped, or fewer GPUs per node)")
+                 f"(NOTES.md, 'Hidden states on disk': local NVMe striped, fp8 files, or fewer GPUs per node)")
     return line
 
 
@@ -189,9 +189,8 @@ def measure_cold_read_bandwidth(paths: Sequence[str | Path], *, threads: int = 1
     how="evicted" (the default): the files' pages are dropped from the page cache first
     (POSIX_FADV_DONTNEED, no root needed), then read through it, as the training loader reads them, the
     kernel's read-ahead included; raises OSError where they stay cached (tmpfs). how="direct": O_DIRECT,
-    no read-ahead: on the H200 machine's disk 1.1 GB/s with 8 readers where evicted reads gave 1.8-2.0
-    and a training run read 1.8 GB/s cold without waiting (NOTES.md, "Disk"), so it understates what
-    training gets; raises OSError where the filesystem refuses it. how="buffered": as the cache is.
+    no read-ahead, so it understates what training gets (bench/README.md, "Disk cold reads"); raises
+    OSError where the filesystem refuses it. how="buffered": as the cache is.
     """
     files = [Path(p) for p in paths]
     if how not in ("evicted", "direct", "buffered"):
@@ -467,10 +466,10 @@ def checkpoint_bytes(cfg, draft: dict, target, draft_vocab: int) -> int:
     return saved * CHECKPOINT_BYTES + trainable * CHECKPOINT_BYTES * OPTIMIZER_STATES[cfg.optimizer]
 
 
-# Below this many optimizer steps a run is in the regime where steps, not tokens, limit the draft. On the
-# SmolLM2 testbed (one H200, bench/results/h200-acceptance-smollm2.json; same 1,500 conversations, 10
-# epochs) 190 steps of 32K tokens reached tau 1.93 at k = 5, 760 steps of 8K tokens 2.51 (plain
-# speculators' 808 steps of 8K with Muon: 2.37). So a run with few steps packs SMALL_RUN_SEQ_LEN tokens.
+# Below this many optimizer steps a run is in the regime where steps, not tokens, limit the draft: on the
+# SmolLM2 testbed 8K-token steps (4x the steps) trained a better draft than 32K on the same data, and better
+# than plain speculators' 8K Muon steps (bench/README.md, "Acceptance length in vLLM";
+# bench/results/h200-acceptance-smollm2.json). So a run with few steps packs SMALL_RUN_SEQ_LEN tokens.
 FEW_OPTIMIZER_STEPS = 1000
 SMALL_RUN_SEQ_LEN = 8192
 

@@ -53,8 +53,8 @@ def coverage(token_freq: dict[int, int], t2d: np.ndarray) -> float:
 
 
 # Below this share of validation loss tokens, the draft vocabulary is what limits acceptance:
-# every target token outside it ends a draft chain (bench-acceptance: a vocabulary covering 79%
-# of the loss tokens left tau 6.6% below the full vocabulary's; NOTES.md, "Recipe choices").
+# every target token outside it ends a draft chain (bench/README.md, "Acceptance on the organism": the
+# small-vocabulary draft against vocab-full).
 LOW_COVERAGE = 0.95
 
 

@@ -5,7 +5,7 @@ speculators' trainer copies each batch (Kimi-K2.5: ~1.9 GB at 32K tokens) with
 and the wait for the loader sit between steps. `DevicePrefetchLoader` takes batches from the
 loader in a thread as soon as they are ready and issues their copies on a side stream; the
 trainer's own `.to(device)` then finds them on the device already (measured on an H200:
-NOTES.md, "Training throughput"). `install` wraps `speculators.train.cli.create_train_val_loaders`
+bench/README.md, "Levers, one at a time"). `install` wraps `speculators.train.cli.create_train_val_loaders`
 so the training loader is wrapped; the validation loader is left as it is.
 
 Gate: only with CUDA (there is no copy to hide on the CPU).

@@ -2,10 +2,10 @@
 
 Why: at Kimi-K2.5 geometry (64 heads of 64, 32K packed tokens, speculators' document +
 window mask) PyTorch's default forward config for head_dim 64 on sm90 (a 128x128 tile,
-4 warps, 3 stages) runs at 255 registers per thread and takes ~28 ms per TTT step on an
-H200, ~10% of the training step; a 64x128 tile with the same warps and stages takes 2.6 ms
-for the same output (`bench/flex_attention_configs.py`, NOTES.md "Where the step's time
-goes"). The backward kernel keeps PyTorch's config (the `fwd_` keys reach the forward only).
+4 warps, 3 stages) runs at 255 registers per thread and was the outlier of the training step on
+an H200; a 64x128 tile with the same warps and stages is several times faster for the same output
+(`bench/flex_attention_configs.py`; figures in bench/README.md, "Flex-attention forward configs" and
+"Where the step's time goes"). The backward kernel keeps PyTorch's config (the `fwd_` keys reach the forward only).
 
 How: speculators 0.9.0 calls `flex_attention` from `speculators.models.attention` without
 `kernel_options`; this wraps that module-level name so calls whose head_dim is the measured
