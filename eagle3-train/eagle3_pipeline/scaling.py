@@ -153,8 +153,10 @@ def communication_line(target_text_config: dict, profile: str | None, gpus: int)
             f"of linear at {p['tokens_per_step_per_gpu']:,} tokens/step/GPU")
 
 
-MEASURE_COMMAND = ("python bench/train_throughput.py --runs --ddp {n} --skip-disk --distinct-files 24 --warmup-steps 2 "
-                   "--steps 8   # with 04_train.py --profile {profile}; n = 1, 2, 4, 8")
+MEASURE_COMMAND = ("python bench/train_throughput.py --runs ours --ours-profile {profile} --skip-disk --distinct-files 24 "
+                   "--warmup-steps 2 --steps 8 --results /tmp/scaling-1 && for n in 2 4 8; do python "
+                   "bench/train_throughput.py --runs --ddp $n --ours-profile {profile} --skip-disk --distinct-files 24 "
+                   "--warmup-steps 2 --steps 8 --results /tmp/scaling-$n; done")
 
 
 def prediction_report(text_config: dict, target: str) -> dict:
@@ -167,7 +169,7 @@ def prediction_report(text_config: dict, target: str) -> dict:
                   "two_h200_step_ms": TWO_H200_STEP_MS, "h200_bf16_dense_tflops": H200_BF16_DENSE_TFLOPS},
         "profiles": {
             name: {"per_gpu_count": {str(n): {**predict(text_config, name, n), "measured": None} for n in GPU_COUNTS},
-                   "measure_with": MEASURE_COMMAND.format(n="N", profile=name)}
+                   "measure_with": MEASURE_COMMAND.format(profile=name)}
             for name in profiles
         },
     }
