@@ -138,7 +138,10 @@ def communication_line(target_text_config: dict, profile: str | None, gpus: int)
     """The run plan's `communication:` line."""
     if gpus <= 1:
         return "  communication: none (1 GPU: no gradient all-reduce)"
-    found = predict(target_text_config, profile, gpus) if profile and profile != "none" else None
+    try:
+        found = predict(target_text_config, profile, gpus) if profile and profile != "none" else None
+    except KeyError as missing:  # a config without the draft's shapes (hidden, heads, MLP width)
+        return f"  communication: {gpus} GPUs; the target's config has no {missing} to size the draft's gradients"
     if found is None:
         return (f"  communication: {gpus} GPUs; no interconnect known for profile {profile or 'none'} (a profile's "
                 f"_hardware block gives it: eagle3_pipeline/scaling.py)")
