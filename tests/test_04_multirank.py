@@ -269,15 +269,20 @@ def test_the_stop_line_names_the_silent_ranks_and_nodes(tmp_path, monkeypatch):
     (tmp_path / "logs" / RANKS_DIRNAME / "rank-0.json").unlink()
     assert "rank(s) 0, 3 ended without an exit record (killed by a signal" in stopped_line(
         tmp_path, nproc=2, nnodes=2, node_rank=0, since=since, returncode=1)
+    # a rank that started and never ended counts as silent too
+    monkeypatch.setenv("RANK", "0")
+    write_exit(tmp_path, "running")
+    assert "rank(s) 0, 3 ended without an exit record" in stopped_line(
+        tmp_path, nproc=2, nnodes=2, node_rank=0, since=since, returncode=1)
     # every rank answered: the first error, on one line
     for rank in (0, 3):
         monkeypatch.setenv("RANK", str(rank))
         write_exit(tmp_path, "interrupted")
     assert stopped_line(tmp_path, nproc=2, nnodes=2, node_rank=0, since=since, returncode=1).startswith(
         "training stopped: rank 1 (node 0) failed: RuntimeError: Connection closed by peer at gloo; rerun")
-    # records of an earlier launch do not count
-    assert "rank(s) 0-3 ended" in stopped_line(tmp_path, nproc=2, nnodes=2, node_rank=1, since=time.time() + 1,
-                                               returncode=1)
+    # records of an earlier launch do not count: no rank of this one started
+    assert stopped_line(tmp_path, nproc=2, nnodes=2, node_rank=1, since=time.time() + 1, returncode=1).startswith(
+        "training stopped: the launcher exited with code 1 before any rank started (its output above says why); rerun")
 
 
 def test_a_redone_step_counts_once(tmp_path):
@@ -290,3 +295,44 @@ def test_a_redone_step_counts_once(tmp_path):
     (folder / "rank-0.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines[:3]) + '{"epoch": 0, "loc')
     (folder / "rank-1.jsonl").write_text(json.dumps(lines[3]) + "\n")
     assert {e: sorted(s) for e, s in samples_per_epoch(tmp_path).items()} == {0: [0, 1, 2, 3]}
+
+
+# --- DeepSpeed's launcher, hostfile route ----------------------------------------------------
+
+DEEPSPEED_PATH = REPO / ".venv-ds"  # pip install --target .venv-ds deepspeed (not in requirements: the launcher only)
+
+
+def _deepspeed_env() -> dict | None:
+    """The environment in which `python -m deepspeed.launcher.runner` imports, or None."""
+    paths = [str(DEEPSPEED_PATH)] if DEEPSPEED_PATH.is_dir() else []
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")])}
+    probe = subprocess.run([sys.executable, "-c", "import deepspeed.launcher.runner"], env=env, capture_output=True)
+    return env if probe.returncode == 0 else None
+
+
+@pytest.mark.slow
+def test_deepspeeds_launcher_trains_with_speculators_ddp_and_its_hostfile_route_needs_ssh(uniform, tmp_path):
+    env = _deepspeed_env()
+    if env is None:
+        pytest.skip(f"deepspeed not importable (pip install --no-deps --target {DEEPSPEED_PATH} deepspeed hjson py-cpuinfo msgpack)")
+    out = tmp_path / "ds"
+    args = train_args(uniform, out, "--epochs", "1", "--total-seq-len", str(ROW_TOKENS), "--nproc", "2", "--launcher", "deepspeed")
+    run_stage("train", *args, env=env, timeout=900)
+    assert "deepspeed.launcher.runner" in (out / "command.txt").read_text()
+    assert sorted({r["rank"] for r in read_records(out)}) == [0, 1]
+    assert sorted(samples_per_epoch(out)[0]) == list(range(TRAIN_ROWS))
+    assert json.loads((out / "manifest.json").read_text())["complete"]
+
+    # A hostfile, even of localhost alone: DeepSpeed's runner first checks passwordless ssh to its first host.
+    ssh = subprocess.run(["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", "localhost", "true"], capture_output=True)
+    if ssh.returncode == 0:
+        return  # this machine could run the route; the single-node run above already trained
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=2\n")
+    failed = run_stage("train", *train_args(uniform, tmp_path / "ds-hostfile", "--epochs", "1", "--total-seq-len",
+                                            str(ROW_TOKENS), "--nproc", "2", "--launcher", "deepspeed", "--hostfile", hostfile),
+                       env=env, check=False, timeout=600)
+    assert failed.returncode == 1
+    assert "was not reachable via ssh" in failed.stdout + failed.stderr  # DeepSpeed's own reason, above
+    assert failed.stderr.strip().splitlines()[-1].startswith(
+        "error: training stopped: the launcher exited with code 1 before any rank started (its output above says why)")

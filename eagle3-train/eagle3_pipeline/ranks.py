@@ -3,12 +3,13 @@
 torchrun reports a dead rank as a ChildFailedError block per node, and the ranks that survived
 it (a collective with a dead peer fails, then torchrun sends SIGTERM and, 30 s later, SIGKILL)
 each print their own traceback: on a node whose peer node died, nothing says which rank or node
-went first. So every rank (`train_entry`) writes `<save>/logs/ranks/rank-<R>.json` as it ends:
-{"rank", "node", "status": "ok" | "interrupted" | "error", "error": one line}. A rank killed by a
-signal (kill -9, the OOM killer) or on a node that went down writes nothing. After a failed launch,
-`stopped_line` reads the records written since the launch started and names the ranks (and nodes:
-torchrun's static rendezvous gives node n the global ranks n*nproc .. n*nproc+nproc-1) that ended
-without one, else the first rank's error, and where a rerun resumes.
+went first. So every rank (`train_entry`) writes `<save>/logs/ranks/rank-<R>.json` when it starts
+(status "running") and again as it ends: {"rank", "node", "status": "ok" | "interrupted" | "error",
+"error": one line}. A rank killed by a signal (kill -9, the OOM killer) or on a node that went down
+stays "running". After a failed launch, `stopped_line` reads the records written since the launch
+started and names the ranks (and nodes: torchrun's static rendezvous gives node n the global ranks
+n*nproc .. n*nproc+nproc-1) that never ended, else the first rank's error, else says that no rank
+started (the launcher failed: its own output says why), and where a rerun resumes.
 
 The save path is shared by the nodes (node 0 writes the checkpoints); each node clears the records
 of its own ranks before it launches them (`clear_own`).
@@ -82,16 +83,18 @@ def stopped_line(save_path: str | Path, *, nproc: int, nnodes: int, node_rank: i
 
     world = nproc * nnodes
     exits = read_exits(save_path, since)
-    silent = [r for r in range(world) if r not in exits]
+    silent = [r for r in range(world) if exits.get(r, {}).get("status", "running") == "running"]
     silent_nodes = sorted({r // nproc for r in silent})
-    if silent and all(n != node_rank for n in silent_nodes):
+    if not exits:
+        cause = f"the launcher exited with code {returncode} before any rank started (its output above says why)"
+    elif silent and all(n != node_rank for n in silent_nodes):
         nodes = ", ".join(f"node {n}" for n in silent_nodes)
         cause = (f"{nodes} of {nnodes} stopped answering: rank(s) {_ranges(silent)} ended without an exit record "
                  f"(the node, its stage 04 or its ranks were killed, ran out of memory or lost the network); this "
                  f"node's ranks stopped with it")
     elif silent:
         cause = (f"rank(s) {_ranges(silent)} ended without an exit record (killed by a signal such as kill -9 or the "
-                 f"out-of-memory killer); the other ranks stopped with them")
+                 f"out-of-memory killer, or never started); the other ranks stopped with them")
     else:
         failed = [exits[r] for r in sorted(exits) if exits[r]["status"] == "error"]
         first = failed[0] if failed else None

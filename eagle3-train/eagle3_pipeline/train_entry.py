@@ -16,6 +16,7 @@ def main(argv: list[str]) -> None:
     from .ranks import write_exit
 
     save_path = Path(argv[argv.index("--save-path") + 1])
+    write_exit(save_path, "running")  # stays so if this rank is killed
     try:
         run_in_process(argv, save_path / METRICS_FILE)
     except StageError as exc:  # e.g. interrupted: the launcher, then stage 04, see the exit code
