@@ -14,6 +14,7 @@ Run with --help for flags and an example.
 from __future__ import annotations
 
 import subprocess
+import time
 from pathlib import Path
 
 from eagle3_pipeline import checkpoints, online
@@ -25,6 +26,7 @@ from eagle3_pipeline.metrics import METRICS_FILE, compat_applied
 from eagle3_pipeline.plan import check_plan_lines
 from eagle3_pipeline.plots import PLOTS_DIRNAME, write_plots
 from eagle3_pipeline.preflight import checkpoint_bytes, fit_seq_len_to_run, preflight_train
+from eagle3_pipeline.ranks import clear_own, stopped_line
 from eagle3_pipeline.resume import INTERRUPTED, prepare_resume
 from eagle3_pipeline.stage import (
     config_fingerprint,
@@ -143,14 +145,17 @@ def main(argv: list[str] | None = None) -> int:
     if launch is None:
         run_in_process(spec_argv, out_dir / METRICS_FILE, checkpoint_bytes(cfg, draft, target, vocab["draft_vocab_size"]))
     else:
+        clear_own(out_dir, cfg.nproc, cfg.node_rank)
+        launched_at = time.time()
         result = subprocess.run(launch, env=launch_env(), pass_fds=held_lock_fds())  # ranks hold the output lock too
         if result.returncode == Interrupted.exit_code:
             raise Interrupted(f"training interrupted; checkpoint saved in {out_dir / INTERRUPTED} if the save finished; "
                               f"rerun the same command to resume")
         if result.returncode != 0 and server is not None and (problem := online.endpoint_problem(server["endpoint"])):
             raise endpoint_down_error(problem, out_dir)
-        if result.returncode != 0:
-            raise StageError(f"training processes exited with code {result.returncode} (see their log above); rerun to resume")
+        if result.returncode != 0:  # which rank or node stopped first, and where the rerun resumes
+            raise StageError(stopped_line(out_dir, nproc=cfg.nproc, nnodes=cfg.nnodes, node_rank=cfg.node_rank,
+                                          since=launched_at, returncode=result.returncode))
     if cfg.dry_run:
         log.info("dry run: initialised draft written to %s", out_dir)
         return 0

@@ -32,6 +32,14 @@
 # (stage 04 saves its position and the rerun continues from that step); a second Ctrl-C kills it. Only one driver runs per WORK: a second one (or a restart while a stage from a
 # killed driver still runs) is refused, exit 75. Every stage runs in its own process group,
 # recorded in WORK/logs/current_stage.
+#
+# Several nodes (stage 04; WORK on a filesystem every node mounts): run 01-03 (and 02) here, then on
+# EVERY node the same command with its own --node-rank, node 0's address in --rdzv-endpoint:
+#   eagle3-train/run_all.sh --profile h200-8x --target T --data D --work W --from 04 \
+#       --args-04 "--nnodes 2 --node-rank 0 --rdzv-endpoint 10.0.0.1:29500"        (node 0, then node 1: --node-rank 1)
+# Node 0 holds global rank 0 (checkpoints, metrics, manifest) and runs 05. A node that dies stops the others
+# within ~30 s with one line naming it; the same commands on every node resume from the last checkpoint.
+# DeepSpeed instead: --args-04 "--launcher deepspeed --hostfile H --nnodes 2", started once on node 0.
 set -euo pipefail
 trap '' HUP PIPE  # an SSH drop must not stop the run; a closed terminal must not kill the driver
 

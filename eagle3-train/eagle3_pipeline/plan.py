@@ -36,6 +36,7 @@ from .preflight import (
     measure_cold_read_bandwidth,
     read_probe_sample,
 )
+from .scaling import communication_line
 from .target import load_target_info
 
 # What a token's hidden states hold: 3 aux layers + the final layer (stage 02's default).
@@ -187,6 +188,7 @@ def format_plan(plan: Plan) -> str:
         f"  training:      {plan.epochs} epochs x {plan.tokens:,} tokens at {rate:,.0f} tokens/s: "
         f"{plan.train_hours('bf16'):,.1f} h from bf16 files, {plan.train_hours('fp8'):,.1f} h from fp8 files"
         + ("" if plan.disk_read_gb_s is not None else " (GPU-bound; the disk not measured)"),
+        communication_line(load_target_info(plan.target).text_config, plan.profile, plan.gpus),
         f"  recommendation: {plan.recommendation}",
     ])
 

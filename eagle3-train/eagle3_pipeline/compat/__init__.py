@@ -12,6 +12,8 @@ installed (stage 04 logs them and records them in its manifest, via metrics.json
                        (gate: sm90, or options given with --flex-forward-config; not `off`)
   interrupt_progress   Trainer.train_epoch / maybe_save_checkpoint record where a SIGTERM save
                        stopped, so it resumes (gate: speculators 0.9.0)
+  samples_record       Trainer.train_epoch also appends, per rank and step, the train rows that step
+                       trained on to <save>/logs/samples/rank-<R>.jsonl (gate: speculators 0.9.0)
   metrics_jsonl        speculators' metric logger setup also attaches stage 04's metrics.jsonl
                        (always; raises if speculators' setup function is gone)
   device_prefetch      the training loader copies the next batch to the GPU on a side stream
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-FIXES = ("cpu_trainer", "fused_loss", "flex_forward_config", "interrupt_progress", "metrics_jsonl",
+FIXES = ("cpu_trainer", "fused_loss", "flex_forward_config", "interrupt_progress", "samples_record", "metrics_jsonl",
          "device_prefetch", "online_generation")
 
 
@@ -46,6 +48,7 @@ def apply(metrics_path: str | Path) -> list[str]:
         interrupt_progress,
         metrics_jsonl,
         online_generation,
+        samples_record,
     )
 
     gates = {
@@ -53,6 +56,7 @@ def apply(metrics_path: str | Path) -> list[str]:
         "fused_loss": fused_loss.apply,
         "flex_forward_config": flex_forward_config.apply,
         "interrupt_progress": interrupt_progress.apply,
+        "samples_record": samples_record.apply,
         "metrics_jsonl": lambda: metrics_jsonl.apply(metrics_path),
         "device_prefetch": device_prefetch.apply,
         "online_generation": online_generation.apply,

@@ -1,0 +1,102 @@
+"""Which training samples each rank trained on: one JSON line per optimizer step, per rank.
+
+speculators' sampler (`MultipackDistributedBatchSamplerV2`) gives every rank its own share of
+each global batch and drops the last few rows of an epoch when fewer than world-size remain;
+nothing records the split. `Trainer.train_epoch` is wrapped so that after each optimizer step
+the rank appends {"epoch", "local_step", "global_step", "rank", "samples"} to
+`<save-path>/logs/samples/rank-<R>.jsonl`: the train-split row indices of the batch that step
+trained on, read from the sampler's own batch list for that epoch (the one its resume skip
+slices). It runs after the step, so a killed rank's file ends at its last finished step; a
+resume redoes the steps after its checkpoint and appends them again, so the record of a step
+is the last line with its (epoch, local_step) (`samples_per_epoch`).
+
+Gate: speculators 0.9.0 (the sampler's `_generate_batches` and the trainer's resume fields were
+read from it); elsewhere nothing is recorded and training is unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+SUPPORTED_SPECULATORS = ("0.9.0",)
+SAMPLES_DIRNAME = "samples"  # under <save-path>/logs/
+
+
+def record_dir(save_path: str | Path) -> Path:
+    return Path(save_path) / "logs" / SAMPLES_DIRNAME
+
+
+def apply() -> bool:
+    from importlib import metadata
+
+    if metadata.version("speculators") not in SUPPORTED_SPECULATORS:
+        return False
+    import speculators.train.trainer as trainer
+
+    cls = trainer.Trainer
+    if getattr(cls, "_eagle3_samples_record", False):
+        return True
+    original_train_epoch = cls.train_epoch
+
+    def train_epoch(self, epoch, *, step_callback=None):
+        sampler = self.train_loader.batch_sampler
+        if not hasattr(sampler, "_generate_batches"):
+            return original_train_epoch(self, epoch, step_callback=step_callback)
+        # Read before speculators clears it: the steps of this epoch a resume skips.
+        skipped = getattr(self, "_resume_local_step", 0) if epoch == getattr(self, "current_epoch", epoch) else 0
+        sampler.set_epoch(epoch)
+        batches = [[int(i) for i in batch] for batch in sampler._generate_batches(epoch)]  # noqa: SLF001
+        rank = int(getattr(self, "rank", 0) or 0)
+        path = record_dir(self.checkpointer.path) / f"rank-{rank}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        position = {"local_step": skipped}
+
+        def recorded():
+            position["local_step"] += 1
+            step = position["local_step"]
+            entry = {"epoch": epoch, "local_step": step, "global_step": self.global_step - 1, "rank": rank,  # as in metrics.jsonl
+                     "samples": batches[step - 1] if step <= len(batches) else None}
+            with open(path, "a") as handle:  # one short line per step; flushed at close
+                handle.write(json.dumps(entry) + "\n")
+            if step_callback is not None:
+                step_callback()
+
+        return original_train_epoch(self, epoch, step_callback=recorded)
+
+    cls.train_epoch = train_epoch
+    cls._eagle3_samples_record = True
+    return True
+
+
+def read_records(save_path: str | Path) -> list[dict]:
+    """Every rank's records, in file order (a line cut by a kill is skipped)."""
+    out = []
+    folder = record_dir(save_path)
+    for path in sorted(folder.glob("rank-*.jsonl")) if folder.is_dir() else ():
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+def samples_per_epoch(save_path: str | Path) -> dict[int, list[int]]:
+    """{epoch: every sample index trained on in it, over all ranks}, with each (epoch, step, rank)
+    counted once: its last record (a resume redoes the steps after its checkpoint)."""
+    last: dict[tuple[int, int, int], list[int]] = {}
+    for entry in read_records(save_path):
+        last[(entry["epoch"], entry["local_step"], entry["rank"])] = entry["samples"] or []
+    epochs: dict[int, list[int]] = defaultdict(list)
+    for (epoch, _step, _rank), samples in sorted(last.items()):
+        epochs[epoch].extend(samples)
+    return dict(epochs)
+
+
+def world_size_of(save_path: str | Path) -> int:
+    """How many ranks left a record (for a check that every rank did)."""
+    folder = record_dir(save_path)
+    return len(list(folder.glob("rank-*.jsonl"))) if folder.is_dir() else 0
+
