@@ -38,13 +38,16 @@ from eagle3_pipeline.target import extraction_layer_ids, load_target_info
 from eagle3_pipeline.train_report import summarize, write_summary
 from eagle3_pipeline.training import (
     METRICS_FILE,
+    bad_sample_error,
     endpoint_down_error,
     export_compat_settings,
     launch_command,
     launch_env,
     read_upstream,
     run_in_process,
+    skipped_samples,
     speculators_argv,
+    stopped_on,
     write_command_file,
 )
 
@@ -140,7 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     log.info("training with speculators (%s, hidden states %s); command in %s", "in-process" if launch is None else launch[0],
              "from stage 02's files" if server is None else f"{cfg.hidden_states} from {server['endpoint']}",
              out_dir / "command.txt")
-    export_compat_settings(cfg)
+    # Every sample is checked as the loader reads it (compat/sample_check.py): stage 02's storage, or vLLM's states.
+    sample_spec = {"slots": len(layer_ids), "hidden": target.hidden_size,
+                   "dtype": extracted["dtype"] if extracted and extracted.get("storage", "dtype") != "fp8" else None,
+                   "storage": (extracted or {}).get("storage", "dtype") if extracted else "any"}
+    export_compat_settings(cfg, sample_spec)
     if launch is None:
         run_in_process(spec_argv, out_dir / METRICS_FILE, checkpoint_bytes(cfg, draft, target, vocab["draft_vocab_size"]))
     else:
@@ -150,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
                               f"rerun the same command to resume")
         if result.returncode != 0 and server is not None and (problem := online.endpoint_problem(server["endpoint"])):
             raise endpoint_down_error(problem, out_dir)
+        if result.returncode != 0 and (problem := stopped_on(out_dir)):  # a rank stopped on a bad sample or loss
+            raise bad_sample_error(problem, out_dir)
         if result.returncode != 0:
             raise StageError(f"training processes exited with code {result.returncode} (see their log above); rerun to resume")
     if cfg.dry_run:
@@ -179,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         draft_vocab_size=vocab["draft_vocab_size"], best_checkpoint=best.name, summary=summary,
         config_sha256=config_fingerprint(cfg), resume=resume, compat_applied=compat_applied(out_dir / METRICS_FILE),
         hidden_states=server or {"mode": "files", "from": inputs["extract"]["path"]},
+        bad_samples=skipped_samples(out_dir),
     )
     return 0
 

@@ -39,6 +39,7 @@ CHECKPOINT_FILES = frozenset({
 RUN_FILES = (
     BEST_LINK, "run.yaml", "train_command.txt", "speculators.patch", "logs",
     "metrics.jsonl", "summary.json", "summary.txt", "plots", "command.txt",
+    "bad_samples.jsonl",  # compat/sample_check.RECORD_NAME: samples the loader refused
     "hidden_states_cache",  # --hidden-states hybrid: the states vLLM generated (online.CACHE_DIRNAME)
 )
 

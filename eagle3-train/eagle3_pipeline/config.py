@@ -173,6 +173,10 @@ class TrainConfig(StageConfig):
         "no card this machine can read")
     vllm_retries: int = _field(3, "online/hybrid: HTTP retries per vLLM request (exponential backoff 2, 4, 8 s; "
                                   "speculators --max-retries); a server that still does not answer stops training", ge=0)
+    on_bad_sample: Literal["stop", "skip"] = _field(
+        "stop", "a sample whose hidden states are unreadable, misshapen, stored in another dtype, non-finite, constant "
+        "in a layer slot, or not its row's tokens (checked as the loader reads it): 'stop' = stop training with one "
+        "line naming the file; 'skip' = leave it out, count it and list it in the manifest (bad_samples)")
     vllm_request_timeout: float = _field(120.0, "online/hybrid: seconds per vLLM request (speculators --request-timeout)", gt=0)
     draft_config: str = _field(str(DEFAULT_DRAFT_CONFIG), "draft architecture file")
     epochs: int = _field(10, "training epochs", ge=1)

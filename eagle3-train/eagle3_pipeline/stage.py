@@ -50,6 +50,7 @@ NOT_IDENTITY: dict[str, frozenset[str]] = {
         # online/hybrid: where the states come from is recorded resolved (hidden_states_source, layer_ids); online
         # and hybrid train on the same states (hybrid only keeps them), and the server's address is not the data
         "hidden_states", "vllm_endpoint", "layer_ids", "vllm_retries", "vllm_request_timeout",
+        "on_bad_sample",  # how a bad input is handled; the samples skipped are listed in the manifest
     }),
     "export": frozenset({"checkpoints", "output", "vocab", "checkpoint", "num_speculative_tokens", "overwrite",
                          "check"}),
