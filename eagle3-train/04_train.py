@@ -19,7 +19,7 @@ from pathlib import Path
 from eagle3_pipeline import checkpoints, online
 from eagle3_pipeline.config import TrainConfig, load_draft_config, resolve_stage_config
 from eagle3_pipeline.contract import MANIFEST_NAME, input_record, write_manifest
-from eagle3_pipeline.errors import ContractError, Interrupted, StageError
+from eagle3_pipeline.errors import Interrupted, StageError
 from eagle3_pipeline.files import check_writable_dir, held_lock_fds, remove_stale_temps
 from eagle3_pipeline.metrics import compat_applied
 from eagle3_pipeline.plan import check_plan_lines
@@ -31,6 +31,7 @@ from eagle3_pipeline.stage import (
     finished,
     lock_output,
     log,
+    refuse_unowned,
     stage_identity,
     stage_main,
 )
@@ -92,16 +93,14 @@ def main(argv: list[str] | None = None) -> int:
     remedy = ("a resume restores the old optimizer and lr schedule from the checkpoints, so it cannot change a run; "
               "rerun with the old value, choose another --output, or pass --overwrite to train anew (deletes only "
               "this stage's checkpoints and logs)")
-    if finished(out_dir, "train", identity, cfg.overwrite, cfg.check, remedy=remedy):
+    if finished(out_dir, "train", identity, cfg.overwrite, cfg.check, remedy=remedy) and \
+            checkpoints.require_recorded_best(out_dir):
         # Rerunning would train extra steps (--max-steps) and rewrite the manifest stage 05 was built on.
         log.info("%s: already trained with these settings and inputs; nothing to do", out_dir)
         return 0
-    checkpoints.refuse_foreign_folders(out_dir)  # before anything is deleted or trained
+    refuse_unowned(out_dir, "train")  # before anything is deleted or trained: only ours, by our manifest
+    checkpoints.refuse_foreign_folders(out_dir)
     replace = checkpoints.replaces_other_run(out_dir, identity)
-    if replace and not cfg.overwrite:
-        raise ContractError(f"{out_dir}: holds checkpoints but no manifest of stage 04 (they come from an unknown "
-                            f"run, and speculators would resume from them); choose another --output, or pass "
-                            f"--overwrite to delete them")
     epochs_done = 0 if replace else len(checkpoints.complete(out_dir))
     for line in preflight_train(cfg, draft, target, vocab["draft_vocab_size"], out_dir,
                                 prepared.get("counts", {}).get("tokens", 0),
@@ -136,8 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         hidden_states_storage=(extracted or {}).get("storage", "dtype"),
     )
     launch = launch_command(cfg, spec_argv)
+    # First of this run's writes: what it may write is listed (a later --overwrite deletes only those).
+    write_manifest(out_dir, "train", complete=False, identity=identity, outputs=list(checkpoints.RUN_FILES))
     write_command_file(out_dir, spec_argv, launch, () if server is None else (online.command_note(cfg),))
-    write_manifest(out_dir, "train", complete=False, identity=identity)
 
     # 3. Work: speculators' trainer (it resumes from the newest checkpoint by itself).
     log.info("training with speculators (%s, hidden states %s); command in %s", "in-process" if launch is None else launch[0],

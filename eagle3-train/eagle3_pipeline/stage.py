@@ -200,6 +200,19 @@ def finished(out_dir: Path, stage: str, identity: dict, overwrite: bool = False,
     raise ContractError(f"{path}: {out_dir} holds {what} made with {describe_difference(diff)}; {remedy}")
 
 
+def refuse_unowned(out_dir: Path, stage: str) -> None:
+    """No manifest of this stage in out_dir, yet something is there (a user's own dataset, a work directory):
+    none of it is this stage's to replace. Hidden names (locks, temps) do not count."""
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir() or read_own_manifest(out_dir) is not None:
+        return
+    there = sorted(p.name + ("/" if p.is_dir() else "") for p in out_dir.iterdir() if not p.name.startswith("."))
+    if there:
+        shown = ", ".join(there[:6]) + (f" and {len(there) - 6} more" if len(there) > 6 else "")
+        raise ContractError(f"{out_dir}: holds files {STAGES[stage]} did not write ({shown}) and no manifest of it; "
+                            f"choose an empty or new --output (nothing was deleted)")
+
+
 def retire_manifest(out_dir: Path) -> None:
     """Call right before a stage's first output write: from here on out_dir is unfinished."""
     manifest_path(out_dir).unlink(missing_ok=True)
