@@ -17,7 +17,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from test_reliability_bad_input import manifest, refused, snapshot, succeeded
-from test_reliability_rerun import args, lock_holder, logs, ran, work  # noqa: F401  (fixtures)
+from test_reliability_rerun import args, ran
+from test_reliability_rerun import lock_holder as _lock_holder  # noqa: F401  (fixtures: pytest finds them by
+from test_reliability_rerun import logs as _logs  # noqa: F401  their own names)
+from test_reliability_rerun import work as _work  # noqa: F401
 
 pytestmark = pytest.mark.reliability
 
@@ -216,7 +219,7 @@ def test_train_overwrite_into_a_work_directory_deletes_nothing_and_says_what_is_
     for extra in ((), ("--overwrite",)):
         code, line = refused(capsys, *args("train", {**work, "checkpoints": root}, kimi_target, *extra))
         assert code == 3 and "--overwrite" not in line, line
-        assert "stage 04 did not write" in line and "logs/" in line and "run_all.log" in line, line
+        assert "04_train.py did not write" in line and "logs/" in line and "run_all.log" in line, line
         assert snapshot(root) == before
 
 

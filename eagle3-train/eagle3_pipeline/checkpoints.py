@@ -100,31 +100,10 @@ def incomplete_reason(folder: Path) -> str | None:
 
 
 def unreadable_weights(path: Path) -> str | None:
-    """Why a safetensors file cannot be read (truncated, garbled header), or None."""
-    from safetensors import safe_open
+    """Why a checkpoint's safetensors file cannot be read (truncated, garbled header), or None."""
+    from .files import safetensors_problem
 
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            handle.keys()
-        with open(path, "rb") as raw:
-            header_end = 8 + int.from_bytes(raw.read(8), "little")
-    except Exception as exc:
-        return f"unreadable safetensors ({str(exc).splitlines()[0][:80]})"
-    return _data_size_problem(Path(path), header_end)
-
-
-def _data_size_problem(path: Path, header_end: int) -> str | None:
-    """The header's last data offset must be the file's end (a file cut short by a byte still opens)."""
-    import json as _json
-
-    with open(path, "rb") as handle:
-        handle.seek(8)
-        header = _json.loads(handle.read(header_end - 8))
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    size = path.stat().st_size
-    if header_end + end != size:
-        return f"unreadable safetensors (the header says {header_end + end:,} B, the file has {size:,} B: truncated?)"
-    return None
+    return safetensors_problem(path)
 
 
 def best_gone_message(out_dir: Path, best: str) -> str:

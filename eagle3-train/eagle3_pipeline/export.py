@@ -42,16 +42,17 @@ def choose_checkpoint(ckpt_dir: Path, which: str, recorded_best: str | None = No
     return chosen
 
 
-def require_finite_weights(weights: Path) -> None:
-    """A draft with NaN/Inf weights is never exported (a non-finite step, a damaged file)."""
+def require_finite_weights(weights: Path, name: Path | None = None) -> None:
+    """A draft with NaN/Inf weights is never exported (a non-finite step, a damaged file). `name`: the
+    file to name (the checkpoint's, when `weights` is its copy in the staging directory)."""
     import torch
     from safetensors import safe_open
 
     with safe_open(str(weights), framework="pt") as handle:
-        for name in handle.keys():
-            tensor = handle.get_tensor(name)
+        for key in handle.keys():
+            tensor = handle.get_tensor(key)
             if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-                raise InputError(f"{weights}: tensor {name!r} holds NaN/Inf values; this checkpoint is not exported "
+                raise InputError(f"{name or weights}: tensor {key!r} holds NaN/Inf values; this checkpoint is not exported "
                                  f"(choose another with --checkpoint N, or retrain)")
 
 

@@ -15,7 +15,6 @@ directory); `land_sample` validates each one and renames it into place atomicall
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -227,59 +226,19 @@ def partition_indices(indices: list[int], world_size: int, rank: int) -> list[in
     return indices[start:start + chunk + (1 if rank < extra else 0)]
 
 
-# --- what stage 02 wrote, by size and a cheap fingerprint (a rerun compares them with the disk) ------
 
-FINGERPRINTS_NAME = "fingerprints.json"
-FINGERPRINT_BLOCKS = 8  # 4 KiB blocks spread over the file, plus its header: ~36 KiB read per file
-FINGERPRINT_BLOCK = 4096
-
-
-def file_fingerprint(path: Path) -> str:
-    """sha256 of the safetensors header and 8 blocks spread evenly over the file (with the size): cheap
-    enough for every file on every rerun, and any truncation, swap or rewrite with another header or
-    other bytes in those blocks shows. Not every byte: the training loader checks each sample's values."""
-    import hashlib
-    import struct
-
-    size = path.stat().st_size
-    digest = hashlib.sha256(str(size).encode())
-    with open(path, "rb") as handle:
-        head = handle.read(8)
-        digest.update(head)
-        if len(head) == 8:
-            digest.update(handle.read(min(struct.unpack("<Q", head)[0], 1 << 20)))
-        for k in range(FINGERPRINT_BLOCKS):
-            handle.seek(size * k // FINGERPRINT_BLOCKS)
-            digest.update(handle.read(FINGERPRINT_BLOCK))
-    return digest.hexdigest()[:32]
-
+# --- what stage 02 wrote, by size and a cheap fingerprint (files.py; a rerun compares them with the disk) ---
 
 def write_fingerprints(hs_dir: Path, indices: Iterable[int]) -> dict:
-    """{file: [size, fingerprint]} of every row's file, beside them; returns the manifest's record of it."""
-    from ..files import atomic_write_json, sha256_file
+    from ..files import write_fingerprints as write
 
-    record = {hs_file(hs_dir, i).name: [hs_file(hs_dir, i).stat().st_size, file_fingerprint(hs_file(hs_dir, i))]
-              for i in indices}
-    path = Path(hs_dir) / FINGERPRINTS_NAME
-    atomic_write_json(path, record)
-    return {"file": FINGERPRINTS_NAME, "sha256": sha256_file(path), "files": len(record)}
+    return write(hs_dir, [hs_file(hs_dir, i).name for i in indices])
 
 
 def changed_files(hs_dir: Path, indices: Iterable[int]) -> dict[int, str] | None:
-    """Rows whose file differs from what stage 02 recorded (size first, then the fingerprint), with how;
-    None when no record exists (a directory finished by an older version)."""
-    try:
-        recorded = json.loads((Path(hs_dir) / FINGERPRINTS_NAME).read_text())
-    except (OSError, ValueError):
-        return None
-    changed: dict[int, str] = {}
-    for i in indices:
-        path = hs_file(hs_dir, i)
-        size, fingerprint = recorded.get(path.name, (None, None))
-        if not path.is_file():
-            changed[i] = "missing"
-        elif path.stat().st_size != size:
-            changed[i] = f"size {path.stat().st_size:,} B, recorded {size if size is None else f'{size:,}'} B"
-        elif file_fingerprint(path) != fingerprint:
-            changed[i] = "same size, other bytes (fingerprint)"
-    return changed
+    """Rows whose file differs from what stage 02 recorded (size, then fingerprint), with how; None: no record."""
+    from ..files import changed_fingerprints
+
+    by_name = {hs_file(hs_dir, i).name: i for i in indices}
+    changed = changed_fingerprints(hs_dir, list(by_name))
+    return None if changed is None else {by_name[name]: how for name, how in changed.items()}
