@@ -110,7 +110,7 @@ def best_gone_message(out_dir: Path, best: str) -> str:
     others = [p.name for p in complete(out_dir)]
     choose = f"export another with 05_export.py --checkpoint {others[-1]}" if others else "no other checkpoint is complete"
     return (f"{Path(out_dir) / best}: the best checkpoint {best!r} that {Path(out_dir) / MANIFEST_NAME} records is gone or "
-            f"incomplete; {choose} (complete: {', '.join(others) or 'none'}), or retrain with 04_train.py --overwrite")
+            f"incomplete; {choose} (complete: {', '.join(others) or 'none'}), or train again into a new --output")
 
 
 def require_recorded_best(out_dir: Path) -> bool:
@@ -126,7 +126,7 @@ def require_recorded_best(out_dir: Path) -> bool:
     reason = unreadable_weights(folder / MODEL_NAME)
     if reason:
         raise ContractError(f"{folder / MODEL_NAME}: {reason}; the best checkpoint of this finished run is damaged: "
-                            f"export another with 05_export.py --checkpoint N, or retrain with --overwrite")
+                            f"export another with 05_export.py --checkpoint N, or train again into a new --output")
     return True
 
 

@@ -297,7 +297,8 @@ def _check_profile_value(path: Path, section: str, cls: type[StageConfig], field
         TypeAdapter(info.annotation).validate_python(value, strict=not isinstance(value, (int, float, str)))
     except ValidationError as exc:
         reason = exc.errors()[0].get("msg", "invalid")
-        raise ConfigError(f"{path}: {section}.{field} = {json.dumps(value)[:40]}: {reason}") from None
+        raise ConfigError(f"{path}: {section}.{field} = {json.dumps(value)[:40]}: {reason} (stage {section}'s "
+                          f"{_flag(field, cls)} (profile: {path}))") from None
 
 
 # --- argv -> config -----------------------------------------------------------------------
