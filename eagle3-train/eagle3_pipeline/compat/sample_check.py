@@ -67,6 +67,8 @@ def apply() -> bool:
         kwargs["transfer"] = CheckedTransfer(kwargs.get("transfer"), kwargs["data_path"], settings())
         return create_loaders(*args, **kwargs)
 
+    create_checked.__dict__.update(create_loaders.__dict__)  # markers of other wrappers (device_prefetch)
+    create_checked._sample_check = True  # type: ignore[attr-defined]
     train_cli.create_train_val_loaders = create_checked
     _applied = True
     return True
