@@ -51,10 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     identity = stage_identity(cfg, {"data": data_identity(cfg.data), "target_config": target.config_sha256,
                                     "tokenizer": target.tokenizer_sha256},
                               end_of_turn_ids=sorted(chat.stop_ids))  # where each trained turn ends
+    refuse_unowned(out_dir, "prepare")  # a user's own save_to_disk dataset there is never replaced
     if finished(out_dir, "prepare", identity, cfg.overwrite, cfg.check):
         log.info("%s: already prepared with these settings; nothing to do", out_dir)
         return 0
-    refuse_unowned(out_dir, "prepare")  # a user's own save_to_disk dataset there is never replaced
     for line in preflight_prepare(cfg.data, cfg.max_samples, cfg.max_seq_len, target, out_dir):
         log.info("preflight %s", line)
 

@@ -93,12 +93,12 @@ def main(argv: list[str] | None = None) -> int:
     remedy = ("a resume restores the old optimizer and lr schedule from the checkpoints, so it cannot change a run; "
               "rerun with the old value, choose another --output, or pass --overwrite to train anew (deletes only "
               "this stage's checkpoints and logs)")
+    refuse_unowned(out_dir, "train")  # before anything is locked, deleted or trained: only ours, by our manifest
     if finished(out_dir, "train", identity, cfg.overwrite, cfg.check, remedy=remedy) and \
             checkpoints.require_recorded_best(out_dir):
         # Rerunning would train extra steps (--max-steps) and rewrite the manifest stage 05 was built on.
         log.info("%s: already trained with these settings and inputs; nothing to do", out_dir)
         return 0
-    refuse_unowned(out_dir, "train")  # before anything is deleted or trained: only ours, by our manifest
     checkpoints.refuse_foreign_folders(out_dir)
     replace = checkpoints.replaces_other_run(out_dir, identity)
     epochs_done = 0 if replace else len(checkpoints.complete(out_dir))

@@ -201,10 +201,11 @@ def finished(out_dir: Path, stage: str, identity: dict, overwrite: bool = False,
 
 
 def refuse_unowned(out_dir: Path, stage: str) -> None:
-    """No manifest of this stage in out_dir, yet something is there (a user's own dataset, a work directory):
-    none of it is this stage's to replace. Hidden names (locks, temps) do not count."""
+    """No manifest in out_dir, yet something is there (a user's own dataset, a work directory): none of it is
+    this stage's to replace. Hidden names (locks, temps) do not count. Call it before `finished`, which
+    takes the lock (and so would leave a lock file in a folder that is not the stage's)."""
     out_dir = Path(out_dir)
-    if not out_dir.is_dir() or read_own_manifest(out_dir) is not None:
+    if not out_dir.is_dir() or manifest_path(out_dir).exists():  # a manifest: `finished` says whose it is
         return
     there = sorted(p.name + ("/" if p.is_dir() else "") for p in out_dir.iterdir() if not p.name.startswith("."))
     if there:
