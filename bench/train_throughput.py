@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 from benchlib import throughput
+from eagle3_pipeline.compat.sample_check import OFF_ENV as INPUT_CHECKS_ENV
 from eagle3_pipeline.metrics import read_metrics
 from eagle3_pipeline.preflight import measure_cold_read_bandwidth
 
@@ -184,14 +185,14 @@ def kernel_class(name: str) -> str:
 
 
 def launch(name: str, command: list[str], *, gpus: list[int], log: Path, timeout: float,
-           stop_when=None) -> dict:
+           stop_when=None, env_extra: dict | None = None) -> dict:
     """Run one training command; with `stop_when`, kill its process group once that is true
     (a benchmark needs neither the final checkpoint nor the validation pass)."""
     print(f"[{name}] {shlex.join(command)}", flush=True)
     # Run indices count within the bench's own CUDA_VISIBLE_DEVICES (so one bench can run on
     # GPU 1 while something else uses GPU 0); nvidia-smi wants the physical ids.
     physical = visible_gpus(gpus)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ",".join(physical)}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ",".join(physical), **(env_extra or {})}
     start = time.perf_counter()
     with GpuMemoryPoller(physical) as poller, open(log, "w") as log_file:
         proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env,
@@ -284,6 +285,10 @@ def main() -> None:
                         "speculators train with OURS_FLAGS + device prefetch")
     parser.add_argument("--ours-profile", default="h200-8x",
                         help="04_train profile for ours (--nproc is set per run)")
+    parser.add_argument("--loader-check", choices=("on", "off", "both"), default="on",
+                        help="stage 04's input checks (every sample as the loader reads it, and the non-finite "
+                             "loss check) in the 04_train runs: both = each such run also without them (its "
+                             "name + '-no-input-checks'), so one invocation measures their cost in tokens/s")
     parser.add_argument("--skip-disk", action="store_true")
     parser.add_argument("--trace", action="store_true",
                         help="also run ours once under torch.profiler (not measured): GPU time per "
@@ -397,8 +402,10 @@ def main() -> None:
                 print((trace_dir / "kernels.txt").read_text() if (trace_dir / "kernels.txt").is_file()
                       else (run_dir / "log.txt").read_text()[-4000:], flush=True)
                 continue
+            # --loader-check: stage 04's per-sample loader check and non-finite-loss check on or off
+            checks = {} if spec.get("input_checks", True) else {INPUT_CHECKS_ENV: "off"}
             outcome = launch(name, command, gpus=gpus, log=run_dir / "log.txt",
-                             timeout=args.run_timeout,
+                             timeout=args.run_timeout, env_extra=checks,
                              stop_when=lambda m=metrics, w=spec["warmup"]: window_complete(m, w, args.steps))
         else:
             metrics = run_dir / "metrics.jsonl"
@@ -415,6 +422,8 @@ def main() -> None:
                                flops.total, peak["peak_tflops"])
         runs[name]["command"] = shlex.join(command)
         runs[name]["device_prefetch"] = spec["prefetch"]
+        if spec.get("via_04"):
+            runs[name]["input_checks"] = spec.get("input_checks", True)
         _print_run(name, runs[name])
         if "error" in runs[name]:
             print((run_dir / "log.txt").read_text()[-4000:], flush=True)
@@ -425,6 +434,13 @@ def main() -> None:
     if "tokens_per_s" in runs.get("plain", {}) and "tokens_per_s" in runs.get("ours", {}):
         report["ratio"] = runs["ours"]["tokens_per_s"] / runs["plain"]["tokens_per_s"]
         report["mfu"] = runs["ours"]["mfu"]
+    for name, run in runs.items():  # --loader-check both: tokens/s lost to the input checks
+        without = runs.get(f"{name}-no-input-checks", {})
+        if "tokens_per_s" in run and "tokens_per_s" in without:
+            cost = 1 - run["tokens_per_s"] / without["tokens_per_s"]
+            report.setdefault("input_checks_cost", {})[name] = cost
+            print(f"[{name}] input checks cost {100 * cost:.2f}% of tokens/s ({run['tokens_per_s']:,.0f} with, "
+                  f"{without['tokens_per_s']:,.0f} without)", flush=True)
     for run in runs.values():
         if "tokens_per_s_per_gpu" in run:
             run["read_gb_per_s_per_gpu"] = throughput.required_read_bandwidth(
@@ -552,6 +568,12 @@ def _plan_runs(args: argparse.Namespace) -> dict[str, dict]:
         specs[name] = {"via_04": True, "flags": shlex.split(flags), "prefetch": True, "gpus": 1}
     if args.ddp > 1:
         specs[f"ours-{args.ddp}gpu"] = {**ours, "gpus": args.ddp}
+    checks = getattr(args, "loader_check", "on")
+    for name in [n for n, spec in specs.items() if spec.get("via_04")]:
+        if checks == "off":
+            specs[name]["input_checks"] = False
+        elif checks == "both":  # the same run without the checks, right after it
+            specs[f"{name}-no-input-checks"] = {**specs[name], "input_checks": False}
     if getattr(args, "trace", False):
         specs["trace"] = {"via_04": True, "flags": [], "prefetch": True, "gpus": 1, "trace": True}
     resolved = _resolved_04_config(args) if any(spec.get("via_04") for spec in specs.values()) else {}

@@ -22,7 +22,16 @@ from eagle3_pipeline.errors import InputError
 from eagle3_pipeline.files import check_writable_dir, remove_stale_temps
 from eagle3_pipeline.preflight import hidden_states_estimate_line, preflight_prepare
 from eagle3_pipeline.prepared import REJECTED_NAME, order_rows, split_conversations, train_data_ratio, write_prepared
-from eagle3_pipeline.stage import config_fingerprint, data_identity, finished, log, retire_manifest, stage_identity, stage_main
+from eagle3_pipeline.stage import (
+    config_fingerprint,
+    data_identity,
+    finished,
+    log,
+    refuse_unowned,
+    retire_manifest,
+    stage_identity,
+    stage_main,
+)
 from eagle3_pipeline.target import load_target_info
 
 
@@ -42,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     identity = stage_identity(cfg, {"data": data_identity(cfg.data), "target_config": target.config_sha256,
                                     "tokenizer": target.tokenizer_sha256},
                               end_of_turn_ids=sorted(chat.stop_ids))  # where each trained turn ends
+    refuse_unowned(out_dir, "prepare")  # a user's own save_to_disk dataset there is never replaced
     if finished(out_dir, "prepare", identity, cfg.overwrite, cfg.check):
         log.info("%s: already prepared with these settings; nothing to do", out_dir)
         return 0
@@ -71,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     # 4. Outputs (dataset + token_freq.pt, renamed into place).
     remove_stale_temps(out_dir)
     retire_manifest(out_dir)  # an old result (--overwrite) stops being finished only now
+    write_manifest(out_dir, "prepare", complete=False, identity=identity)  # these files are this stage's from here
     stats = write_prepared(out_dir, rows, num_train, prepared.bad)
     if prepared.dropped_too_long:
         log.warning("dropped %d row(s) longer than --max-seq-len %d (see manifest counts)",

@@ -17,7 +17,14 @@ from pathlib import Path
 from eagle3_pipeline.config import ExtractConfig, resolve_stage_config
 from eagle3_pipeline.contract import input_record, manifest_path, read_manifest, require_equal, write_manifest
 from eagle3_pipeline.errors import StageError
-from eagle3_pipeline.extract.common import HS_DIRNAME, hs_file, partition_indices, validate_all
+from eagle3_pipeline.extract.common import (
+    HS_DIRNAME,
+    changed_files,
+    hs_file,
+    partition_indices,
+    validate_all,
+    write_fingerprints,
+)
 from eagle3_pipeline.extract.run import (
     ROWS_PER_SLOT,
     all_rows_landed,
@@ -82,9 +89,20 @@ def main(argv: list[str] | None = None) -> int:
     remedy = f"move {hs_dir} away (or rerun 01 into a new --output) to extract again"
     if finished(hs_dir, "extract", identity, check=cfg.check, input_change_redoes=True, remedy=remedy,
                 extra_done=all_rows_landed(hs_dir, list(range(total_rows)))) and not cfg.check:
-        # Nothing to redo, and the manifest is left as it is (stages 03/04 recorded its content).
-        log.info("%s: already extracted with these settings; nothing to do (--validate re-checks every file)", hs_dir)
-        return 0
+        # The manifest says finished; the files must still be what this stage wrote (size, fingerprint).
+        changed = changed_files(hs_dir, range(total_rows))
+        if not changed:
+            # Nothing to redo, and the manifest is left as it is (stages 03/04 recorded its content).
+            log.info("%s: already extracted with these settings; nothing to do (--validate re-checks every file)", hs_dir)
+            return 0
+        first = next(iter(changed.items()))
+        log.warning("%d file(s) changed since stage 02 wrote them (first: %s: %s); re-checking them, bad ones are redone",
+                    len(changed), hs_file(hs_dir, first[0]), first[1])
+        bad = validate_all(hs_dir, {i: rows[i] for i in changed if i < len(rows)}, len(layer_ids), target.hidden_size,
+                           progress=False, dtype=stored_dtype(cfg))
+        for index, reason in bad.items():
+            log.warning("%s: %s; redoing it", hs_file(hs_dir, index), reason)
+            hs_file(hs_dir, index).unlink(missing_ok=True)
     plan = plan_extraction(cfg, rows, len(layer_ids), target.hidden_size, hs_dir)
     if plan.counts["stale_removed"]:
         log.warning("removed %d file(s) whose token ids or shape do not match their row; they are redone",
@@ -135,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                  cfg.rank, cfg.world_size)
         return 0
     (hs_dir / "redo.json").unlink(missing_ok=True)  # every row listed there has been redone
+    fingerprints = write_fingerprints(hs_dir, plan.all_indices)  # what a rerun compares with the disk
     covered = len(plan.all_indices)
     if covered < total_rows:
         log.warning("%d of stage 01's %d rows extracted (--max-samples %d): the manifest says complete: false, so "
@@ -148,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         config=cfg.model_dump(), config_sha256=config_fingerprint(cfg),
         inputs={"prepare": input_record(prepared)},
         target=target.summary(),
-        backend=cfg.backend,
+        backend=cfg.backend, fingerprints=fingerprints,
         shapes={"hidden_states": ["T", len(layer_ids), target.hidden_size], "token_ids": ["T"]},
         counts={"rows": len(plan.all_indices), "tokens": sum(len(r) for r in rows), **plan.counts},
     )

@@ -20,7 +20,7 @@ from pathlib import Path
 from eagle3_pipeline import checkpoints, online
 from eagle3_pipeline.config import TrainConfig, load_draft_config, resolve_stage_config
 from eagle3_pipeline.contract import MANIFEST_NAME, input_record, write_manifest
-from eagle3_pipeline.errors import ContractError, Interrupted, StageError
+from eagle3_pipeline.errors import Interrupted, StageError
 from eagle3_pipeline.files import check_writable_dir, held_lock_fds, remove_stale_temps
 from eagle3_pipeline.metrics import METRICS_FILE, compat_applied
 from eagle3_pipeline.plan import check_plan_lines
@@ -33,19 +33,23 @@ from eagle3_pipeline.stage import (
     finished,
     lock_output,
     log,
+    refuse_unowned,
     stage_identity,
     stage_main,
 )
 from eagle3_pipeline.target import extraction_layer_ids, load_target_info
 from eagle3_pipeline.train_report import summarize, write_summary
 from eagle3_pipeline.training import (
+    bad_sample_error,
     endpoint_down_error,
     export_compat_settings,
     launch_command,
     launch_env,
     read_upstream,
     run_in_process,
+    skipped_samples,
     speculators_argv,
+    stopped_on,
     write_command_file,
 )
 
@@ -90,16 +94,14 @@ def main(argv: list[str] | None = None) -> int:
     remedy = ("a resume restores the old optimizer and lr schedule from the checkpoints, so it cannot change a run; "
               "rerun with the old value, choose another --output, or pass --overwrite to train anew (deletes only "
               "this stage's checkpoints and logs)")
-    if finished(out_dir, "train", identity, cfg.overwrite, cfg.check, remedy=remedy):
+    refuse_unowned(out_dir, "train")  # before anything is locked, deleted or trained: only ours, by our manifest
+    if finished(out_dir, "train", identity, cfg.overwrite, cfg.check, remedy=remedy) and \
+            checkpoints.require_recorded_best(out_dir):
         # Rerunning would train extra steps (--max-steps) and rewrite the manifest stage 05 was built on.
         log.info("%s: already trained with these settings and inputs; nothing to do", out_dir)
         return 0
-    checkpoints.refuse_foreign_folders(out_dir)  # before anything is deleted or trained
+    checkpoints.refuse_foreign_folders(out_dir)
     replace = checkpoints.replaces_other_run(out_dir, identity)
-    if replace and not cfg.overwrite:
-        raise ContractError(f"{out_dir}: holds checkpoints but no manifest of stage 04 (they come from an unknown "
-                            f"run, and speculators would resume from them); choose another --output, or pass "
-                            f"--overwrite to delete them")
     epochs_done = 0 if replace else len(checkpoints.complete(out_dir))
     for line in preflight_train(cfg, draft, target, vocab["draft_vocab_size"], out_dir,
                                 prepared.get("counts", {}).get("tokens", 0),
@@ -134,14 +136,19 @@ def main(argv: list[str] | None = None) -> int:
         hidden_states_storage=(extracted or {}).get("storage", "dtype"),
     )
     launch = launch_command(cfg, spec_argv)
+    # First of this run's writes: what it may write is listed (a later --overwrite deletes only those).
+    write_manifest(out_dir, "train", complete=False, identity=identity, outputs=list(checkpoints.RUN_FILES))
     write_command_file(out_dir, spec_argv, launch, () if server is None else (online.command_note(cfg),))
-    write_manifest(out_dir, "train", complete=False, identity=identity)
 
     # 3. Work: speculators' trainer (it resumes from the newest checkpoint by itself).
     log.info("training with speculators (%s, hidden states %s); command in %s", "in-process" if launch is None else launch[0],
              "from stage 02's files" if server is None else f"{cfg.hidden_states} from {server['endpoint']}",
              out_dir / "command.txt")
-    export_compat_settings(cfg)
+    # Every sample is checked as the loader reads it (compat/sample_check.py): stage 02's storage, or vLLM's states.
+    sample_spec = {"slots": len(layer_ids), "hidden": target.hidden_size,
+                   "dtype": extracted["dtype"] if extracted and extracted.get("storage", "dtype") != "fp8" else None,
+                   "storage": (extracted or {}).get("storage", "dtype") if extracted else "any"}
+    export_compat_settings(cfg, sample_spec)
     if launch is None:
         run_in_process(spec_argv, out_dir / METRICS_FILE, checkpoint_bytes(cfg, draft, target, vocab["draft_vocab_size"]))
     else:
@@ -153,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
                               f"rerun the same command to resume")
         if result.returncode != 0 and server is not None and (problem := online.endpoint_problem(server["endpoint"])):
             raise endpoint_down_error(problem, out_dir)
+        if result.returncode != 0 and (problem := stopped_on(out_dir)):  # a rank stopped on a bad sample or loss
+            raise bad_sample_error(problem, out_dir)
         if result.returncode != 0:  # which rank or node stopped first, and where the rerun resumes
             raise StageError(stopped_line(out_dir, nproc=cfg.nproc, nnodes=cfg.nnodes, node_rank=cfg.node_rank,
                                           since=launched_at, returncode=result.returncode))
@@ -183,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         draft_vocab_size=vocab["draft_vocab_size"], best_checkpoint=best.name, summary=summary,
         config_sha256=config_fingerprint(cfg), resume=resume, compat_applied=compat_applied(out_dir / METRICS_FILE),
         hidden_states=server or {"mode": "files", "from": inputs["extract"]["path"]},
+        bad_samples=skipped_samples(out_dir),
     )
     return 0
 

@@ -17,10 +17,17 @@ import numpy as np
 from eagle3_pipeline.config import ExportConfig, resolve_stage_config
 from eagle3_pipeline.contract import input_record, manifest_path, read_manifest, write_manifest
 from eagle3_pipeline.errors import ConfigError, ContractError
-from eagle3_pipeline.export import choose_checkpoint, serve_command, verify_draft_dir, write_draft_dir
+from eagle3_pipeline.export import (
+    choose_checkpoint,
+    require_finite_weights,
+    require_unchanged,
+    serve_command,
+    verify_draft_dir,
+    write_draft_dir,
+)
 from eagle3_pipeline.files import TEMP_MARKER, atomic_path, atomic_write_text, check_writable_dir, remove_path, sha256_file
 from eagle3_pipeline.preflight import preflight_export
-from eagle3_pipeline.stage import config_fingerprint, finished, log, stage_identity, stage_main
+from eagle3_pipeline.stage import config_fingerprint, finished, lock_output, log, stage_identity, stage_main
 from eagle3_pipeline.vocab import D2T_NAME
 
 
@@ -32,14 +39,18 @@ def main(argv: list[str] | None = None) -> int:
 
     # 2. Contract: a finished training run, and the vocab mapping it was trained with.
     trained = read_manifest(ckpt_dir, "train", "--checkpoints")
-    checkpoint = choose_checkpoint(ckpt_dir, cfg.checkpoint)
+    # 04 trains into this folder under its exclusive lock: while it does, there is nothing safe to export.
+    if not cfg.check:
+        lock_output(ckpt_dir, exclusive=False)
+    checkpoint = choose_checkpoint(ckpt_dir, cfg.checkpoint, trained.get("best_checkpoint"))
+    model_sha256 = sha256_file(checkpoint / "model.safetensors")
     target = trained["target"]
     num_tokens = cfg.num_speculative_tokens or trained["draft_config"].get("num_speculative_tokens", 3)
     verifier = cfg.verifier_name or target["path"]
     inputs = {"train": input_record(trained), "checkpoint": str(checkpoint.resolve())}
     identity = stage_identity(
         cfg, {"train": trained["_content_sha256"],
-              "checkpoint": {"name": checkpoint.name, "model_sha256": sha256_file(checkpoint / "model.safetensors")}},
+              "checkpoint": {"name": checkpoint.name, "model_sha256": model_sha256}},
         verifier_name=verifier, num_speculative_tokens=num_tokens)
     check_writable_dir(out_dir.parent, "--output")
     refuse_foreign_output(out_dir)
@@ -59,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     d2t = np.load(vocab_dir / D2T_NAME)
     with atomic_path(out_dir) as staging:
         write_draft_dir(checkpoint, staging, verifier, num_tokens)
+        require_unchanged(checkpoint / "model.safetensors", staging / "model.safetensors", model_sha256)
+        require_finite_weights(staging / "model.safetensors", checkpoint / "model.safetensors")  # never a NaN draft
         check = verify_draft_dir(staging, d2t, trained["aux_layer_ids"])
         command = serve_command(target["path"], out_dir, num_tokens, cfg.tensor_parallel_size,
                                 target["is_multimodal_wrapper"])

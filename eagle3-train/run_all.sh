@@ -102,14 +102,8 @@ finished() {  # finished DIR: the stage output there has a complete manifest
 }
 
 if [[ $mode == status ]]; then
-  for n in "${nums[@]}"; do
-    log="$work/logs/${n}_${name[$n]}.log"
-    if finished "${out[$n]}"; then state=finished
-    elif [[ -f "${out[$n]}/manifest.json" ]]; then state="started, not finished"
-    elif [[ -f "$log" ]]; then state="started, no output yet"
-    else state="not started"; fi
-    printf '%s %-8s %-22s %s\n' "$n" "${name[$n]}" "$state" "$log"
-  done
+  # the stages' own rule for "done" (recorded inputs = the upstream outputs on disk now), not a grep
+  PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" "$python" -m eagle3_pipeline.status --work "$work" || exit $?
   if [[ -f "$work/logs/current_stage" ]]; then
     read -r n pid < "$work/logs/current_stage" || true
     if kill -0 "$pid" 2>/dev/null; then echo "running: stage $n (process group $pid); tail -f $work/logs/${n}_${name[$n]}.log"

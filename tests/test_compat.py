@@ -33,13 +33,15 @@ _APPLY_AND_LOOK = textwrap.dedent("""
     shared_before = fused.loss_backward_kernel.configs is fused.loss_forward_kernel.configs
     applied = compat.apply(sys.argv[1])
     visible = {
-        "cpu_trainer": cli.Trainer.__name__ == "CpuTrainer",
+        "cpu_trainer": any(c.__name__ == "CpuTrainer" for c in cli.Trainer.__mro__),
         "fused_loss": shared_before and fused.loss_backward_kernel.configs is not fused.loss_forward_kernel.configs,
         "flex_forward_config": hasattr(attention.flex_attention, "wrapped"),
         "interrupt_progress": bool(getattr(trainer.Trainer, "_eagle3_progress", False)),
         "samples_record": bool(getattr(trainer.Trainer, "_eagle3_samples_record", False)),
         "metrics_jsonl": hasattr(cli.setup_metric_logger, "wrapped"),
         "device_prefetch": bool(getattr(cli.create_train_val_loaders, "_device_prefetch", False)),
+        "sample_check": bool(getattr(cli.create_train_val_loaders, "_sample_check", False)),
+        "finite_loss": cli.Trainer.__name__ == "FiniteLossTrainer",
         "online_generation": dataloader.ArrowDataset.__name__ == "OnlineArrowDataset",
     }
     print(json.dumps({"applied": applied, "visible": visible}))
@@ -47,8 +49,12 @@ _APPLY_AND_LOOK = textwrap.dedent("""
 
 
 def test_apply_returns_the_name_of_every_change_it_made_and_no_other(tmp_path):
+    # stage 04's sample-check settings (training.export_compat_settings), as every training process gets them
+    checks = json.dumps({"slots": 4, "hidden": 64, "dtype": "float32", "storage": "dtype", "on_bad": "stop"})
+    env = {**os.environ, "EAGLE3_SAMPLE_CHECK": checks}
+    env.pop("EAGLE3_INPUT_CHECKS", None)
     result = subprocess.run([sys.executable, "-c", _APPLY_AND_LOOK, str(tmp_path / METRICS_FILE)],
-                            capture_output=True, text=True, timeout=300)
+                            capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.splitlines()[-1])
     assert set(report["visible"]) == set(compat.FIXES)
@@ -56,7 +62,7 @@ def test_apply_returns_the_name_of_every_change_it_made_and_no_other(tmp_path):
     # Gated by the machine: the CPU shim exactly without an accelerator, the GPU pieces only with CUDA.
     assert ("cpu_trainer" in report["applied"]) == (torch.accelerator.current_accelerator() is None)
     assert ("device_prefetch" in report["applied"]) == torch.cuda.is_available()
-    assert {"interrupt_progress", "samples_record", "metrics_jsonl"} <= set(report["applied"])
+    assert {"interrupt_progress", "samples_record", "metrics_jsonl", "sample_check", "finite_loss"} <= set(report["applied"])
     assert "online_generation" not in report["applied"]  # files mode (no EAGLE3_HIDDEN_STATES): speculators untouched
 
 
@@ -85,7 +91,7 @@ def test_04_records_the_fixes_its_training_process_applied(kimi_run):
     manifest = json.loads((kimi_run["checkpoints"] / "manifest.json").read_text())
     recorded = compat_applied(kimi_run["checkpoints"] / METRICS_FILE)
     assert manifest["compat_applied"] == recorded
-    assert {"cpu_trainer", "interrupt_progress", "metrics_jsonl"} <= set(recorded)
+    assert {"cpu_trainer", "interrupt_progress", "metrics_jsonl", "sample_check", "finite_loss"} <= set(recorded)
     assert [r for r in read_metrics(kimi_run["checkpoints"] / METRICS_FILE) if COMPAT_KEY in r]
 
 

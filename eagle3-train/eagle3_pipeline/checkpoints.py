@@ -39,6 +39,7 @@ CHECKPOINT_FILES = frozenset({
 RUN_FILES = (
     BEST_LINK, "run.yaml", "train_command.txt", "speculators.patch", "logs",
     "metrics.jsonl", "summary.json", "summary.txt", "plots", "command.txt",
+    "bad_samples.jsonl",  # compat/sample_check.RECORD_NAME: samples the loader refused
     "hidden_states_cache",  # --hidden-states hybrid: the states vLLM generated (online.CACHE_DIRNAME)
 )
 
@@ -94,14 +95,39 @@ def incomplete_reason(folder: Path) -> str | None:
     for name in (MODEL_NAME, OPTIMIZER_NAME):
         if (folder / name).stat().st_mtime_ns > state_mtime:
             return f"{name} is newer than {STATE_NAME} (an overwrite was cut short)"
-    try:
-        from safetensors import safe_open
+    reason = unreadable_weights(folder / MODEL_NAME)  # truncated/garbled
+    return f"{MODEL_NAME} {reason}" if reason else None
 
-        with safe_open(str(folder / MODEL_NAME), framework="pt") as handle:
-            handle.keys()
-    except Exception as exc:  # truncated/garbled header
-        return f"{MODEL_NAME} unreadable ({str(exc).splitlines()[0][:80]})"
-    return None
+
+def unreadable_weights(path: Path) -> str | None:
+    """Why a checkpoint's safetensors file cannot be read (truncated, garbled header), or None."""
+    from .files import safetensors_problem
+
+    return safetensors_problem(path)
+
+
+def best_gone_message(out_dir: Path, best: str) -> str:
+    others = [p.name for p in complete(out_dir)]
+    choose = f"export another with 05_export.py --checkpoint {others[-1]}" if others else "no other checkpoint is complete"
+    return (f"{Path(out_dir) / best}: the best checkpoint {best!r} that {Path(out_dir) / MANIFEST_NAME} records is gone or "
+            f"incomplete; {choose} (complete: {', '.join(others) or 'none'}), or train again into a new --output")
+
+
+def require_recorded_best(out_dir: Path) -> bool:
+    """A finished run's recorded best checkpoint must still be there, whole (else stage 05 would export another)."""
+    from .stage import read_own_manifest
+
+    best = (read_own_manifest(out_dir) or {}).get("best_checkpoint")
+    if not best:
+        return True
+    folder = Path(out_dir) / best
+    if not (folder / MODEL_NAME).is_file():
+        raise ContractError(best_gone_message(out_dir, best))
+    reason = unreadable_weights(folder / MODEL_NAME)
+    if reason:
+        raise ContractError(f"{folder / MODEL_NAME}: {reason}; the best checkpoint of this finished run is damaged: "
+                            f"export another with 05_export.py --checkpoint N, or train again into a new --output")
+    return True
 
 
 def incomplete(out_dir: Path) -> list[tuple[Path, str]]:
@@ -137,16 +163,22 @@ def latest_progress(out_dir: Path) -> dict | None:
 
 
 def own_outputs(out_dir: Path) -> list[Path]:
-    """Everything in out_dir that stage 04 or speculators' trainer wrote (what --overwrite may delete)."""
+    """Everything in out_dir that stage 04 or speculators' trainer wrote (what --overwrite may delete): only
+    where a stage 04 manifest (finished or not) is, and of the run files only those it lists, never by name alone
+    (a work directory's `logs/` is not this stage's because the trainer also writes a `logs/`)."""
+    from .stage import read_own_manifest
+
     out_dir = Path(out_dir)
-    if not out_dir.is_dir():
+    manifest = read_own_manifest(out_dir) if out_dir.is_dir() else None
+    if manifest is None or manifest.get("stage") != "train":
         return []
+    listed = set(manifest.get("outputs") or ())
     found = list(epoch_folders(out_dir))
     interrupted = out_dir / INTERRUPTED
     if _is_checkpoint_folder(interrupted):
         found.append(interrupted)
     for name in RUN_FILES:
-        if (out_dir / name).exists() or (out_dir / name).is_symlink():
+        if name in listed and ((out_dir / name).exists() or (out_dir / name).is_symlink()):
             found.append(out_dir / name)
     # speculators' descriptive symlinks (`epoch0_end`, `epoch1_step16`) point at an epoch folder.
     for link in out_dir.iterdir():

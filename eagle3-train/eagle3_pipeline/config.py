@@ -173,6 +173,10 @@ class TrainConfig(StageConfig):
         "no card this machine can read")
     vllm_retries: int = _field(3, "online/hybrid: HTTP retries per vLLM request (exponential backoff 2, 4, 8 s; "
                                   "speculators --max-retries); a server that still does not answer stops training", ge=0)
+    on_bad_sample: Literal["stop", "skip"] = _field(
+        "stop", "a sample whose hidden states are unreadable, misshapen, stored in another dtype, non-finite, constant "
+        "in a layer slot, or not its row's tokens (checked as the loader reads it): 'stop' = stop training with one "
+        "line naming the file; 'skip' = leave it out, count it and list it in the manifest (bad_samples)")
     vllm_request_timeout: float = _field(120.0, "online/hybrid: seconds per vLLM request (speculators --request-timeout)", gt=0)
     draft_config: str = _field(str(DEFAULT_DRAFT_CONFIG), "draft architecture file")
     epochs: int = _field(10, "training epochs", ge=1)
@@ -261,19 +265,39 @@ def load_profile(name: str) -> dict[str, dict[str, Any]]:
     path = profile_path(name)
     try:
         data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: (top level) must be a JSON object of sections ({', '.join(STAGE_CONFIGS)}), "
+                          f"found a {type(data).__name__}")
     sections = {}
     for key, values in data.items():
         if key.startswith("_") or key == "description":
             continue
         if key not in STAGE_CONFIGS:
             raise ConfigError(f"{path}: unknown section {key!r} (stages: {', '.join(STAGE_CONFIGS)})")
+        if not isinstance(values, dict):
+            raise ConfigError(f"{path}: {key} must be an object of {key} settings ({{\"field\": value}}), "
+                              f"found {json.dumps(values)[:40]}")
         unknown = set(values) - set(STAGE_CONFIGS[key].model_fields)
         if unknown:
             raise ConfigError(f"{path}: section {key!r} has unknown keys {sorted(unknown)}")
+        for field, value in values.items():  # every section typed, whichever stage reads the profile now
+            _check_profile_value(path, key, STAGE_CONFIGS[key], field, value)
         sections[key] = values
     return sections
+
+
+def _check_profile_value(path: Path, section: str, cls: type[StageConfig], field: str, value: Any) -> None:
+    from pydantic import TypeAdapter, ValidationError
+
+    info = cls.model_fields[field]
+    try:
+        TypeAdapter(info.annotation).validate_python(value, strict=not isinstance(value, (int, float, str)))
+    except ValidationError as exc:
+        reason = exc.errors()[0].get("msg", "invalid")
+        raise ConfigError(f"{path}: {section}.{field} = {json.dumps(value)[:40]}: {reason} (stage {section}'s "
+                          f"{_flag(field, cls)} (profile: {path}))") from None
 
 
 # --- argv -> config -----------------------------------------------------------------------

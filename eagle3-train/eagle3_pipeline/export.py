@@ -17,13 +17,18 @@ from pathlib import Path
 import numpy as np
 
 from . import checkpoints
-from .errors import ContractError
+from .errors import ContractError, InputError
 
 SERVING_FILES = ("config.json", "model.safetensors", "config.py", "val_metrics.json")
 
 
-def choose_checkpoint(ckpt_dir: Path, which: str) -> Path:
-    if which == "best":
+def choose_checkpoint(ckpt_dir: Path, which: str, recorded_best: str | None = None) -> Path:
+    """`best` is the checkpoint stage 04's manifest recorded (`recorded_best`), never another one silently."""
+    if which == "best" and recorded_best:
+        chosen = Path(ckpt_dir) / recorded_best
+        if not (chosen / checkpoints.MODEL_NAME).is_file():
+            raise ContractError(checkpoints.best_gone_message(ckpt_dir, recorded_best))
+    elif which == "best":
         chosen = checkpoints.best(ckpt_dir)
     elif which == "latest":
         chosen = checkpoints.latest(ckpt_dir)
@@ -31,7 +36,33 @@ def choose_checkpoint(ckpt_dir: Path, which: str) -> Path:
         chosen = Path(ckpt_dir) / which
     if chosen is None or not (chosen / "model.safetensors").is_file():
         raise ContractError(f"{ckpt_dir}: no checkpoint {which!r} with model.safetensors (--checkpoint)")
+    reason = checkpoints.unreadable_weights(chosen / checkpoints.MODEL_NAME)
+    if reason:
+        raise ContractError(f"{chosen / checkpoints.MODEL_NAME}: {reason}; export another checkpoint with --checkpoint N")
     return chosen
+
+
+def require_finite_weights(weights: Path, name: Path | None = None) -> None:
+    """A draft with NaN/Inf weights is never exported (a non-finite step, a damaged file). `name`: the
+    file to name (the checkpoint's, when `weights` is its copy in the staging directory)."""
+    import torch
+    from safetensors import safe_open
+
+    with safe_open(str(weights), framework="pt") as handle:
+        for key in handle.keys():
+            tensor = handle.get_tensor(key)
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise InputError(f"{name or weights}: tensor {key!r} holds NaN/Inf values; this checkpoint is not exported "
+                                 f"(choose another with --checkpoint N, or retrain)")
+
+
+def require_unchanged(weights: Path, copied: Path, expected_sha256: str) -> None:
+    """The checkpoint's weights are still the ones this export started from (04 --overwrite may retrain the folder)."""
+    from .files import sha256_file
+
+    if sha256_file(copied) != expected_sha256:
+        raise ContractError(f"{weights}: changed while this export ran (sha256 is no longer the {expected_sha256[:12]}... "
+                            f"it started from: training rewrote it?); nothing was exported; rerun once training is done")
 
 
 def write_draft_dir(checkpoint: Path, staging: Path, verifier_name: str, num_speculative_tokens: int) -> dict:

@@ -235,3 +235,81 @@ def _read_only_fs(path: Path) -> bool:
         return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
     except OSError:
         return False
+
+
+# --- what a stage wrote, by size and a cheap fingerprint (stage 02's hidden states; run_all --status) ------
+
+FINGERPRINTS_NAME = "fingerprints.json"
+FINGERPRINT_BLOCKS = 8  # 4 KiB blocks spread over the file, plus its safetensors header: ~36 KiB read per file
+FINGERPRINT_BLOCK = 4096
+
+
+def file_fingerprint(path: Path) -> str:
+    """sha256 of the size, the safetensors header and 8 blocks spread evenly over the file: cheap enough for
+    every file on every rerun; a truncation, a swap, or a rewrite with another header or other bytes in those
+    blocks shows. Not every byte: the training loader checks each sample's values as it reads them."""
+    import struct
+
+    path = Path(path)
+    size = path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as handle:
+        head = handle.read(8)
+        digest.update(head)
+        if len(head) == 8:
+            digest.update(handle.read(min(struct.unpack("<Q", head)[0], 1 << 20)))
+        for k in range(FINGERPRINT_BLOCKS):
+            handle.seek(size * k // FINGERPRINT_BLOCKS)
+            digest.update(handle.read(FINGERPRINT_BLOCK))
+    return digest.hexdigest()[:32]
+
+
+def write_fingerprints(directory: Path, names: list[str]) -> dict:
+    """{name: [size, fingerprint]} beside the files; returns the manifest's record of it."""
+    directory = Path(directory)
+    record = {name: [(directory / name).stat().st_size, file_fingerprint(directory / name)] for name in names}
+    path = directory / FINGERPRINTS_NAME
+    atomic_write_json(path, record)
+    return {"file": FINGERPRINTS_NAME, "sha256": sha256_file(path), "files": len(record)}
+
+
+def changed_fingerprints(directory: Path, names: list[str]) -> dict[str, str] | None:
+    """Files that differ from their record (size first, then fingerprint), with how; None: no record
+    (written by a version before fingerprints)."""
+    directory = Path(directory)
+    try:
+        recorded = json.loads((directory / FINGERPRINTS_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    changed: dict[str, str] = {}
+    for name in names:
+        path = directory / name
+        size, fingerprint = (recorded.get(name) or (None, None))[:2]
+        if not path.is_file():
+            changed[name] = "missing"
+        elif path.stat().st_size != size:
+            changed[name] = f"size {path.stat().st_size:,} B, recorded {'none' if size is None else f'{size:,} B'}"
+        elif file_fingerprint(path) != fingerprint:
+            changed[name] = "same size, other bytes (fingerprint)"
+    return changed
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """Why a safetensors file cannot be read (truncated, garbled header), or None; reads only its header."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as handle:
+            head = handle.read(8)
+            if len(head) < 8:
+                return f"unreadable safetensors (only {size} B)"
+            header_len = int.from_bytes(head, "little")
+            if header_len > size - 8:
+                return f"unreadable safetensors (header of {header_len:,} B in a {size:,} B file: truncated?)"
+            header = json.loads(handle.read(header_len))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        return f"unreadable safetensors ({str(exc).splitlines()[0][:80] or type(exc).__name__})"
+    if 8 + header_len + end != size:
+        return f"unreadable safetensors (the header says {8 + header_len + end:,} B, the file has {size:,} B: truncated?)"
+    return None

@@ -50,6 +50,7 @@ NOT_IDENTITY: dict[str, frozenset[str]] = {
         # online/hybrid: where the states come from is recorded resolved (hidden_states_source, layer_ids); online
         # and hybrid train on the same states (hybrid only keeps them), and the server's address is not the data
         "hidden_states", "vllm_endpoint", "layer_ids", "vllm_retries", "vllm_request_timeout",
+        "on_bad_sample",  # how a bad input is handled; the samples skipped are listed in the manifest
     }),
     "export": frozenset({"checkpoints", "output", "vocab", "checkpoint", "num_speculative_tokens", "overwrite",
                          "check"}),
@@ -197,6 +198,20 @@ def finished(out_dir: Path, stage: str, identity: dict, overwrite: bool = False,
         return False
     what = "a finished result" if manifest.get("complete") else "an unfinished run"
     raise ContractError(f"{path}: {out_dir} holds {what} made with {describe_difference(diff)}; {remedy}")
+
+
+def refuse_unowned(out_dir: Path, stage: str) -> None:
+    """No manifest in out_dir, yet something is there (a user's own dataset, a work directory): none of it is
+    this stage's to replace. Hidden names (locks, temps) do not count. Call it before `finished`, which
+    takes the lock (and so would leave a lock file in a folder that is not the stage's)."""
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir() or manifest_path(out_dir).exists():  # a manifest: `finished` says whose it is
+        return
+    there = sorted(p.name + ("/" if p.is_dir() else "") for p in out_dir.iterdir() if not p.name.startswith("."))
+    if there:
+        shown = ", ".join(there[:6]) + (f" and {len(there) - 6} more" if len(there) > 6 else "")
+        raise ContractError(f"{out_dir}: holds files {STAGES[stage]} did not write ({shown}) and no manifest of it; "
+                            f"choose an empty or new --output (nothing was deleted)")
 
 
 def retire_manifest(out_dir: Path) -> None:

@@ -227,13 +227,22 @@ def _split_endpoint(endpoint: str) -> tuple[str, str]:
     return host.strip("[]"), port
 
 
-def export_compat_settings(cfg: TrainConfig) -> None:
+def export_compat_settings(cfg: TrainConfig, sample_check: dict | None = None) -> None:
     """Settings of the compat fixes, for this process and every training process it starts
-    (`run_in_process` only gets speculators' flags, which have no place for them)."""
+    (`run_in_process` only gets speculators' flags, which have no place for them). `sample_check`:
+    what every sample must be (compat/sample_check.py: slots, hidden, dtype, storage)."""
+    import json
+
     from . import online
     from .compat import flex_forward_config
+    from .compat import sample_check as checks
 
     os.environ[flex_forward_config.ENV] = cfg.flex_forward_config
+    if sample_check is None:
+        os.environ.pop(checks.ENV, None)
+    else:
+        os.environ[checks.ENV] = json.dumps({**sample_check, "on_bad": cfg.on_bad_sample,
+                                             "record": str(Path(cfg.output).resolve() / checks.RECORD_NAME)})
     if cfg.hidden_states == "files":
         os.environ.pop(online.MODE_ENV, None)
         os.environ.pop(online.CACHE_ENV, None)
@@ -257,6 +266,7 @@ def run_in_process(argv: list[str], metrics_path: Path, checkpoint_bytes: int = 
     from speculators.train.config import TrainConfig as SpeculatorsTrainConfig
 
     from . import compat, resume
+    from .compat.sample_check import stop_line
     from .errors import Interrupted
 
     applied = compat.apply(metrics_path)
@@ -272,6 +282,8 @@ def run_in_process(argv: list[str], metrics_path: Path, checkpoint_bytes: int = 
 
         if ENDPOINT_DOWN_TAG in str(exc):  # compat/online_generation.py stopped the run at a batch
             raise endpoint_down_error(str(exc).split(ENDPOINT_DOWN_TAG, 1)[1], save) from None
+        if stop_line(str(exc)):  # compat/sample_check.py or finite_loss.py: one line naming the file/step
+            raise bad_sample_error(stop_line(str(exc)), save) from None
         if not is_disk_full(exc):
             raise
         raise disk_full_error(save, checkpoint_bytes) from None
@@ -287,6 +299,45 @@ def run_in_process(argv: list[str], metrics_path: Path, checkpoint_bytes: int = 
                               f"{save / resume.INTERRUPTED}; rerun the same command to resume from it")
         raise Interrupted(f"training interrupted; the interrupt checkpoint could not be saved (see the log above); "
                           f"rerun the same command to resume from the last epoch checkpoint in {save}")
+
+
+def bad_sample_error(problem: str, save: Path):
+    """A sample that must not be trained on, or a non-finite loss: one line, and where a rerun resumes."""
+    from .checkpoints import latest_progress
+    from .errors import InputError
+
+    progress = latest_progress(save)
+    resume_from = (f"checkpoint {progress['checkpoint']} (global step {progress.get('global_step', '?')})"
+                   if progress else "the start (no checkpoint was saved yet)")
+    if problem.startswith("non-finite training loss"):
+        return InputError(f"{problem}; check those rows and the learning rate (a rerun resumes from {resume_from})")
+    return InputError(f"{problem}; training stopped before it (a rerun resumes from {resume_from}): redo the file with "
+                      f"02_extract_hidden_states.py --validate, or pass --on-bad-sample skip to leave such samples out")
+
+
+def stopped_on(out_dir: Path) -> str | None:
+    """The bad sample (or non-finite loss) a training rank stopped on, from its record (torchrun runs)."""
+    from .compat.sample_check import read_records
+
+    stops = [r for r in read_records(out_dir) if r.get("action") == "stop"]
+    if not stops:
+        return None
+    last = stops[-1]
+    return f"{last['file']}: {last['reason']}" if last.get("file") else last["reason"]
+
+
+def skipped_samples(out_dir: Path) -> dict:
+    """--on-bad-sample skip: the samples left out (each once, however many epochs read it)."""
+    from .compat.sample_check import read_records
+
+    skipped: dict[str, str] = {}
+    for entry in read_records(out_dir):
+        if entry.get("action") == "skip":
+            skipped.setdefault(str(entry.get("file")), entry.get("reason"))
+    if skipped:
+        log.warning("%d sample(s) left out (--on-bad-sample skip), listed in the manifest's bad_samples; first: %s: %s",
+                    len(skipped), *next(iter(skipped.items())))
+    return {"count": len(skipped), "files": skipped}
 
 
 def endpoint_down_error(problem: str, save: Path):

@@ -18,6 +18,9 @@ installed (stage 04 logs them and records them in its manifest, via metrics.json
                        (always; raises if speculators' setup function is gone)
   device_prefetch      the training loader copies the next batch to the GPU on a side stream
                        (gate: CUDA)
+  sample_check         every sample is checked as the loader reads it (shape, storage, finite, token ids);
+                       a bad one stops training with one line, or is skipped and listed (gate: stage 04)
+  finite_loss          a non-finite loss stops training before its optimizer step (gate: stage 04)
   online_generation    on-demand generation from a vLLM server (04 --hidden-states online/hybrid):
                        a dead endpoint stops training at that batch with one line; hybrid keeps each
                        generated sample (gate: online/hybrid mode; speculators 0.9.0, else it raises)
@@ -31,7 +34,7 @@ from __future__ import annotations
 from pathlib import Path
 
 FIXES = ("cpu_trainer", "fused_loss", "flex_forward_config", "interrupt_progress", "samples_record", "metrics_jsonl",
-         "device_prefetch", "online_generation")
+         "device_prefetch", "sample_check", "finite_loss", "online_generation")
 
 
 def apply(metrics_path: str | Path) -> list[str]:
@@ -43,11 +46,13 @@ def apply(metrics_path: str | Path) -> list[str]:
     from . import (
         cpu_trainer,
         device_prefetch,
+        finite_loss,
         flex_forward_config,
         fused_loss,
         interrupt_progress,
         metrics_jsonl,
         online_generation,
+        sample_check,
         samples_record,
     )
 
@@ -59,6 +64,8 @@ def apply(metrics_path: str | Path) -> list[str]:
         "samples_record": samples_record.apply,
         "metrics_jsonl": lambda: metrics_jsonl.apply(metrics_path),
         "device_prefetch": device_prefetch.apply,
+        "sample_check": sample_check.apply,
+        "finite_loss": finite_loss.apply,
         "online_generation": online_generation.apply,
     }
     return [name for name in FIXES if gates[name]()]

@@ -82,6 +82,7 @@ class OnlineArrowDataset(_base_class()):
         from speculators.train.recovery import SampleUnavailable
 
         from ..online import ENDPOINT_DOWN_TAG, endpoint_problem
+        from .sample_check import BAD_SAMPLE_TAG, generated_bad
 
         if self.eagle3_down:
             return SampleUnavailable(reason=self.eagle3_down, counts_as_failure=True, fatal=True)
@@ -90,6 +91,8 @@ class OnlineArrowDataset(_base_class()):
         was_cached = cache_file is not None and cache_file.is_file()
         data = super()._get_raw_data(index)
         if isinstance(data, SampleUnavailable):
+            if data.counts_as_failure and not data.fatal and BAD_SAMPLE_TAG in data.reason:
+                return generated_bad(data.reason, file_idx)  # the server answers; the sample is bad
             if data.counts_as_failure and not data.fatal:  # generation failed after speculators' retries
                 problem = endpoint_problem(self.vllm_endpoint)
                 if problem:

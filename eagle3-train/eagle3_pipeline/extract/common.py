@@ -19,7 +19,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import Iterable, Iterator, Protocol
 
 import torch
 
@@ -219,3 +219,21 @@ def partition_indices(indices: list[int], world_size: int, rank: int) -> list[in
     chunk, extra = divmod(len(indices), world_size)
     start = rank * chunk + min(rank, extra)
     return indices[start:start + chunk + (1 if rank < extra else 0)]
+
+
+
+# --- what stage 02 wrote, by size and a cheap fingerprint (files.py; a rerun compares them with the disk) ---
+
+def write_fingerprints(hs_dir: Path, indices: Iterable[int]) -> dict:
+    from ..files import write_fingerprints as write
+
+    return write(hs_dir, [hs_file(hs_dir, i).name for i in indices])
+
+
+def changed_files(hs_dir: Path, indices: Iterable[int]) -> dict[int, str] | None:
+    """Rows whose file differs from what stage 02 recorded (size, then fingerprint), with how; None: no record."""
+    from ..files import changed_fingerprints
+
+    by_name = {hs_file(hs_dir, i).name: i for i in indices}
+    changed = changed_fingerprints(hs_dir, list(by_name))
+    return None if changed is None else {by_name[name]: how for name, how in changed.items()}

@@ -180,4 +180,32 @@ def make_backend(cfg: ExtractConfig, target, layer_ids, hs_dir: Path, max_model_
 
     staging = staging_dir(cfg, hs_dir)
     staging.mkdir(parents=True, exist_ok=True)
+    if cfg.world_size == 1 and not cfg.endpoint:
+        remove_dead_engines_staging(staging)
     return VllmBackend(cfg, target, layer_ids, staging, max_model_len)
+
+
+def remove_dead_engines_staging(staging: Path) -> list[Path]:
+    """`vllm-<pid>/` folders an in-process engine killed with -9 left behind (every request's states, never
+    landed): removed when that pid is gone. Only with one rank (this process holds the directory's exclusive
+    lock; ranks on other nodes could share a staging folder whose pids mean nothing here)."""
+    import os
+    import shutil
+
+    removed = []
+    for folder in staging.glob("vllm-*"):
+        pid = folder.name.removeprefix("vllm-")
+        if not (folder.is_dir() and pid.isdigit()) or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # alive: another extraction's engine on this machine
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    if removed:
+        log.info("removed %d staging folder(s) of vLLM engines that were killed (%s)", len(removed), removed[0])
+    return removed

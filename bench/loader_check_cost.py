@@ -1,0 +1,103 @@
+#!/usr/bin/env python3
+"""CPU time of stage 04's per-sample loader check (compat/sample_check.py) at Kimi-K2.5 geometry.
+
+One sample as the loader holds it after reading `hs_{i}.safetensors`: hidden_states [2048, 4, 7168]
+bf16 (the 4 extracted layers, 117 MB) + token_ids [2048]; the check the loader runs on it (storage,
+token ids, shape, one min/max pass per layer slot for NaN/Inf and constant slots), timed with the
+process CPU clock in one thread (speculators limits each loader worker to one). Set against the
+H200's measured training time per sample (bench/results/h200-train.json, ours: tokens/s through
+04_train.py), as the fraction of one loader worker's time per sample and of the step when the
+check would run on the training process itself (num_workers 0: the worst case).
+
+    python bench/loader_check_cost.py            # writes bench/results/cpu-loader-check-cost.json
+
+The GPU figure (tokens/s with and without every input check, one invocation) is
+`train_throughput.py --runs ours --loader-check both`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+TOKENS, SLOTS, HIDDEN = 2048, 4, 7168  # Kimi-K2.5: 3 aux layers + the final one, hidden 7168
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--results", type=Path, default=REPO / "bench" / "results" / "cpu-loader-check-cost.json")
+    parser.add_argument("--train-results", type=Path, default=REPO / "bench" / "results" / "h200-train.json")
+    parser.add_argument("--workers", type=int, default=8, help="loader workers per GPU (04's default num_workers)")
+    args = parser.parse_args()
+
+    from eagle3_pipeline.compat.sample_check import storage_problem, value_problem
+
+    torch.set_num_threads(1)  # as in a loader worker (speculators' _limit_worker_threads)
+    generator = torch.Generator().manual_seed(0)
+    states = torch.randn(TOKENS, SLOTS, HIDDEN, generator=generator).to(torch.bfloat16)
+    token_ids = torch.randint(0, 163840, (TOKENS,), generator=generator)
+    row_ids = token_ids.clone()  # the dataset row's input_ids (an independent tensor, as the loader has)
+    sample = {"hidden_states": states, "token_ids": token_ids}
+    expected = {"slots": SLOTS, "hidden": HIDDEN, "dtype": "bfloat16", "storage": "dtype"}
+
+    def check() -> None:
+        assert storage_problem(sample, expected) is None
+        assert value_problem(states, token_ids, row_ids, SLOTS, HIDDEN) is None
+
+    check()  # warm-up
+    cpu_ms, wall_ms = [], []
+    for _ in range(args.repeats):
+        c0, w0 = time.process_time(), time.perf_counter()
+        check()
+        cpu_ms.append((time.process_time() - c0) * 1e3)
+        wall_ms.append((time.perf_counter() - w0) * 1e3)
+    # For scale, what the loader already does with every sample: speculators' collate copies it into
+    # the step's preallocated buffer (one pass over the same bytes).
+    buffer = torch.zeros(TOKENS, SLOTS * HIDDEN, dtype=torch.bfloat16)
+    copy_ms = []
+    for _ in range(max(3, args.repeats // 2)):
+        c0 = time.process_time()
+        buffer.copy_(states.view(TOKENS, -1))
+        copy_ms.append((time.process_time() - c0) * 1e3)
+    read_cpu_ms = statistics.median(copy_ms)
+
+    train = json.loads(args.train_results.read_text())
+    ours = train["runs"]["ours"]
+    step_ms_per_sample = TOKENS / ours["tokens_per_s"] * 1e3  # one GPU's training time per 2048-token sample
+    check_ms = statistics.median(cpu_ms)
+    report = {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": platform.processor() or platform.machine(), "torch": torch.__version__, "threads": 1,
+        "sample": {"hidden_states": [TOKENS, SLOTS, HIDDEN], "dtype": "bfloat16", "bytes": states.numel() * 2},
+        "repeats": args.repeats,
+        "check_cpu_ms_median": check_ms, "check_cpu_ms_min": min(cpu_ms), "check_wall_ms_median": statistics.median(wall_ms),
+        "collate_copy_cpu_ms_median": read_cpu_ms,
+        "h200_train": {"from": str(args.train_results.relative_to(REPO)), "tokens_per_s": ours["tokens_per_s"],
+                       "train_ms_per_sample": step_ms_per_sample},
+        "workers_per_gpu": args.workers,
+        # the loader's share: each worker has workers x the per-sample training time per sample it prepares
+        "fraction_of_loader_budget": check_ms / (step_ms_per_sample * args.workers),
+        # worst case, if the check ran on the training process itself (num_workers 0)
+        "fraction_of_step_if_inline": check_ms / step_ms_per_sample,
+    }
+    args.results.parent.mkdir(parents=True, exist_ok=True)
+    args.results.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"loader check, one [{TOKENS}, {SLOTS}, {HIDDEN}] bf16 sample: {check_ms:.1f} ms CPU (median of "
+          f"{args.repeats}, 1 thread); the collate's copy of it {read_cpu_ms:.1f} ms CPU")
+    print(f"H200 training time per sample {step_ms_per_sample:.1f} ms ({ours['tokens_per_s']:,.0f} tokens/s): "
+          f"{100 * report['fraction_of_loader_budget']:.2f}% of {args.workers} loader workers' budget, "
+          f"{100 * report['fraction_of_step_if_inline']:.1f}% if run inline")
+    print(f"wrote {args.results}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""A non-finite training loss stops training before its optimizer step: one Trainer subclass.
+
+speculators 0.9.0's `Trainer.train_epoch` runs forward, backward, gradient clipping and
+`_optimizers_step` whatever the loss is: one NaN loss turns every weight into NaN, the run goes on
+with exit 0 and each later checkpoint is a NaN draft. The subclass keeps the training forward's
+loss (a forward hook on the model, which returns `(draft_tokens, loss, metrics)`) and checks it in
+`_optimizers_step`, before any optimizer steps: a non-finite loss raises one line naming the global
+step and the step's samples (the batch sampler's rows for that step: `hs_{i}.safetensors` of stage
+02). Cost: one device-to-host read of the loss per step (bench/train_throughput.py --loader-check
+both measures tokens/s with and without every input check).
+
+Gate: stage 04's sample-check settings are set (compat/sample_check.py, same switch) and
+speculators is 0.9.0 (private names: `_optimizers_step`, the sampler's `_generate_batches`).
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+SUPPORTED_SPECULATORS = ("0.9.0",)
+_applied = False
+
+
+def apply() -> bool:
+    global _applied
+    from . import sample_check
+
+    if sample_check.settings() is None:
+        return False
+    if _applied:
+        return True
+    version = metadata.version("speculators")
+    if version not in SUPPORTED_SPECULATORS:
+        raise RuntimeError(f"compat/finite_loss.py was written for speculators {SUPPORTED_SPECULATORS}, found {version}; "
+                           f"re-check it against speculators/train/trainer.py")
+    import speculators.train.cli as cli
+
+    cli.Trainer = finite_loss_trainer(cli.Trainer)  # after cpu_trainer, which may have replaced it
+    _applied = True
+    return True
+
+
+def finite_loss_trainer(base: type) -> type:
+    import torch
+
+    class FiniteLossTrainer(base):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._eagle3_loss = None
+            self._eagle3_epoch, self._eagle3_step_in_epoch = 0, 0
+            self.model.register_forward_hook(self._eagle3_keep_loss)
+
+        def _eagle3_keep_loss(self, _module, _inputs, output):
+            if self.model.training and isinstance(output, tuple) and len(output) >= 2:
+                self._eagle3_loss = output[1]
+
+        def train_epoch(self, epoch, *args, **kwargs):
+            self._eagle3_epoch, self._eagle3_step_in_epoch = epoch, 0
+            return super().train_epoch(epoch, *args, **kwargs)
+
+        def _optimizers_step(self):
+            self._eagle3_step_in_epoch += 1
+            loss = self._eagle3_loss
+            if loss is not None and not bool(torch.isfinite(loss.detach()).all().item()):
+                self._eagle3_stop(loss)
+            return super()._optimizers_step()
+
+        def _eagle3_rows(self) -> list[int] | None:
+            sampler = getattr(self.train_loader, "batch_sampler", None)
+            try:
+                cached = getattr(sampler, "_cached_generated_batches", None)
+                batches = cached[1] if cached and cached[0] == self._eagle3_epoch else \
+                    sampler._generate_batches(self._eagle3_epoch)
+                return sorted(int(i) for i in batches[self._eagle3_step_in_epoch - 1])
+            except Exception:  # a sampler without that API: the step alone
+                return None
+
+        def _eagle3_stop(self, loss):
+            from . import sample_check
+
+            rows = self._eagle3_rows()
+            names = ("rows " + ", ".join(f"hs_{i}" for i in rows[:8]) + (" ..." if len(rows) > 8 else "")) if rows \
+                else "rows unknown"
+            problem = (f"non-finite training loss ({loss.detach().float().item()}) at global step {self.global_step}, "
+                       f"epoch {self._eagle3_epoch} ({names}); stopped before its optimizer step, so no weight was "
+                       f"changed by it")
+            config = sample_check.settings() or {}
+            sample_check.record(config.get("record"), {"file": None, "rows": rows, "reason": problem, "action": "stop"})
+            raise sample_check.BadSample(f"{sample_check.BAD_SAMPLE_TAG}{problem}")
+
+    return FiniteLossTrainer

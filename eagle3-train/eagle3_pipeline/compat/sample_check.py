@@ -1,0 +1,256 @@
+"""Every sample is checked as the training loader reads it (stage 04, files, online and hybrid): one wrapper.
+
+Why: stage 02's manifest says what it wrote, not what is on disk now. A file changed after 02
+finished (a NaN; a constant slot; a bf16 file in an fp32 run; an fp8 file read as raw e4m3 without
+its scales; another row's file) was trained on (loss nan) or dropped by speculators after a
+multi-line tensor dump that nobody counted. So the loader refuses, before the sample reaches a
+batch: an unreadable/truncated file; hidden_states of another shape than [T, n_slots, H]; another
+storage than stage 02's (dtype, or fp8 + per-token scales); NaN/Inf; an all-zero or constant layer
+slot; `token_ids` that are not the row's `input_ids` (a swapped file).
+
+Where: speculators 0.9.0 reads `hs_{i}.safetensors` in hs_connectors' `FileTransfer.get_cached`
+(and `FP8Transfer` dequantizes there), called by `train/data.py ArrowDataset._get_raw_data`;
+generated samples (online/hybrid) come from `get_generated`. `apply` wraps
+`speculators.train.cli.create_train_val_loaders` so the transfer it is given is a `CheckedTransfer`
+(picklable: loader workers are spawned and unpickle the dataset with it). Cost: one min/max pass
+per layer slot in the sample's own dtype, no copy (bench/README.md, "Loader check").
+
+A bad sample stops training with one line naming the file and the reason (stage 04 prints it), or,
+with `--on-bad-sample skip`, is left out of its batch, and listed (`bad_samples.jsonl`, then stage
+04's manifest). Settings come from the environment (`ENV`, JSON written by stage 04), which every
+rank and loader worker inherits. Gate: `ENV` set and not switched off with `OFF_ENV=off` (only the
+throughput bench does that, to measure the check's cost); speculators 0.9.0 (else it raises).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_SPECULATORS = ("0.9.0",)
+ENV = "EAGLE3_SAMPLE_CHECK"
+OFF_ENV = "EAGLE3_INPUT_CHECKS"  # "off": no loader check, no loss check (bench/train_throughput.py --loader-check)
+BAD_SAMPLE_TAG = "[eagle3 bad sample] "
+RECORD_NAME = "bad_samples.jsonl"  # in stage 04's --output (listed in its manifest)
+_applied = False
+
+
+class BadSample(RuntimeError):
+    """A sample that must not be trained on; the message (after BAD_SAMPLE_TAG) is one line."""
+
+
+def settings() -> dict | None:
+    if os.environ.get(OFF_ENV) == "off":
+        return None
+    raw = os.environ.get(ENV)
+    return json.loads(raw) if raw else None
+
+
+def apply() -> bool:
+    global _applied
+    if settings() is None:
+        return False
+    if _applied:
+        return True
+    version = metadata.version("speculators")
+    if version not in SUPPORTED_SPECULATORS:
+        raise RuntimeError(f"compat/sample_check.py was written for speculators {SUPPORTED_SPECULATORS}, found "
+                           f"{version}; re-check it against speculators/train/data.py and hs_connectors/transfer.py")
+    import speculators.train.cli as train_cli
+
+    create_loaders = train_cli.create_train_val_loaders
+
+    def create_checked(*args: Any, **kwargs: Any):
+        kwargs["transfer"] = CheckedTransfer(kwargs.get("transfer"), kwargs["data_path"], settings())
+        return create_loaders(*args, **kwargs)
+
+    create_checked.__dict__.update(create_loaders.__dict__)  # markers of other wrappers (device_prefetch)
+    create_checked._sample_check = True  # type: ignore[attr-defined]
+    train_cli.create_train_val_loaders = create_checked
+    _applied = True
+    return True
+
+
+# --- the check itself (also what the bench times) ------------------------------------------------
+
+def storage_problem(sample: dict, expected: dict) -> str | None:
+    """The file as stored (before any dequantization): stage 02's dtype, or fp8 with its scales."""
+    from hs_connectors.fp8_utils import SCALES_KEY
+
+    missing = {"hidden_states", "token_ids"} - sample.keys()
+    if missing:
+        return f"missing tensors {sorted(missing)}"
+    dtype = str(sample["hidden_states"].dtype).removeprefix("torch.")
+    has_scales = SCALES_KEY in sample
+    if expected.get("storage") == "fp8":
+        if dtype != "float8_e4m3fn" or not has_scales:
+            return (f"stored as {dtype}{' with' if has_scales else ' without'} fp8 scales; stage 02 stored fp8 "
+                    f"(float8_e4m3fn + {SCALES_KEY})")
+        return None
+    if dtype == "float8_e4m3fn":
+        return f"stored as fp8 (float8_e4m3fn{'' if has_scales else ', no scales'}); stage 02 stored {expected.get('dtype')}"
+    if expected.get("dtype") and dtype != expected["dtype"]:
+        return f"stored as {dtype}; stage 02 stored {expected['dtype']} (files are never mixed)"
+    if has_scales:
+        return f"{SCALES_KEY} beside {dtype} states (only fp8 files carry scales)"
+    return None
+
+
+def value_problem(hidden_states, token_ids, expected_ids, num_slots: int, hidden_size: int) -> str | None:
+    """Shape, token ids, NaN/Inf, zero/constant slots: one min/max pass per slot, in the states' own dtype."""
+    import torch
+
+    if token_ids.numel() != len(expected_ids) or not torch.equal(token_ids.reshape(-1).to(torch.long), expected_ids):
+        return (f"token_ids ({token_ids.numel()} tokens) are not the row's input_ids ({len(expected_ids)} tokens): "
+                f"another row's file, or the data was re-prepared")
+    shape = (len(expected_ids), num_slots, hidden_size)
+    if tuple(hidden_states.shape) != shape:
+        return f"hidden_states shape {list(hidden_states.shape)}, expected {list(shape)}"
+    # One pass over the sample: per-column max and min over the tokens (contiguous rows: the fastest
+    # reduction on a CPU; NaN propagates through both, +Inf shows in the max, -Inf in the min), then per slot.
+    flat = hidden_states.reshape(hidden_states.shape[0], -1)
+    high = flat.amax(dim=0).float().reshape(num_slots, hidden_size)
+    low = flat.amin(dim=0).float().reshape(num_slots, hidden_size)
+    bad = ~(torch.isfinite(high).all(dim=1) & torch.isfinite(low).all(dim=1))
+    if bad.any():
+        return f"hidden_states contain NaN/Inf (layer slot(s) {bad.nonzero().flatten().tolist()})"
+    slot_high, slot_low = high.amax(dim=1), low.amin(dim=1)
+    constant = (slot_high == slot_low).nonzero().flatten().tolist()
+    if constant:
+        return f"hidden_states layer slot(s) {constant} hold one constant value ({slot_low[constant[0]].item():.6g})"
+    return None
+
+
+def record(path: str | None, entry: dict) -> None:
+    """One line per bad sample (loader workers append: O_APPEND lines this short are not interleaved)."""
+    if path:
+        with open(path, "a") as handle:
+            handle.write(json.dumps(entry, default=int) + "\n")
+
+
+def read_records(out_dir: str | Path) -> list[dict]:
+    path = Path(out_dir) / RECORD_NAME
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue  # a line cut by a kill
+    return out
+
+
+class CheckedTransfer:
+    """hs_connectors' transfer with every sample checked as it is read (see the module docstring)."""
+
+    def __init__(self, inner, data_path: str, config: dict):
+        from hs_connectors import FileTransfer
+
+        self.inner = inner if inner is not None else FileTransfer(Path(data_path) / "hidden_states")
+        self.data_path = str(data_path)
+        self.config = config
+        self._rows = None
+        self._current: tuple[int, Any] | None = None
+
+    def __getattr__(self, name: str):  # setup(), hidden_states_path, ...: the wrapped transfer's
+        if name in ("inner", "__setstate__", "__getstate__"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def __getstate__(self):
+        return {**self.__dict__, "_rows": None}  # workers reopen the (memory-mapped) dataset
+
+    def _row_ids(self, file_idx: int):
+        import torch
+
+        if self._rows is None:
+            from datasets import load_from_disk
+
+            self._rows = load_from_disk(self.data_path).select_columns(["input_ids"])
+        return torch.as_tensor(self._rows[file_idx]["input_ids"], dtype=torch.long).reshape(-1)
+
+    def _problem(self, sample: dict, file_idx: int, raw: dict | None) -> str | None:
+        expected = self.config
+        if raw is not None:
+            problem = storage_problem(raw, expected)
+            if problem:
+                return problem
+        return value_problem(sample["hidden_states"], sample["token_ids"], self._row_ids(file_idx),
+                             expected["slots"], expected["hidden"])
+
+    def _bad(self, where: str, file_idx: int, problem: str):
+        from speculators.train.recovery import SampleUnavailable
+
+        action = self.config.get("on_bad", "stop")
+        record(self.config.get("record"), {"file": where, "row": file_idx, "reason": problem, "action": action})
+        if action == "skip":
+            return SampleUnavailable(reason=f"{where}: {problem}")
+        raise BadSample(f"{BAD_SAMPLE_TAG}{where}: {problem}")
+
+    def get_cached(self, file_idx: int):
+        from hs_connectors import FileTransfer
+
+        self._current = (file_idx, None)
+        if not isinstance(self.inner, FileTransfer):
+            sample = self.inner.get_cached(file_idx)
+            problem = sample is not None and self._problem(sample, file_idx, None)
+            return self._bad(f"row {file_idx}", file_idx, problem) if problem else sample
+        path = Path(self.inner.hidden_states_path) / f"hs_{file_idx}.safetensors"
+        if not path.is_file():
+            return self.inner.get_cached(file_idx)  # None: --on-missing decides (raise, or generate)
+        try:
+            raw = FileTransfer.get_cached(self.inner, file_idx)  # the file as stored (plain load_file)
+        except Exception as exc:  # safetensors raises several types for truncated/garbled files
+            return self._bad(str(path), file_idx, f"unreadable safetensors ({str(exc).splitlines()[0][:120]})")
+        if raw is None:
+            return None
+        problem = storage_problem(raw, self.config)
+        if problem:
+            return self._bad(str(path), file_idx, problem)
+        dequantize = getattr(self.inner, "_dequantize", None)  # FP8Transfer: scales -> dequantize_dtype
+        sample = dequantize(raw) if dequantize else raw
+        problem = self._problem(sample, file_idx, None)
+        return self._bad(str(path), file_idx, problem) if problem else sample
+
+    def get_generated(self, hs_transfer_params: dict):
+        sample = self.inner.get_generated(hs_transfer_params)
+        if sample is None or self._current is None:
+            return sample
+        file_idx = self._current[0]
+        handle = hs_transfer_params.get("hidden_states_path") or hs_transfer_params.get("handle")
+        problem = self._problem(sample, file_idx, None)
+        if problem:  # speculators retries the round trip; after its retries the reason carries the tag
+            raise BadSample(f"{BAD_SAMPLE_TAG}row {file_idx} (generated by vLLM, {handle}): {problem}")
+        return sample
+
+    def delete(self, handle: str) -> None:
+        return self.inner.delete(handle)
+
+    def setup(self) -> None:
+        return self.inner.setup()
+
+
+def generated_bad(reason: str, file_idx: int):
+    """online/hybrid: a generated sample that failed this check after speculators' retries (the server
+    answers): stop (a fatal SampleUnavailable: the run stops at that batch) or skip and list it."""
+    from speculators.train.recovery import SampleUnavailable
+
+    config = settings() or {}
+    problem = reason.split(BAD_SAMPLE_TAG, 1)[1].splitlines()[0]
+    action = config.get("on_bad", "stop")
+    record(config.get("record"), {"file": problem.split(": ", 1)[0], "row": file_idx,
+                                  "reason": problem.split(": ", 1)[-1], "action": action})
+    if action == "skip":
+        return SampleUnavailable(reason=problem)
+    return SampleUnavailable(reason=BAD_SAMPLE_TAG + problem, counts_as_failure=True, fatal=True)
+
+
+def stop_line(text: str) -> str | None:
+    """The one line a stopped run reports, from an exception's text (worker tracebacks included)."""
+    if BAD_SAMPLE_TAG not in text:
+        return None
+    return text.split(BAD_SAMPLE_TAG, 1)[1].splitlines()[0].strip()

@@ -1,0 +1,101 @@
+"""`run_all.sh --status`: each stage's state in a work directory, by the stages' own rule for "done".
+
+`python -m eagle3_pipeline.status --work WORK` prints one line per stage: `NN name STATE LOG`.
+A stage is `finished` only as `stage.finished` would find it without its flags: its manifest is
+complete, the upstream outputs it recorded (identity.inputs: their `content_sha256`) are the ones
+on disk now, every upstream stage is itself finished, and its stage-specific condition holds
+(02: every row's file present with the size and fingerprint it recorded; 04: the recorded best
+checkpoint whole). What status cannot know without the flags is a changed setting: the stage
+itself says so when run (a finished stage is a no-op there, a stale one names the field).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from .contract import MANIFEST_NAME, SCHEMA_VERSION
+
+STAGES = (("01", "prepare", "data"), ("02", "extract", "data/hidden_states"), ("03", "vocab", "vocab"),
+          ("04", "train", "checkpoints"), ("05", "export", "draft"))
+
+
+def _manifest(directory: Path) -> dict | None:
+    try:
+        data = json.loads((directory / MANIFEST_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _content(manifest: dict) -> str | None:
+    """What downstream stages recorded of it (contract.read_manifest's `_content_sha256`)."""
+    return manifest.get("content_sha256")
+
+
+def _extra_problem(stage: str, directory: Path, manifest: dict) -> str | None:
+    if stage == "extract":
+        from .files import changed_fingerprints  # no torch here: run_all's python may have none
+
+        rows = (manifest.get("counts") or {}).get("rows", 0)
+        changed = changed_fingerprints(directory, [f"hs_{i}.safetensors" for i in range(rows)])
+        if changed:
+            name, how = next(iter(changed.items()))
+            return f"{len(changed)} file(s) changed since written ({name}: {how})"
+    if stage == "train":
+        from .checkpoints import MODEL_NAME, unreadable_weights
+
+        best = manifest.get("best_checkpoint")
+        if best and not (directory / best / MODEL_NAME).is_file():
+            return f"best checkpoint {best} is gone"
+        if best and (reason := unreadable_weights(directory / best / MODEL_NAME)):
+            return f"best checkpoint {best}: {reason}"
+    return None
+
+
+def stage_states(work: Path) -> dict[str, dict]:
+    work = Path(work)
+    states: dict[str, dict] = {}
+    contents: dict[str, str | None] = {}
+    for num, stage, rel in STAGES:
+        directory = work / rel
+        log = work / "logs" / f"{num}_{stage}.log"
+        manifest = _manifest(directory)
+        if manifest is None or manifest.get("stage") != stage:
+            state = "started, no output yet" if log.is_file() else "not started"
+            states[stage] = {"num": num, "state": state, "log": str(log)}
+            continue
+        if not manifest.get("complete") or manifest.get("schema_version") != SCHEMA_VERSION:
+            states[stage] = {"num": num, "state": "started, not finished", "log": str(log)}
+            continue
+        contents[stage] = _content(manifest)
+        recorded = (manifest.get("identity") or {}).get("inputs") or {}
+        why = None
+        for upstream, value in recorded.items():
+            if upstream not in contents:
+                continue  # not a stage output (a data file, a target hash, a checkpoint)
+            if states.get(upstream, {}).get("state") != "finished":
+                why = f"{upstream} is {states.get(upstream, {}).get('state', 'not finished')}"
+            elif value != contents[upstream]:
+                why = f"made from another {upstream} output than {work / dict((s, r) for _, s, r in STAGES)[upstream]}"
+            if why:
+                break
+        why = why or _extra_problem(stage, directory, manifest)
+        states[stage] = {"num": num, "state": "stale" if why else "finished", "log": str(log),
+                         **({"why": why} if why else {})}
+    return states
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", required=True, type=Path)
+    args = parser.parse_args(argv)
+    for stage, info in stage_states(args.work).items():
+        state = info["state"] + (f" ({info['why']}; rerun {info['num']})" if info.get("why") else "")
+        print(f"{info['num']} {stage:<8} {state:<22} {info['log']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,299 @@
+"""No stage trusts a manifest over what is on disk now (issue 26): hidden-state files changed after
+stage 02 finished, checkpoints changed or gone, deletion only of what a stage's manifest lists.
+
+Each case runs the stages' real `main(argv)` on a private copy of the shared finished Kimi-miniature
+run (`work`, from test_reliability_rerun.py), changes one file the way a careful user might (a NaN,
+a copy from another box, a swap, a truncation), and asserts the one error line, the exit code and
+that nothing else was lost.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_reliability_bad_input import manifest, refused, snapshot, succeeded
+from test_reliability_rerun import args, lock_holder, logs, ran, work
+
+pytestmark = pytest.mark.reliability
+_FIXTURES = (lock_holder, logs, work)  # test_reliability_rerun.py's, used here by name
+
+ROW = 3  # a training-split row of the miniature's 10
+
+
+def hs(work, row: int = ROW) -> Path:
+    return work["hs"] / f"hs_{row}.safetensors"
+
+
+def rewrite(path: Path, change) -> None:
+    tensors = load_file(str(path))
+    change(tensors)
+    save_file(tensors, str(path))
+
+
+def _nan(t):
+    t["hidden_states"][1, 2, 5] = float("nan")
+
+
+def _constant_slot(t):
+    t["hidden_states"][:, 1, :] = 0.5
+
+
+def _bf16(t):
+    t["hidden_states"] = t["hidden_states"].to(torch.bfloat16)
+
+
+def _fp8_raw(t):  # an fp8 file read as raw e4m3 without its scales
+    t["hidden_states"] = t["hidden_states"].to(torch.float8_e4m3fn)
+
+
+def _fp8_scaled(t):  # a real fp8 file (stage 02 --storage fp8) copied into a float32 run
+    from hs_connectors.fp8_utils import SCALES_KEY, quantize_tensor_to_fp8
+
+    t["hidden_states"], t[SCALES_KEY] = quantize_tensor_to_fp8(t["hidden_states"])
+
+
+def _token_ids(t):
+    t["token_ids"][2] = (t["token_ids"][2] + 1) % 1000
+
+
+CHANGES = {
+    "nan": (_nan, "hidden_states contain NaN/Inf (layer slot(s) [2])"),
+    "constant-slot": (_constant_slot, "hidden_states layer slot(s) [1] hold one constant value (0.5)"),
+    "bf16-in-fp32-run": (_bf16, "stored as bfloat16; stage 02 stored float32 (files are never mixed)"),
+    "fp8-raw-in-fp32-run": (_fp8_raw, "stored as fp8 (float8_e4m3fn, no scales); stage 02 stored float32"),
+    "fp8-in-fp32-run": (_fp8_scaled, "stored as fp8 (float8_e4m3fn); stage 02 stored float32"),
+    "token-ids": (_token_ids, "are not the row's input_ids"),
+    "swapped": (None, "are not the row's input_ids"),
+}
+
+
+def change_file(work, name: str) -> None:
+    change, _ = CHANGES[name]
+    if change is None:  # swapped with another row's file
+        other = hs(work, ROW + 1)
+        tmp = other.with_name("swap")
+        other.rename(tmp)
+        hs(work).rename(other)
+        tmp.rename(hs(work))
+    else:
+        rewrite(hs(work), change)
+
+
+@pytest.mark.parametrize("name", list(CHANGES))
+def test_training_stops_with_one_line_on_a_hidden_state_file_changed_after_stage_02(name, capsys, work, kimi_target,
+                                                                                     tmp_path):
+    change_file(work, name)
+    out = tmp_path / "ckpt"
+    code, line = refused(capsys, *args("train", {**work, "checkpoints": out}, kimi_target))
+    assert code == 4
+    named = (hs(work), hs(work, ROW + 1)) if name == "swapped" else (hs(work),)  # the one read first
+    assert line.startswith(tuple(f"{p}: " for p in named)) and CHANGES[name][1] in line, line
+    assert "training stopped before it" in line and "--on-bad-sample skip" in line
+    assert not list(out.glob("[0-9]*/model.safetensors"))  # no checkpoint was trained on it
+
+
+def test_on_bad_sample_skip_counts_and_lists_the_files_in_the_manifest(capsys, work, kimi_target, tmp_path):
+    change_file(work, "nan")
+    out = tmp_path / "ckpt"
+    succeeded(capsys, *args("train", {**work, "checkpoints": out}, kimi_target, "--on-bad-sample", "skip"))
+    bad = manifest(out)["bad_samples"]
+    assert bad["count"] == 1 and list(bad["files"]) == [str(hs(work))]
+    assert "NaN/Inf" in bad["files"][str(hs(work))]
+    assert manifest(out)["complete"]
+
+
+def test_a_truncated_hidden_state_file_is_one_line_naming_it(capsys, work, kimi_target, tmp_path):
+    data = hs(work).read_bytes()
+    hs(work).write_bytes(data[:-1])
+    code, line = refused(capsys, *args("train", {**work, "checkpoints": tmp_path / "ckpt"}, kimi_target))
+    assert code == 4 and line.startswith(f"{hs(work)}: unreadable safetensors ("), line
+
+
+def test_a_non_finite_loss_stops_before_the_optimizer_step_naming_step_and_rows(capsys, work, kimi_target, tmp_path):
+    rewrite(hs(work), lambda t: t["hidden_states"].mul_(1e37))  # finite states whose loss overflows
+    out = tmp_path / "ckpt"
+    code, line = refused(capsys, *args("train", {**work, "checkpoints": out}, kimi_target))
+    assert code == 4 and line.startswith("non-finite training loss"), line
+    assert f"hs_{ROW}" in line and "at global step" in line and "before its optimizer step" in line
+
+
+@pytest.mark.parametrize("name", ["nan", "swapped", "truncated"])
+def test_rerunning_02_redoes_a_file_changed_since_by_size_and_fingerprint(name, capsys, logs, work, kimi_target):
+    original = hs(work).read_bytes()
+    if name == "truncated":
+        hs(work).write_bytes(original[:-1])
+    else:
+        change_file(work, name)
+    text = ran(capsys, logs, *args("extract", work, kimi_target))
+    assert "changed since stage 02 wrote" in text and "nothing to do" not in text, text
+    assert hs(work).read_bytes() == original  # redone (HF extraction is deterministic)
+    if name == "swapped":
+        assert hs(work, ROW + 1).read_bytes() != original
+    text = ran(capsys, logs, *args("extract", work, kimi_target))
+    assert "nothing to do" in text
+
+
+def test_export_refuses_a_checkpoint_with_non_finite_weights(capsys, work, tmp_path):
+    best = (work["checkpoints"] / "checkpoint_best").resolve()
+    weights = best / "model.safetensors"
+    tensors = load_file(str(weights))
+    name = sorted(k for k, v in tensors.items() if v.is_floating_point())[0]
+    tensors[name].view(-1)[0] = float("nan")
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    code, line = refused(capsys, "export", "--profile", "cpu-mini", "--checkpoints", work["checkpoints"],
+                         "--output", tmp_path / "draft")
+    assert code == 4 and line.startswith(f"{weights}: ") and f"tensor {name!r}" in line and "NaN/Inf" in line, line
+    assert not (tmp_path / "draft").exists()
+
+
+def test_a_recorded_best_checkpoint_that_is_gone_is_an_error_naming_it(capsys, work, kimi_target, tmp_path):
+    best = manifest(work["checkpoints"])["best_checkpoint"]
+    shutil.rmtree(work["checkpoints"] / best)
+    others = sorted(p.name for p in work["checkpoints"].iterdir() if p.name.isdigit())
+    code, line = refused(capsys, *args("train", work, kimi_target))
+    assert code == 3 and f"best checkpoint {best!r}" in line and "--checkpoint" in line, line
+    code, line = refused(capsys, "export", "--profile", "cpu-mini", "--checkpoints", work["checkpoints"],
+                         "--output", tmp_path / "draft")
+    assert code == 3 and f"best checkpoint {best!r}" in line and f"--checkpoint {others[-1]}" in line, line
+    assert not (tmp_path / "draft").exists()
+
+
+def test_a_truncated_checkpoint_is_one_line_naming_the_file(capsys, work, kimi_target, tmp_path):
+    best = manifest(work["checkpoints"])["best_checkpoint"]
+    weights = work["checkpoints"] / best / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1])
+    code, line = refused(capsys, *args("train", work, kimi_target))
+    assert code == 3 and line.startswith(f"{weights}: "), line
+    code, line = refused(capsys, "export", "--profile", "cpu-mini", "--checkpoints", work["checkpoints"],
+                         "--output", tmp_path / "draft")
+    assert code == 3 and line.startswith(f"{weights}: ") and "unreadable" in line, line
+
+
+def test_export_refuses_a_checkpoint_changed_while_it_ran(capsys, work, tmp_path, monkeypatch):
+    import eagle3_pipeline.export as export
+
+    write = export.write_draft_dir
+
+    def retrained_meanwhile(checkpoint, staging, *a, **k):  # what `04 --overwrite` elsewhere would do
+        weights = checkpoint / "model.safetensors"
+        tensors = load_file(str(weights))
+        key = sorted(k for k, v in tensors.items() if v.is_floating_point())[0]
+        tensors[key].view(-1)[0] += 1.0
+        save_file(tensors, str(weights), metadata={"format": "pt"})
+        return write(checkpoint, staging, *a, **k)
+
+    monkeypatch.setattr(export, "write_draft_dir", retrained_meanwhile)
+    code, line = refused(capsys, "export", "--profile", "cpu-mini", "--checkpoints", work["checkpoints"],
+                         "--output", tmp_path / "draft")
+    assert code == 3 and "changed while this export ran" in line, line
+    assert not (tmp_path / "draft").exists()
+
+
+def test_export_and_training_share_the_checkpoints_lock(capsys, work, tmp_path, lock_holder):
+    holder = lock_holder(work["checkpoints"] / ".eagle3.lock")  # 04 training there (exclusive)
+    code, line = refused(capsys, "export", "--profile", "cpu-mini", "--checkpoints", work["checkpoints"],
+                         "--output", tmp_path / "draft")
+    assert code == 75 and ".eagle3.lock" in line, line
+    holder.kill()
+    holder.wait()
+    succeeded(capsys, "export", "--profile", "cpu-mini", "--checkpoints", work["checkpoints"],
+              "--output", tmp_path / "draft")
+
+
+# --- deletion only by manifest (D2, D3) ------------------------------------------------------------
+
+def test_train_overwrite_into_a_work_directory_deletes_nothing_and_says_what_is_there(capsys, work, kimi_target):
+    root = work["root"]
+    (root / "logs").mkdir()
+    (root / "logs" / "04_train.log").write_text("a stage log\n")
+    (root / "run_all.log").write_text("run_all\n")
+    (root / ".run_all.lock").write_text("")
+    before = snapshot(root)
+    for extra in ((), ("--overwrite",)):
+        code, line = refused(capsys, *args("train", {**work, "checkpoints": root}, kimi_target, *extra))
+        assert code == 3 and "--overwrite" not in line, line
+        assert "04_train.py did not write" in line and "logs/" in line and "run_all.log" in line, line
+        assert snapshot(root) == before
+
+
+def test_prepare_refuses_an_output_holding_a_users_own_dataset(capsys, kimi_target, tmp_path):
+    from datasets import Dataset
+
+    from conftest import SAMPLES
+
+    own = tmp_path / "mine"
+    Dataset.from_dict({"text": ["a user's own rows"]}).save_to_disk(str(own))
+    before = snapshot(own)
+    code, line = refused(capsys, "prepare", "--profile", "cpu-mini", "--target", kimi_target,
+                         "--data", SAMPLES / "conversations.jsonl", "--output", own)
+    assert code == 3 and "did not write" in line and "dataset_info.json" in line and "--overwrite" not in line, line
+    assert snapshot(own) == before
+
+
+# --- profiles (D7) ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("profile, key", [
+    ("[1, 2]", "(top level)"),
+    ('{"vocab": 256}', "vocab"),
+    ('{"train": "fast"}', "train"),
+    ('{"train": {"epochs": "many"}}', "train.epochs"),
+])
+def test_a_profile_of_the_wrong_shape_is_one_line_naming_the_file_and_key(profile, key, capsys, work, tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text(profile)
+    code, line = refused(capsys, "vocab", "--profile", path, "--data", work["data"], "--output", tmp_path / "v")
+    assert code == 2 and line.startswith(f"{path}: ") and f"{key}" in line, line
+    assert "['a', 'f', 's', 't']" not in line
+
+
+# --- run_all --status (D8) -------------------------------------------------------------------------
+
+def test_status_uses_the_stages_finished_rule(work):
+    from eagle3_pipeline.status import stage_states
+
+    root = work["root"]
+    states = stage_states(root)
+    assert all(s["state"] == "finished" for s in states.values()), states
+    m = manifest(work["data"])  # stage 01 redone on other data: its content changes
+    m["content_sha256"] = "0" * 64
+    (work["data"] / "manifest.json").write_text(json.dumps(m))
+    states = stage_states(root)
+    assert states["prepare"]["state"] == "finished"
+    for stage in ("extract", "vocab", "train", "export"):
+        assert states[stage]["state"] == "stale", (stage, states[stage])
+
+
+def test_a_generated_sample_is_checked_like_a_file_and_stops_or_is_skipped(work, tmp_path, monkeypatch):
+    """online/hybrid: what vLLM generated passes the same check (hs_connectors' real FileTransfer reads the
+    file vLLM would name); after speculators' retries the reason carries the tag, and the run stops
+    (a fatal sample: speculators' recovery stops at that batch) or, with skip, the sample is listed."""
+    import json as _json
+
+    from hs_connectors import FileTransfer
+
+    from eagle3_pipeline.compat import sample_check
+
+    generated = tmp_path / "staging" / "req-1.safetensors"
+    generated.parent.mkdir()
+    shutil.copy(hs(work), generated)
+    rewrite(generated, _nan)
+    config = {"slots": 4, "hidden": load_file(str(hs(work)))["hidden_states"].shape[2], "dtype": None,
+              "storage": "any", "on_bad": "stop", "record": str(tmp_path / "bad.jsonl")}
+    transfer = sample_check.CheckedTransfer(FileTransfer(tmp_path / "cache"), str(work["data"]), config)
+    assert transfer.get_cached(ROW) is None  # nothing cached: speculators generates it
+    with pytest.raises(sample_check.BadSample) as error:
+        transfer.get_generated({"hidden_states_path": str(generated)})
+    assert sample_check.stop_line(str(error.value)) == f"row {ROW} (generated by vLLM, {generated}): " \
+        f"hidden_states contain NaN/Inf (layer slot(s) [2])"
+    reason = f"Hidden-state round trip failed (attempt 3/3): BadSample: {error.value}"
+    for action, fatal in (("stop", True), ("skip", False)):
+        monkeypatch.setenv(sample_check.ENV, _json.dumps({**config, "on_bad": action}))
+        result = sample_check.generated_bad(reason, ROW)
+        assert result.fatal is fatal and "NaN/Inf" in result.reason
+    entries = [_json.loads(line) for line in (tmp_path / "bad.jsonl").read_text().splitlines()]
+    assert [e["action"] for e in entries] == ["stop", "skip"] and {e["row"] for e in entries} == {ROW}
