@@ -9,15 +9,20 @@ A row is what the target sees and emits at inference, token for token:
 The two are tokenized separately, as vLLM does (it tokenizes the prompt; the model's tokens
 follow it), so a ChatML header's trailing newline never merges with an indented answer.
 
-The generation text is taken from the template's own rendering of turn i (the conversation up to
-and including it): the turn's body after the role header, minus what the generation prompt already
-holds. Templates that drop the turn's reasoning (Kimi-K2.5 renders every turn up to the last one
-without tool calls as history, `<think></think>` + content; DeepSeek-R1 strips it) get it put back
-where the model writes it: between the generation prompt's open tag and the close tag the template
-left, or, when the template leaves no think block at all, as `REASONING\\n</think>\\n\\n` before the
-body (DeepSeek-R1's layout). Every row is then checked: each non-empty assistant text of the turn
-(reasoning, content, every tool call's name and arguments) must appear in the decoded trained tokens,
-or the row is refused naming file, row, turn and field. NOTES.md "Stage 01" states the rule.
+The prompt is rendered from the history as vLLM's chat path hands it to the template
+(`template_messages`: JSON-string tool-call arguments parsed into objects, `name` kept, null content
+as vLLM passes it, reasoning as `reasoning` + `reasoning_content`, `--chat-template-kwargs` applied).
+The generation text is the template's own rendering of turn i where it continues that prompt. Which
+parts of the turn the template renders, and where, is decided exactly, never by searching the data's
+text: the turn is rendered a second time with every field (reasoning, content, each call's name, id
+and arguments) replaced by a unique marker. A field whose marker is missing from the generated span is
+dropped by the template: the row is refused naming file, row, turn and field, except the reasoning,
+which templates that strip it (Kimi-K2.5 renders every turn up to the last one without tool calls as
+`<think></think>` + content; DeepSeek-R1 renders no think block; DeepSeek-V3.1 renders `</think>` +
+content) get put back where the model writes it: right after the generation prompt's `<think>`,
+closed by the template's own `</think>` (or `REASONING\n</think>\n\n`, R1's layout, where it renders
+none). Any exception a template raises on a row is one line naming the turn. NOTES.md "Stage 01"
+states the rule.
 
 Input shapes: OpenAI `messages` (content as text or a list of text parts, `tool_calls`, `tool`
 messages with `tool_call_id` / `name`, reasoning as `reasoning_content`, `reasoning` or `thinking`,
