@@ -205,3 +205,19 @@ def test_saved_dataset_folder_too_long_rows_named_and_the_max_samples_cap_said(t
     counts = json.loads((out / "manifest.json").read_text())["counts"]
     assert counts["dropped_too_long"] == len(rejected) and counts["conversations"] == 5
     assert "--max-samples capped the input" in result.stderr
+
+
+@pytest.mark.parametrize("tools, cause", [
+    (None, "TypeError"),  # Hermes-3's template iterates `tools` unconditionally
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}],
+     "UndefinedError"),  # ... and reads each tool's description
+])
+def test_any_exception_a_real_template_raises_is_one_line_naming_the_turn(family_dir, tools, cause):
+    chat = ChatTokenizer(str(family_dir("hermes-3")))
+    record = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    if tools:
+        record["tools"] = tools
+    with pytest.raises(InputError) as exc:
+        rows_for_record(chat, record, 0, "turn", len(chat.tokenizer), "data.jsonl:9")
+    message = str(exc.value)
+    assert message.startswith(f"data.jsonl:9: turn 1: the chat template fails ({cause}: ") and "\n" not in message

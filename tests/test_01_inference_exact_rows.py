@@ -394,6 +394,7 @@ def test_smollm2_template_drops_tool_calls_so_such_rows_are_refused_and_skippabl
     refused = run_stage("prepare", "--target", smollm2, "--data", source, "--output", tmp_path / "out", check=False)
     assert refused.returncode == 4
     assert f"error: {source}:3: turn 1 field tool_calls[0].function.name: the chat template drops it" in refused.stderr
+    assert "functions.NAME:INDEX" not in refused.stderr  # the id hint only where a template renders ids (Kimi)
     run_stage("prepare", "--target", smollm2, "--data", source, "--output", tmp_path / "out", "--on-bad-row", "skip",
               "--max-bad-fraction", "0.3", "--val-ratio", "0.34")
     counts = json.loads((tmp_path / "out" / "manifest.json").read_text())["counts"]
