@@ -221,3 +221,21 @@ def test_any_exception_a_real_template_raises_is_one_line_naming_the_turn(family
         rows_for_record(chat, record, 0, "turn", len(chat.tokenizer), "data.jsonl:9")
     message = str(exc.value)
     assert message.startswith(f"data.jsonl:9: turn 1: the chat template fails ({cause}: ") and "\n" not in message
+
+
+def test_a_template_that_reads_thinking_gets_the_turns_reasoning_under_that_name(family_dir):
+    """gpt-oss reads an assistant turn's reasoning only as `thinking` (its analysis channel); the trained
+    turn carries it under that name too, whichever name the data used."""
+    from eagle3_pipeline.conversations import content_format
+
+    chat = ChatTokenizer(str(family_dir("qwen3")))
+    chat.tokenizer.chat_template = (  # gpt-oss's layout for the last assistant turn, reduced
+        "{%- for m in messages -%}{%- if m.role == 'user' -%}<|im_start|>{{ m.content }}<|im_end|>"
+        "{%- elif loop.last and 'thinking' in m -%}<|im_start|><think>{{ m.thinking }}</think>{{ m.content }}<|im_end|>"
+        "{%- else -%}<|im_start|>{{ m.content }}<|im_end|>{%- endif -%}{%- endfor -%}"
+        "{%- if add_generation_prompt -%}<|im_start|>{%- endif -%}")
+    chat.content_format = content_format(chat.tokenizer.chat_template)
+    record = {"messages": [{"role": "user", "content": "2+2?"},
+                           {"role": "assistant", "content": "4", "reasoning_content": "Add them."}]}
+    (row,) = rows_for_record(chat, record, 0, "turn", len(chat.tokenizer), "x")
+    assert chat.decode(trained(row)) == "<think>Add them.</think>4<|im_end|>"
