@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Stage 01: conversations -> target chat template -> input_ids + assistant-only loss_mask.
 
-Reads a HF datasets name or a local .jsonl/.json/.parquet file of OpenAI `messages` or
+Reads a HF datasets name, a local .jsonl/.json/.parquet file or a saved dataset folder of OpenAI `messages` or
 ShareGPT `conversations`, renders each with the target's chat template, and writes the
 dataset speculators' trainer reads (save_to_disk: input_ids, loss_mask, seq_len) plus
 token_freq.pt and manifest.json. Rows already tokenized for the target (`input_ids` +
