@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Stage 01: conversations -> target chat template -> input_ids + assistant-only loss_mask.
 
-Reads a HF datasets name or a local .jsonl/.json/.parquet file of OpenAI `messages` or
+Reads a HF datasets name, a local .jsonl/.json/.parquet file or a saved dataset folder of OpenAI `messages` or
 ShareGPT `conversations`, renders each with the target's chat template, and writes the
 dataset speculators' trainer reads (save_to_disk: input_ids, loss_mask, seq_len) plus
 token_freq.pt and manifest.json. Rows already tokenized for the target (`input_ids` +
@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # 2. Contract: nothing upstream but the raw data; skip if this exact result exists.
     check_writable_dir(out_dir, "--output")
-    chat = ChatTokenizer(cfg.tokenizer or cfg.target, cfg.trust_remote_code)
+    chat = ChatTokenizer(cfg.tokenizer or cfg.target, cfg.trust_remote_code, cfg.template_kwargs(),
+                         cfg.end_of_turn_tokens)
     identity = stage_identity(cfg, {"data": data_identity(cfg.data), "target_config": target.config_sha256,
                                     "tokenizer": target.tokenizer_sha256},
                               end_of_turn_ids=sorted(chat.stop_ids))  # where each trained turn ends
@@ -82,10 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     remove_stale_temps(out_dir)
     retire_manifest(out_dir)  # an old result (--overwrite) stops being finished only now
     write_manifest(out_dir, "prepare", complete=False, identity=identity)  # these files are this stage's from here
-    stats = write_prepared(out_dir, rows, num_train, prepared.bad)
+    stats = write_prepared(out_dir, rows, num_train, prepared.bad + prepared.too_long)
+    for dropped in prepared.too_long[: cfg.report_problems]:
+        log.warning("dropped row %s: %s", dropped.where, dropped.reason)
     if prepared.dropped_too_long:
-        log.warning("dropped %d row(s) longer than --max-seq-len %d (see manifest counts)",
-                    prepared.dropped_too_long, cfg.max_seq_len)
+        log.warning("dropped %d row(s) longer than --max-seq-len %d (listed in %s)",
+                    prepared.dropped_too_long, cfg.max_seq_len, out_dir / REJECTED_NAME)
     if prepared.truncated_too_long:
         log.warning("truncated %d row(s) to --max-seq-len %d (see manifest counts)",
                     prepared.truncated_too_long, cfg.max_seq_len)
@@ -102,8 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         train_data_ratio=train_data_ratio(num_train, len(rows)),
         max_seq_len=cfg.max_seq_len,
     )
-    log.info("prepared %d rows (%d train / %d val, %d loss tokens) from %d conversations, %d bad row(s) skipped%s -> %s",
-             stats["rows"], stats["train_rows"], stats["val_rows"], stats["loss_tokens"], prepared.conversations,
+    capped = f" (the first {cfg.max_samples}: --max-samples capped the input)" if prepared.capped else ""
+    log.info("prepared %d rows (%d train / %d val, %d loss tokens) from %d conversations%s, %d bad row(s) skipped%s -> %s",
+             stats["rows"], stats["train_rows"], stats["val_rows"], stats["loss_tokens"], prepared.conversations, capped,
              len(prepared.bad), f" (listed in {out_dir / REJECTED_NAME})" if prepared.bad else "", out_dir)
     log.info("%s", hidden_states_estimate_line(stats["rows"], stats["tokens"], target.hidden_size))
     return 0

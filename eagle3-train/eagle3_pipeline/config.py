@@ -54,10 +54,11 @@ class PrepareConfig(StageConfig):
     )
     target: str = _field(..., "target model directory (its tokenizer + chat template are used)")
     tokenizer: Optional[str] = _field(None, "tokenizer directory if not the target's")
-    data: str = _field(..., "conversations: a HF datasets name or a local .jsonl/.json/.parquet file "
+    data: str = _field(..., "conversations: a HF datasets name, a local .jsonl/.json/.parquet file or a "
+                            "datasets.save_to_disk folder "
                             "(OpenAI messages, ShareGPT, or rows already tokenized for the target: "
                             "input_ids + loss_mask, as speculators regenerate-responses writes)")
-    data_split: str = _field("train", "split to read when --data is a HF datasets name")
+    data_split: str = _field("train", "split to read when --data is a HF datasets name or a saved DatasetDict")
     data_subset: Optional[str] = _field(None, "HF datasets config/subset name")
     output: str = _field(..., "output directory (the prepared dataset; stage 02 adds hidden_states/ inside it)")
     max_samples: Optional[int] = _field(None, "use only the first N conversations (the 10-sample smoke)")
@@ -74,6 +75,12 @@ class PrepareConfig(StageConfig):
         "rejected.jsonl in --output, counts it, and fails only above --max-bad-fraction")
     max_bad_fraction: float = _field(0.01, "with --on-bad-row skip: fail if more than this fraction of rows are bad",
                                      ge=0, le=1)
+    chat_template_kwargs: Optional[str] = _field(
+        None, "JSON object passed to every chat-template rendering, as vLLM's chat_template_kwargs "
+        "(e.g. '{\"thinking\": true}' for DeepSeek-V3.1, '{\"enable_thinking\": false}' for Qwen3); serve with the same")
+    end_of_turn_tokens: list[str] = _field(
+        [], "tokens an assistant turn ends on (default: generation_config.json's eos ids, what vLLM stops on); "
+        "repeat the flag for several")
     val_ratio: float = _field(0.1, "fraction of conversations held out for validation (the last rows)", gt=0, lt=1)
     seed: int = _field(0, "shuffle seed for the train/val split")
     trust_remote_code: bool = _field(False, "allow the target's own tokenizer code (Kimi-K2.5 needs it)")
@@ -81,6 +88,22 @@ class PrepareConfig(StageConfig):
     check: bool = _field(False, "preflight only: print the disk/GPU/version estimate, render every input row "
                                 "(local files and HF datasets) and list the first --report-problems bad ones; writes nothing")
     report_problems: int = _field(20, "how many bad rows --check lists (all are counted)", ge=1)
+
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _chat_template_kwargs_is_a_json_object(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None:
+            try:
+                parsed = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"not JSON ({exc.msg} at column {exc.colno})") from None
+            if not isinstance(parsed, dict):
+                raise ValueError("must be a JSON object, e.g. '{\"thinking\": true}'")
+        return value
+
+    def template_kwargs(self) -> dict:
+        return json.loads(self.chat_template_kwargs) if self.chat_template_kwargs else {}
 
 
 class ExtractConfig(StageConfig):

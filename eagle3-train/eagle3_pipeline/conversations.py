@@ -9,15 +9,20 @@ A row is what the target sees and emits at inference, token for token:
 The two are tokenized separately, as vLLM does (it tokenizes the prompt; the model's tokens
 follow it), so a ChatML header's trailing newline never merges with an indented answer.
 
-The generation text is taken from the template's own rendering of turn i (the conversation up to
-and including it): the turn's body after the role header, minus what the generation prompt already
-holds. Templates that drop the turn's reasoning (Kimi-K2.5 renders every turn up to the last one
-without tool calls as history, `<think></think>` + content; DeepSeek-R1 strips it) get it put back
-where the model writes it: between the generation prompt's open tag and the close tag the template
-left, or, when the template leaves no think block at all, as `REASONING\\n</think>\\n\\n` before the
-body (DeepSeek-R1's layout). Every row is then checked: each non-empty assistant text of the turn
-(reasoning, content, every tool call's name and arguments) must appear in the decoded trained tokens,
-or the row is refused naming file, row, turn and field. NOTES.md "Stage 01" states the rule.
+The prompt is rendered from the history as vLLM's chat path hands it to the template
+(`template_messages`: JSON-string tool-call arguments parsed into objects, `name` kept, null content
+as vLLM passes it, reasoning as `reasoning` + `reasoning_content`, `--chat-template-kwargs` applied).
+The generation text is the template's own rendering of turn i where it continues that prompt. Which
+parts of the turn the template renders, and where, is decided exactly, never by searching the data's
+text: the turn is rendered a second time with every field (reasoning, content, each call's name, id
+and arguments) replaced by a unique marker. A field whose marker is missing from the generated span is
+dropped by the template: the row is refused naming file, row, turn and field, except the reasoning,
+which templates that strip it (Kimi-K2.5 renders every turn up to the last one without tool calls as
+`<think></think>` + content; DeepSeek-R1 renders no think block; DeepSeek-V3.1 renders `</think>` +
+content) get put back where the model writes it: right after the generation prompt's `<think>`,
+closed by the template's own `</think>` (or `REASONING\n</think>\n\n`, R1's layout, where it renders
+none). Any exception a template raises on a row is one line naming the turn. NOTES.md "Stage 01"
+states the rule.
 
 Input shapes: OpenAI `messages` (content as text or a list of text parts, `tool_calls`, `tool`
 messages with `tool_call_id` / `name`, reasoning as `reasoning_content`, `reasoning` or `thinking`,
@@ -61,6 +66,9 @@ def read_records(source: str, split: str = "train", subset: str | None = None,
     """Yield (where, record) with `where` = 'FILE:LINE' or 'FILE row N' for error messages. A line
     that cannot be read at all comes as an InputError in place of its record (the reader goes on)."""
     path = Path(source)
+    if path.is_dir():
+        yield from _read_saved_dataset(path, split)
+        return
     if path.suffix in (".jsonl", ".json", ".parquet") or path.exists():
         if not path.is_file():
             raise InputError(f"{path}: input file not found (--data)")
@@ -81,6 +89,25 @@ def read_records(source: str, split: str = "train", subset: str | None = None,
         raise InputError(f"{source}: cannot load HF dataset ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})") from None
     for i, record in enumerate(dataset):
         yield f"{source}[{split}] row {i}", record
+
+
+def _read_saved_dataset(path: Path, split: str) -> Iterator[tuple[str, Any]]:
+    """A `datasets.save_to_disk` folder (a Dataset, or a DatasetDict: --data-split picks the split)."""
+    import datasets
+
+    try:
+        dataset = datasets.load_from_disk(str(path))
+    except Exception as exc:
+        raise InputError(f"{path}: a folder, but not a datasets.save_to_disk dataset ({type(exc).__name__}: "
+                         f"{first_line(exc)}) (--data)") from None
+    if isinstance(dataset, datasets.DatasetDict):
+        if split not in dataset:
+            raise InputError(f"{path}: saved dataset has no split {split!r} (it has {sorted(dataset)}) (--data-split)")
+        dataset, where = dataset[split], f"{path}[{split}]"
+    else:
+        where = str(path)
+    for i, record in enumerate(dataset.with_format(None)):
+        yield f"{where} row {i}", record
 
 
 def _read_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
@@ -131,14 +158,12 @@ def _read_parquet(path: Path) -> Iterator[tuple[str, Any]]:
 
 # --- normalising --------------------------------------------------------------------------
 
-def _text_of(content: Any, where: str, t: int, role: str) -> str:
-    """Content as text: a string, null, or a list of OpenAI text parts (joined as the templates do)."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
+def _text_of(content: Any, where: str, t: int, role: str) -> str | list[dict] | None:
+    """Content as the data gives it: a string, null, or a list of OpenAI text parts (kept as a list:
+    how parts are joined is the chat path's business, see `template_messages`)."""
+    if content is None or isinstance(content, str):
         return content
     if isinstance(content, list):
-        texts = []
         for p, part in enumerate(content):
             if not isinstance(part, dict):
                 raise InputError(f"{where}: turn {t} ({role}) content part {p} is not a {{type, text}} object")
@@ -146,21 +171,34 @@ def _text_of(content: Any, where: str, t: int, role: str) -> str:
             if kind != "text" or not isinstance(part.get("text"), str):
                 raise InputError(f"{where}: turn {t} ({role}) content part {p} has type {kind!r}: only text parts "
                                  f"are supported (the draft trains on text; drop or caption the other parts)")
-            texts.append(part["text"])
-        return "".join(texts)
+        return [{"type": "text", "text": part["text"]} for part in content]
     raise InputError(f"{where}: turn {t} ({role}) content is not text")
 
 
-def _reasoning_of(turn: dict, content: str) -> tuple[str, str]:
-    """(reasoning, content): a reasoning field, or `<think>R</think>` written inline in the content."""
+def reasoning_field(message: dict) -> tuple[str, str]:
+    """(field, text) of an assistant message's reasoning: whichever of the names the data used."""
+    for key in REASONING_FIELDS:
+        if isinstance(message.get(key), str) and message[key]:
+            return key, message[key]
+    return "reasoning_content", ""
+
+
+def plain_text(content: str | list[dict] | None) -> str:
+    if isinstance(content, list):
+        return "".join(part["text"] for part in content)
+    return content or ""
+
+
+def _reasoning_of(turn: dict, content: Any) -> tuple[str, str, Any]:
+    """(field, reasoning, content): a reasoning field, or `<think>R</think>` written inline in string content."""
     for key in REASONING_FIELDS:
         value = turn.get(key)
         if isinstance(value, str) and value.strip():
-            return value, content
-    if THINK_CLOSE in content:
+            return key, value, content
+    if isinstance(content, str) and THINK_CLOSE in content:
         head, _, tail = content.partition(THINK_CLOSE)
-        return head.strip().removeprefix(THINK_OPEN).strip(), tail.lstrip("\n")
-    return "", content
+        return "reasoning_content", head.strip().removeprefix(THINK_OPEN).strip(), tail.lstrip("\n")
+    return "", "", content
 
 
 class _CallIds:
@@ -177,6 +215,27 @@ class _CallIds:
         return call_id
 
 
+def _arguments_of(arguments: Any, where: str, t: int, c: int) -> dict:
+    """Tool-call arguments as vLLM's chat path hands them to the template (0.32,
+    `_postprocess_messages`): a JSON string is parsed; empty means {}. vLLM renders arguments that are
+    not a JSON object as {}: the row would train arguments the data does not hold, so it is refused."""
+    if not arguments:
+        return {}
+    if isinstance(arguments, dict):
+        return arguments
+    field = f"{where}: turn {t} tool_calls[{c}].function.arguments"
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            raise InputError(f"{field} is not JSON ({arguments[:40]!r}); vLLM renders such arguments as {{}}, "
+                             f"so the row cannot be trained as given") from None
+    if not isinstance(arguments, dict):
+        raise InputError(f"{field} is a JSON {type(arguments).__name__}, not an object; vLLM renders it as {{}}, "
+                         f"so the row cannot be trained as given")
+    return arguments
+
+
 def _tool_calls_of(raw: Any, where: str, t: int, ids: _CallIds) -> list[dict]:
     if not isinstance(raw, list):
         raise InputError(f"{where}: turn {t} tool_calls is not a list")
@@ -186,14 +245,7 @@ def _tool_calls_of(raw: Any, where: str, t: int, ids: _CallIds) -> list[dict]:
         name = function.get("name") if isinstance(function, dict) else None
         if not isinstance(name, str) or not name:
             raise InputError(f"{where}: turn {t} tool_calls[{c}] has no function name")
-        arguments = function.get("arguments", {})
-        if isinstance(arguments, str) and arguments.strip()[:1] in ("{", "["):
-            try:
-                json.loads(arguments)
-            except json.JSONDecodeError:
-                raise InputError(f"{where}: turn {t} tool_calls[{c}].function.arguments is not valid JSON") from None
-        elif not isinstance(arguments, (str, dict, list)):
-            raise InputError(f"{where}: turn {t} tool_calls[{c}].function.arguments is neither a string nor an object")
+        arguments = _arguments_of(function.get("arguments"), where, t, c)
         call_id = call.get("id") if isinstance(call.get("id"), str) and call.get("id") else ids.next(name)
         calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
     ids.last = [c["id"] for c in calls]
@@ -241,13 +293,13 @@ def to_messages(record: Any, where: str) -> list[dict]:
         content = _text_of(raw_content, where, t, role)
         message: dict[str, Any] = {"role": role, "content": content}
         if role == "assistant":
-            reasoning, content = _reasoning_of(turn, content)
+            field, reasoning, content = _reasoning_of(turn, content)
             message["content"] = content
             if reasoning:
-                message["reasoning_content"] = reasoning
+                message[field] = reasoning
             if turn.get("tool_calls"):
                 message["tool_calls"] = _tool_calls_of(turn["tool_calls"], where, t, ids)
-            if not content.strip() and not reasoning and not message.get("tool_calls"):
+            if not plain_text(content).strip() and not reasoning and not message.get("tool_calls"):
                 raise InputError(f"{where}: turn {t} is an empty assistant turn")
         elif role == "tool":
             call_id = turn.get("tool_call_id")
@@ -255,8 +307,8 @@ def to_messages(record: Any, where: str) -> list[dict]:
                 call_id = ids.last.pop(0)
             if call_id:
                 message["tool_call_id"] = str(call_id)
-            if isinstance(turn.get("name"), str):
-                message["name"] = turn["name"]
+        if isinstance(turn.get("name"), str):  # vLLM keeps `name` on every message (Kimi renders it)
+            message["name"] = turn["name"]
         messages.append(message)
     if not any(m["role"] == "assistant" for m in messages):
         raise InputError(f"{where}: conversation has no assistant turn")
@@ -316,31 +368,102 @@ def pretokenized_row(record: dict, conversation: int, vocab_size: int, where: st
 
 class ChatTokenizer:
     """Renders with the target's chat template and tokenizes the rendered text as vLLM does for a
-    chat prompt (the template's text, no extra special tokens)."""
+    chat prompt (the template's text, no extra special tokens). `template_kwargs` go to every
+    rendering (vLLM's `chat_template_kwargs`: enable_thinking, thinking, reasoning_effort, ...);
+    `end_of_turn_tokens` replace generation_config.json's eos ids as the tokens a turn ends on."""
 
-    def __init__(self, tokenizer_dir: str, trust_remote_code: bool = False):
+    def __init__(self, tokenizer_dir: str, trust_remote_code: bool = False, template_kwargs: dict | None = None,
+                 end_of_turn_tokens: list[str] | tuple[str, ...] = ()):
         from transformers import AutoTokenizer
 
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=trust_remote_code)
         except Exception as exc:
-            raise InputError(f"{tokenizer_dir}: cannot load tokenizer ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})") from None
+            raise InputError(f"{tokenizer_dir}: cannot load tokenizer ({type(exc).__name__}: {first_line(exc)})") from None
         if not getattr(self.tokenizer, "chat_template", None):
             raise InputError(f"{tokenizer_dir}: tokenizer has no chat template (chat_template.jinja / tokenizer_config.json)")
-        self.stop_ids = _stop_token_ids(self.tokenizer, Path(tokenizer_dir))
+        self.template_kwargs = dict(template_kwargs or {})
+        self.content_format = content_format(self.tokenizer.chat_template)
+        if end_of_turn_tokens:
+            unknown = [t for t in end_of_turn_tokens if t not in self.tokenizer.get_vocab()]
+            if unknown:
+                raise InputError(f"{tokenizer_dir}: --end-of-turn-tokens {unknown} are not tokens of this tokenizer")
+            self.stop_ids = {self.tokenizer.convert_tokens_to_ids(t) for t in end_of_turn_tokens}
+        else:
+            self.stop_ids = _stop_token_ids(self.tokenizer, Path(tokenizer_dir))
+        self.stop_texts = [self.tokenizer.convert_ids_to_tokens(i) for i in sorted(self.stop_ids)]
 
     def render(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+                                                  add_generation_prompt=add_generation_prompt, **self.template_kwargs)
 
     def tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def encode(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> list[int]:
-        return self.tokenize(self.render(messages, add_generation_prompt, tools))
+        return self.tokenize(self.render(template_messages(messages, self.content_format), add_generation_prompt, tools))
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else "")[:200]
+
+
+def content_format(chat_template: str) -> str:
+    """'openai' when the template loops over a message's content (it takes a list of parts), else
+    'string': the rule vLLM's chat path uses to decide how it passes content (simplified: any
+    `for x in <name>.content` / `<name>['content']` / `content` loop)."""
+    import jinja2
+    from jinja2 import nodes
+
+    try:
+        tree = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(chat_template)
+    except jinja2.TemplateError:
+        return "string"
+
+    def is_content(node) -> bool:
+        while isinstance(node, (nodes.Filter, nodes.Test)):
+            node = node.node
+        if isinstance(node, nodes.Getattr):
+            return node.attr == "content" and isinstance(node.node, nodes.Name)
+        if isinstance(node, nodes.Getitem):
+            return isinstance(node.arg, nodes.Const) and node.arg.value == "content" and isinstance(node.node, nodes.Name)
+        return isinstance(node, nodes.Name) and node.name == "content"
+
+    return "openai" if any(is_content(loop.iter) for loop in tree.find_all(nodes.For)) else "string"
+
+
+def template_messages(messages: list[dict], fmt: str, trained: int | None = None) -> list[dict]:
+    """The messages as vLLM's chat path hands them to the template (0.32, `parse_chat_messages`):
+    null content becomes '' ('string' format) or [] ('openai'), text parts are joined with '\n'
+    ('string') or kept as parts, reasoning goes in as `reasoning` and `reasoning_content`, `name`,
+    `tool_call_id` and parsed tool-call arguments are kept. Message `trained` (the turn being
+    rendered as the model writes it) also carries its reasoning as `thinking`, for templates that
+    read that name (gpt-oss)."""
+    out = []
+    for k, message in enumerate(messages):
+        m = {key: value for key, value in message.items() if key not in REASONING_FIELDS}
+        content = message.get("content")
+        if fmt == "string":
+            m["content"] = "\n".join(p["text"] for p in content) if isinstance(content, list) else (content or "")
+        else:
+            m["content"] = content if isinstance(content, list) else [] if content is None else [{"type": "text", "text": content}]
+            if message["role"] == "tool":  # vLLM joins a tool result's text parts in both formats
+                m["content"] = "\n".join(p["text"] for p in m["content"])
+        _, reasoning = reasoning_field(message) if message["role"] == "assistant" else ("", "")
+        if reasoning:
+            m["reasoning"] = m["reasoning_content"] = reasoning
+            if k == trained:
+                m["thinking"] = reasoning
+        if "tool_calls" in m:
+            m["tool_calls"] = [{**c, "function": dict(c["function"])} for c in m["tool_calls"]]
+            if not m["tool_calls"]:
+                del m["tool_calls"]
+        out.append(m)
+    return out
 
 
 def _stop_token_ids(tokenizer, directory: Path) -> set[int]:
@@ -355,101 +478,178 @@ def _stop_token_ids(tokenizer, directory: Path) -> set[int]:
     return ids
 
 
-def generation_text(chat: ChatTokenizer, messages: list[dict], i: int, tools: list[dict] | None,
-                    where: str, prompt: str) -> str:
-    """What the model generates for assistant turn i after `prompt` (the template's rendering of
-    messages[:i] with the generation prompt), reasoning included."""
-    head = chat.render(messages[:i], add_generation_prompt=False, tools=tools)
+# --- the trained span of one turn ---------------------------------------------------------------
+
+MARK = "e3mark{}x"  # ASCII, no white space, no tag characters: no template strips, escapes or splits it
+
+
+def _marked_turn(message: dict, taken: str) -> tuple[dict, dict[str, str]]:
+    """Turn `message` with every non-empty text the model writes replaced by a unique marker, and
+    {field: marker}. Rendering it shows exactly where (and whether) the template puts each field."""
+    markers: dict[str, str] = {}
+
+    def mark(field: str) -> str:
+        n = len(markers)
+        while MARK.format(n) in taken:
+            n += 1000
+        markers[field] = MARK.format(n)
+        return markers[field]
+
+    marked = {key: value for key, value in message.items() if key not in REASONING_FIELDS}
+    if reasoning_field(message)[1]:
+        marked["reasoning"] = mark("reasoning")
+    if plain_text(message.get("content")).strip():
+        marked["content"] = mark("content")
+    calls = []
+    for c, call in enumerate(message.get("tool_calls") or []):
+        function = {"name": mark(f"tool_calls[{c}].function.name"), "arguments": call["function"]["arguments"]}
+        if call["function"]["arguments"]:
+            function["arguments"] = {mark(f"tool_calls[{c}].function.arguments"): "v"}
+        calls.append({**call, "id": mark(f"tool_calls[{c}].id"), "function": function})
+    if calls:
+        marked["tool_calls"] = calls
+    return marked, markers
+
+
+def _split_prompt(chat: ChatTokenizer, history: list[dict], tools, prompt: str, rendered: str,
+                  where: str, i: int) -> tuple[str, str]:
+    """(what the prompt holds of the turn, the turn's rendering from that point): the rendering after
+    the whole prompt; or, where the finished turn has no think-open tag (DeepSeek-R1/V3.1 write
+    `<think>` only in the generation prompt) or the template re-renders history once the turn is added
+    (Kimi-K2.5 drops the chain's reasoning), the rendering after the turn's role header (the generation
+    prompt minus its think-open tag), taken at its last occurrence."""
+    if rendered.startswith(prompt):
+        return "", rendered[len(prompt):]
+    head = chat.render(history, add_generation_prompt=False, tools=tools)
     if not prompt.startswith(head):
         raise InputError(f"{where}: turn {i}: the chat template's generation prompt is not appended to the "
                          f"conversation (cannot find where the model's turn starts)")
-    gen_prompt = prompt[len(head):]  # e.g. '<|im_assistant|>assistant<|im_middle|><think>', '<|im_start|>assistant\n'
-    opens_thinking = gen_prompt.rstrip().endswith(THINK_OPEN)
-    role_header = gen_prompt[: gen_prompt.rstrip().rfind(THINK_OPEN)] if opens_thinking else gen_prompt
-    rendered = chat.render(messages[: i + 1], add_generation_prompt=False, tools=tools)
-    start = rendered.rfind(role_header) if role_header else -1
+    gen_prompt = prompt[len(head):]  # e.g. '<|im_assistant|>assistant<|im_middle|><think>', '<|Assistant|><think>\n'
+    cut = gen_prompt.rfind(THINK_OPEN)
+    header = gen_prompt[:cut] if cut >= 0 and not gen_prompt[cut + len(THINK_OPEN):].strip() else gen_prompt
+    start = rendered.rfind(header) if header else -1
     if start < 0:
         raise InputError(f"{where}: turn {i}: the chat template renders the assistant turn without its "
-                         f"generation-prompt header {role_header!r}")
-    body = rendered[start + len(role_header):]
-    tail = gen_prompt[len(role_header):]  # what the prompt already holds of the body: the open tag
-    reasoning = messages[i].get("reasoning_content", "")
-    if reasoning and _squash(reasoning) in _squash(body):  # the template keeps it: its layout is the model's
-        if not body.startswith(tail):
-            raise InputError(f"{where}: turn {i}: the template renders the turn with {body[:len(tail)]!r} where "
-                             f"its generation prompt ends with {tail!r}")
-        return body[len(tail):]
+                         f"generation-prompt header {header!r}")
+    return gen_prompt[len(header):], rendered[start + len(header):]
+
+
+def _text_before_stop(chat: ChatTokenizer, text: str) -> str:
+    ends = [k for k in (text.find(stop) for stop in chat.stop_texts) if k >= 0]
+    return text[: min(ends)] if ends else text
+
+
+def generation_text(chat: ChatTokenizer, messages: list[dict], i: int, tools: list[dict] | None,
+                    where: str, prompt: str) -> str:
+    """What the model generates for assistant turn i after `prompt`: the template's own rendering of
+    the turn where it continues the prompt; where the template drops the turn's reasoning, the
+    reasoning put back where the model writes it (after the prompt's `<think>`, before `</think>`).
+    Every decision is exact: a marker per field shows where the template renders it."""
+    fmt = chat.content_format
+    history = template_messages(messages[:i], fmt)
+    message = messages[i]
+    real = template_messages(messages[: i + 1], fmt, trained=i)[i]
+    rendered = chat.render(history + [real], add_generation_prompt=False, tools=tools)
+    marked_message, markers = _marked_turn(message, rendered)
+    marked = template_messages(messages[:i] + [marked_message], fmt, trained=i)[i]
+    rendered_marked = chat.render(history + [marked], add_generation_prompt=False, tools=tools)
+    in_prompt, body = _split_prompt(chat, history, tools, prompt, rendered, where, i)
+    in_prompt_marked, body_marked = _split_prompt(chat, history, tools, prompt, rendered_marked, where, i)
+    if in_prompt != in_prompt_marked:
+        raise InputError(f"{where}: turn {i}: the template lays the turn out differently for different texts")
+    spoken = _text_before_stop(chat, body_marked)  # what the model writes, as the template renders it
+
+    def shown(field: str) -> bool:
+        return field in markers and spoken.count(markers[field]) == 1
+
+    for c, call in enumerate(message.get("tool_calls") or []):
+        name, call_id = call["function"]["name"], call["id"]
+        carried_by_id = shown(f"tool_calls[{c}].id") and call_id.startswith(f"functions.{name}:")
+        if not shown(f"tool_calls[{c}].function.name") and not carried_by_id:
+            hint = (" (the template renders the call's id, not its name: give ids as functions.NAME:INDEX, Kimi's "
+                    "format)") if shown(f"tool_calls[{c}].id") else ""
+            raise InputError(f"{where}: turn {i} field tool_calls[{c}].function.name: the chat template drops it from "
+                             f"the trained tokens{hint}")
+        if call["function"]["arguments"] and not shown(f"tool_calls[{c}].function.arguments"):
+            raise InputError(f"{where}: turn {i} field tool_calls[{c}].function.arguments: the chat template drops it "
+                             f"from the trained tokens")
+    if "content" in markers and not shown("content"):
+        raise InputError(f"{where}: turn {i} field content: the chat template drops it from the trained tokens")
+    field, reasoning = reasoning_field(message)
+    if shown("reasoning"):  # the template keeps it: its layout is the model's
+        if not body.startswith(in_prompt):
+            raise InputError(f"{where}: turn {i}: the template renders the turn with {body[:len(in_prompt)]!r} where "
+                             f"its generation prompt ends with {in_prompt!r}")
+        return body[len(in_prompt):]
+    if "reasoning" in markers and markers["reasoning"] in rendered_marked:
+        raise InputError(f"{where}: turn {i} field {field}: the template renders it outside the turn's "
+                         f"generated text")
+    # The template drops (or the data has no) reasoning: the model writes it right after the prompt's
+    # open tag and closes the block itself.
+    opens_thinking = prompt.rstrip().endswith(THINK_OPEN)
     if not opens_thinking:
-        if reasoning:  # a template without thinking: the model never writes reasoning
-            raise InputError(f"{where}: turn {i} field reasoning_content: the chat template has no "
-                             f"{THINK_OPEN} block to put it in (the model would never generate it)")
-        if not body.startswith(tail):
-            raise InputError(f"{where}: turn {i}: the template renders the turn with {body[:len(tail)]!r} where "
-                             f"its generation prompt ends with {tail!r}")
-        return body[len(tail):]
-    # A thinking template that dropped (or never had) this turn's reasoning.
-    stripped = body.lstrip()
-    if stripped.startswith(THINK_OPEN) and THINK_CLOSE in stripped:  # an empty block: `<think></think>`
-        gap, _, after = stripped[len(THINK_OPEN):].partition(THINK_CLOSE)
-        if gap.strip():
-            raise InputError(f"{where}: turn {i}: the template renders reasoning the data does not hold")
-        in_prompt = tail[tail.rfind(THINK_OPEN) + len(THINK_OPEN):]  # white space the prompt already ends with
-        return reasoning + gap.removeprefix(in_prompt) + THINK_CLOSE + after
-    separator = "\n" if tail.endswith("\n") else ""  # DeepSeek-R1 writes `<think>\nR\n</think>\n\nA`
+        if reasoning:
+            raise InputError(f"{where}: turn {i} field {field}: the chat template has no {THINK_OPEN} block to "
+                             f"put it in (the model would never generate it; a thinking switch in "
+                             f"--chat-template-kwargs may turn it on)")
+        if not body.startswith(in_prompt):
+            raise InputError(f"{where}: turn {i}: the template renders the turn with {body[:len(in_prompt)]!r} where "
+                             f"its generation prompt ends with {in_prompt!r}")
+        return body[len(in_prompt):]
+    if not in_prompt:  # Kimi-K2.5: the prompt ends `<think>`, the turn renders `</think>` + content
+        if not body.lstrip().startswith(THINK_CLOSE):
+            raise InputError(f"{where}: turn {i}: the template's generation prompt opens {THINK_OPEN} but the turn "
+                             f"renders no {THINK_CLOSE} after it")
+        return reasoning + body
+    if body.startswith(THINK_OPEN):  # an empty block `<think>GAP</think>` where the prompt has `<think>WS`
+        gap, _, after = body[len(THINK_OPEN):].partition(THINK_CLOSE)
+        if gap.strip() or THINK_CLOSE not in body:
+            raise InputError(f"{where}: turn {i}: the template renders a think block the data does not hold")
+        return reasoning + gap.removeprefix(in_prompt[len(THINK_OPEN):]) + THINK_CLOSE + after
+    if body.startswith(THINK_CLOSE):  # DeepSeek-V3.1: the finished turn renders `</think>` + content
+        return reasoning + body
+    separator = "\n" if in_prompt.endswith("\n") else ""  # DeepSeek-R1 writes `<think>\nR\n</think>\n\nA`
     return reasoning + separator + THINK_CLOSE + separator * 2 + body
-
-
-def _squash(text: str) -> str:
-    """Text with all white space removed: templates strip and re-space, and that loses nothing."""
-    return "".join(text.split())
 
 
 def cut_at_end_of_turn(chat: ChatTokenizer, ids: list[int], i: int, where: str) -> list[int]:
     """The model stops at its end-of-turn token; what a template renders after it is not generated."""
     end = next((k for k, t in enumerate(ids) if t in chat.stop_ids), None)
     if end is None:
-        raise InputError(f"{where}: turn {i} renders no end-of-turn token "
-                         f"({sorted(chat.tokenizer.convert_ids_to_tokens(sorted(chat.stop_ids)))})")
+        raise InputError(f"{where}: turn {i} renders no end-of-turn token {chat.stop_texts}: the template ends "
+                         f"assistant turns some other way (GLM-4.5 starts the next message instead); pass the "
+                         f"tokens its turns end on with --end-of-turn-tokens, or use another template")
     if chat.decode(ids[end + 1:]).strip():
         raise InputError(f"{where}: turn {i}: the template renders text after the end-of-turn token")
     return ids[: end + 1]
 
 
-def assistant_texts(message: dict) -> list[tuple[str, str]]:
-    """(field, text) of everything the model writes in an assistant turn: what a row must keep."""
-    fields = [("reasoning_content", message.get("reasoning_content", "")), ("content", message.get("content", ""))]
-    for c, call in enumerate(message.get("tool_calls", [])):
-        arguments = call["function"]["arguments"]
-        fields.append((f"tool_calls[{c}].function.name", call["function"]["name"]))
-        fields.append((f"tool_calls[{c}].function.arguments",
-                       arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)))
-    return [(field, text) for field, text in fields if text.strip()]
-
-
-def check_nothing_dropped(chat: ChatTokenizer, message: dict, trained_ids: list[int], i: int, where: str) -> None:
-    """Refuse the row unless every assistant text of turn i is among its trained tokens."""
-    trained = _squash(chat.decode(trained_ids))
-    for field, text in assistant_texts(message):
-        if _squash(text) not in trained:
-            hint = (" (the template renders the call's id, not its name: give ids as functions.NAME:INDEX, "
-                    "Kimi's format)") if field.endswith(".name") else ""
-            raise InputError(f"{where}: turn {i} field {field}: the chat template drops it from the trained "
-                             f"tokens{hint}")
-
-
 def turn_row(chat: ChatTokenizer, messages: list[dict], i: int, tools: list[dict] | None,
              where: str) -> tuple[list[int], list[int]]:
-    """(prompt ids, generated ids) of assistant turn i: the row is their concatenation."""
-    prompt = chat.render(messages[:i], add_generation_prompt=True, tools=tools)
-    generated = chat.tokenize(generation_text(chat, messages, i, tools, where, prompt))
-    generated = cut_at_end_of_turn(chat, generated, i, where)
-    check_nothing_dropped(chat, messages[i], generated, i, where)
-    return chat.tokenize(prompt), generated
+    """(prompt ids, generated ids) of assistant turn i: the row is their concatenation. Any failure of
+    the template (its own raise_exception, a TypeError, an undefined name) is one line naming the turn."""
+    try:
+        prompt = chat.render(template_messages(messages[:i], chat.content_format), add_generation_prompt=True,
+                             tools=tools)
+        generated = chat.tokenize(generation_text(chat, messages, i, tools, where, prompt))
+        return chat.tokenize(prompt), cut_at_end_of_turn(chat, generated, i, where)
+    except InputError:
+        raise
+    except Exception as exc:  # templates fail in many types; one bad row must not stop the run
+        raise InputError(f"{where}: turn {i}: the chat template fails ({type(exc).__name__}: {first_line(exc)})") from None
+
+
+def trained_turns(messages: list[dict]) -> list[int]:
+    """Assistant turns the model generates: every one after at least one message (an assistant turn
+    that opens the conversation answers nothing; it stays as context of the later turns)."""
+    return [i for i, m in enumerate(messages) if m["role"] == "assistant" and i > 0]
 
 
 def rows_for_conversation(chat: ChatTokenizer, messages: list[dict], conversation: int,
                           rows_per: str, where: str, tools: list[dict] | None = None) -> list[Row]:
-    assistant_turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    assistant_turns = trained_turns(messages)
+    if not assistant_turns:
+        raise InputError(f"{where}: the conversation's only assistant turn opens it (nothing before it to answer)")
     turns = [(i, *turn_row(chat, messages, i, tools, where)) for i in assistant_turns]
     if rows_per == "turn":
         return [Row(conversation, i, prompt + gen, [0] * len(prompt) + [1] * len(gen)) for i, prompt, gen in turns]
@@ -495,25 +695,34 @@ class PreparedRows:
     pretokenized: int = 0
     dropped_too_long: int = 0
     truncated_too_long: int = 0
+    too_long: list[BadRow] | None = None  # the rows dropped as longer than max_seq_len (where, which turn)
+    capped: bool = False  # max_samples stopped the reading before the input's end
 
 
 def build_rows(chat: ChatTokenizer, records: Iterator[tuple[str, Any]], *, rows_per: str, vocab_size: int,
                max_samples: int | None, max_seq_len: int, on_too_long: str, keep_bad: bool,
                progress=lambda it: it) -> PreparedRows:
     """Every training row of the input. keep_bad=False raises the first bad row's InputError;
-    True collects bad rows (file, row, reason) and goes on."""
-    out = PreparedRows(rows=[], bad=[])
+    True collects bad rows (file, row, reason) and goes on. Any exception on one row, whatever its
+    type, becomes that row's one-line reason."""
+    out = PreparedRows(rows=[], bad=[], too_long=[])
     conversation_of: dict[str, int] = {}  # conversation key -> index (the split is by conversation)
     for where, record in progress(records):
         key = conversation_key(record, where)
         if key not in conversation_of and max_samples is not None and len(conversation_of) >= max_samples:
+            out.capped = True
             break
         out.input_rows += 1
         try:
             if isinstance(record, InputError):
                 raise record
-            rows = rows_for_record(chat, record, conversation_of.get(key, len(conversation_of)), rows_per,
-                                   vocab_size, where)
+            try:
+                rows = rows_for_record(chat, record, conversation_of.get(key, len(conversation_of)), rows_per,
+                                       vocab_size, where)
+            except InputError:
+                raise
+            except Exception as exc:  # a bug's or a library's exception still names the row, on one line
+                raise InputError(f"{where}: {type(exc).__name__}: {first_line(exc)}") from None
         except InputError as exc:
             if not keep_bad:
                 raise
@@ -526,6 +735,9 @@ def build_rows(chat: ChatTokenizer, records: Iterator[tuple[str, Any]], *, rows_
             fitted = fit_length(row, max_seq_len, on_too_long)
             if fitted is None:
                 out.dropped_too_long += 1
+                turn = f" turn {row.turn}" if row.turn >= 0 else ""
+                out.too_long.append(BadRow(where, f"{len(row.input_ids)} tokens{turn} > --max-seq-len {max_seq_len} "
+                                           f"(dropped)", record))
             else:
                 out.truncated_too_long += len(fitted.input_ids) < len(row.input_ids)
                 out.rows.append(fitted)
@@ -549,8 +761,11 @@ def report_check(prepared: PreparedRows, cfg) -> int:
     log = logging.getLogger("eagle3")
     for bad in prepared.bad[: cfg.report_problems]:
         log.warning("bad row %s: %s", bad.where, bad.reason)
-    log.info("preflight rows: %d row(s) read, %d training row(s) from %d conversation(s), %d bad, "
-             "%d longer than --max-seq-len", prepared.input_rows, len(prepared.rows), prepared.conversations,
+    for dropped in (prepared.too_long or [])[: cfg.report_problems]:
+        log.warning("dropped row %s: %s", dropped.where, dropped.reason)
+    capped = f" (--max-samples {cfg.max_samples} capped the input)" if prepared.capped else ""
+    log.info("preflight rows: %d row(s) read%s, %d training row(s) from %d conversation(s), %d bad, "
+             "%d longer than --max-seq-len", prepared.input_rows, capped, len(prepared.rows), prepared.conversations,
              len(prepared.bad), prepared.dropped_too_long + prepared.truncated_too_long)
     if prepared.bad and cfg.on_bad_row == "fail":
         first = prepared.bad[0]
