@@ -10,9 +10,12 @@
 #           --from NN              start at stage NN (earlier ones must be finished: their manifest complete)
 #           --status               show each stage's state and log, then exit
 #           --print-config         print every stage's resolved config (value # source), then exit
-#           --plan [--rows N --tokens-per-row T]
+#           --plan [--rows N --tokens-per-row T] [RATES]
 #                                  the run plan (hidden-state bytes in bf16 and fp8, disk, read bandwidth,
-#                                  hours, recommendation) from WORK/data's manifest or N x T tokens; writes nothing
+#                                  hours of regeneration, extraction and training, recommendation) from
+#                                  WORK/data's manifest or N x T tokens; writes nothing. RATES (python -m
+#                                  eagle3_pipeline.plan --help): --decode-tokens-per-s, --extract-tokens-per-s,
+#                                  --train-tokens-per-s, --disk-read-gb-s, --answer-tokens-per-row
 #
 # Logs: WORK/logs/0N_<stage>.log per stage (appended, one header per attempt) and WORK/logs/run_all.log.
 # Every stage is run every time, and each decides by the one rule for "done" (NOTES.md, "Reliability"):
@@ -38,6 +41,7 @@ trap '' HUP PIPE  # an SSH drop must not stop the run; a closed terminal must no
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 python="${PYTHON:-python3}"
 profile="" target="" data="" work="" from="" trust="" mode=run rows="" tokens_per_row=""
+plan_rates=()  # --plan's rate flags, passed to eagle3_pipeline.plan as given
 declare -A extra=([01]="" [02]="" [03]="" [04]="" [05]="")
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -54,6 +58,9 @@ while [[ $# -gt 0 ]]; do
     --rows|--tokens-per-row)
       [[ $# -ge 2 ]] || { echo "run_all.sh: $1 needs a value (see --help)" >&2; exit 2; }
       v="${1#--}"; declare "${v//-/_}=$2"; shift 2 ;;
+    --decode-tokens-per-s|--extract-tokens-per-s|--train-tokens-per-s|--disk-read-gb-s|--answer-tokens-per-row)
+      [[ $# -ge 2 ]] || { echo "run_all.sh: $1 needs a value (see --help)" >&2; exit 2; }
+      plan_rates+=("$1" "$2"); shift 2 ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "run_all.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
@@ -114,6 +121,7 @@ if [[ $mode == plan ]]; then
   plan=("$python" -m eagle3_pipeline.plan --target "$target" --profile "$profile" --work "$work")
   [[ -n "$rows" ]] && plan+=(--rows "$rows")
   [[ -n "$tokens_per_row" ]] && plan+=(--tokens-per-row "$tokens_per_row")
+  plan+=("${plan_rates[@]}")
   PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" exec "${plan[@]}"
 fi
 
