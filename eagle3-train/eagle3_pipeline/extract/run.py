@@ -6,7 +6,7 @@ import json
 import logging
 import random
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,13 +23,9 @@ log = logging.getLogger("eagle3")
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 FP8 = torch.float8_e4m3fn  # --storage fp8: what the files hold (the backend still computes in --dtype)
-# Landing a row (wait for the backend's writer, read it back, validate, rename) runs on this many
-# threads, so the engine's loop never waits on the disk; the checks are torch ops and file I/O,
-# which release the GIL.
-WRITER_THREADS = 8
 # Rows landed or waiting to land, at most: the backend's loop waits beyond it (a disk slower than the
 # engine) instead of holding every row's states in memory (the HF backend yields tensors).
-MAX_UNLANDED = 8 * WRITER_THREADS
+MAX_UNLANDED = 64
 
 
 @dataclass
@@ -93,49 +89,53 @@ def preflight(cfg: ExtractConfig, plan: ExtractPlan, target: TargetInfo, hs_dir:
     return preflight_extract(cfg, target, plan.num_slots, len(plan.todo), tokens, hs_dir)
 
 
-def run_extraction(backend: ExtractionBackend, plan: ExtractPlan, hs_dir: Path, retries: int,
-                   writers: int = WRITER_THREADS) -> dict[int, str]:
+def run_extraction(backend: ExtractionBackend, plan: ExtractPlan, hs_dir: Path, retries: int) -> dict[int, str]:
     """Extract plan.todo; each failed row is retried `retries` times. Returns {row: reason} of rows that never passed.
 
-    Every pending row goes to the backend in one call (it orders and feeds them itself); each sample
-    it yields is landed on a pool of `writers` threads. Adds the rate of the work to plan.counts
-    (`extract_s`, `extracted_tokens`, `extract_tokens_per_s`: engine start excluded, landing included).
+    Every pending row goes to the backend in one call (it orders and feeds them itself); each sample it yields is
+    landed on the backend's `landing_threads` writer threads (1 if it names none: rows then land in the order they
+    come). Adds the rate of the work to plan.counts (`extract_s`, `extracted_tokens`, `extract_tokens_per_s`:
+    engine start excluded, landing included).
     """
     pending = list(plan.todo)
     failures: dict[int, str] = {}
     started, landed_tokens = time.monotonic(), 0
+    writers = int(getattr(backend, "landing_threads", 1))
     with tqdm(total=len(plan.todo), desc="extract", unit="row") as bar:
         for attempt in range(retries + 1):
             failures = {}
-            with ThreadPoolExecutor(max_workers=writers, thread_name_prefix="land") as pool:
-                unlanded: dict[Future, int] = {}
+            unlanded: dict[Future, int] = {}  # in submission order
 
-                def collect(done: set[Future]) -> None:
-                    nonlocal landed_tokens
-                    for future in done:
-                        index = unlanded.pop(future)
-                        try:
-                            future.result()  # DiskFull and any other error end the run here
-                        except BadHiddenStates as exc:
-                            failures[index] = str(exc)
-                            continue
-                        landed_tokens += len(plan.rows[index])
-                        bar.update(1)
+            def collect(block: str | None = None) -> None:
+                """Take the finished landings in submission order (the first error raised is the first row's)."""
+                nonlocal landed_tokens
+                if block:
+                    wait(unlanded, return_when=block)
+                for future in [f for f in unlanded if f.done()]:
+                    index = unlanded.pop(future)
+                    try:
+                        future.result()  # DiskFull and any other error end the run here
+                    except BadHiddenStates as exc:
+                        failures[index] = str(exc)
+                        continue
+                    landed_tokens += len(plan.rows[index])
+                    bar.update(1)
 
-                samples = backend.extract([(i, plan.rows[i]) for i in pending])
-                try:
-                    for sample in samples:
-                        future = pool.submit(land_sample, sample, hs_dir, plan.rows[sample.index], plan.num_slots,
-                                             plan.hidden_size, plan.dtype)
-                        unlanded[future] = sample.index
-                        collect({f for f in unlanded if f.done()})
-                        if len(unlanded) >= MAX_UNLANDED:
-                            collect(wait(unlanded, return_when=FIRST_COMPLETED).done)
-                    collect(wait(unlanded).done)
-                finally:
-                    close = getattr(samples, "close", None)
-                    if close is not None:  # a generator stopped early: the backend stops its requests
-                        close()
+            pool = ThreadPoolExecutor(max_workers=writers, thread_name_prefix="land")
+            samples = backend.extract([(i, plan.rows[i]) for i in pending])
+            try:
+                for sample in samples:
+                    unlanded[pool.submit(land_sample, sample, hs_dir, plan.rows[sample.index], plan.num_slots,
+                                         plan.hidden_size, plan.dtype)] = sample.index
+                    collect(FIRST_COMPLETED if len(unlanded) >= MAX_UNLANDED else None)
+                collect(ALL_COMPLETED)
+            finally:
+                for future in unlanded:  # an error or a signal: rows not started stay unlanded (a rerun does them)
+                    future.cancel()
+                pool.shutdown(wait=True)
+                close = getattr(samples, "close", None)
+                if close is not None:  # a generator stopped early: the backend stops its requests
+                    close()
             missing = [i for i in pending if i not in failures and not hs_file(hs_dir, i).is_file()]
             reasons = getattr(backend, "failed", {})  # a backend may say why it skipped a row
             failures.update({i: reasons.get(i, "backend returned no file") for i in missing})

@@ -86,6 +86,10 @@ _SMALLEST_BLOCK = 16  # tokens per KV block, the smallest vLLM's GPU attention b
 # through this process (the engine core runs in its own process and does not wait for us).
 IN_FLIGHT_PER_SEQ = 2
 HTTP_MAX_CLIENT_THREADS = 256  # --endpoint: one blocking request per thread
+# Stage 02 lands this backend's files (wait for vLLM's writer, read back, validate, rename) on this many
+# threads, so the engine loop never waits on the disk; the checks are torch ops and file I/O, which
+# release the GIL. (The HF backend computes on the caller's thread and lands on one.)
+LANDING_THREADS = 8
 REQUEST_TIMEOUT_S = 1800.0  # one /v1/completions call (long prompts behind a full batch)
 WRITE_TIMEOUT_S = 600.0  # the connector's writer thread finishing a file after the response
 
@@ -440,6 +444,8 @@ class VllmBackend:
             else:
                 keep.append((index, ids))
         return keep
+
+    landing_threads = LANDING_THREADS
 
     @property
     def in_flight_cap(self) -> int:
