@@ -556,5 +556,19 @@ def test_engine_is_never_starved_rows_of_very_different_lengths(mini, tmp_path):
     result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
     assert result["failed"] == {} and sorted(result["finish_order"]) == list(range(len(rows)))
     assert result["cap"] == 2 * max_num_seqs
-    print(json.dumps({k: result[k] for k in ("samples", "queue_depths", "finished_per_step", "finish_order")}))
-
+    samples, cap = result["samples"], result["cap"]
+    assert cap == 2 * max_num_seqs and len(samples) == len(result["finished_per_step"]) == len(result["queue_depths"])
+    # the scheduler's running + waiting before each step is the backend's own count of unfinished requests...
+    assert [s["running_plus_waiting"] for s in samples] == result["queue_depths"]
+    # ...and it is the cap, or every row not yet finished when fewer are left; each step runs max_num_seqs of them
+    unfinished = len(rows)
+    for sample, finished in zip(samples, result["finished_per_step"]):
+        assert sample["running_plus_waiting"] == min(cap, unfinished), samples
+        assert sample["scheduled"] == min(max_num_seqs, sample["running_plus_waiting"]), samples
+        unfinished -= finished
+    assert unfinished == 0
+    assert sum(s["running_plus_waiting"] == cap for s in samples) >= (len(rows) - cap) // max_num_seqs, samples
+    # longest first: the longest rows finish first, the run ends on short rows
+    by_length = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    assert set(result["finish_order"][:max_num_seqs]) == set(by_length[:max_num_seqs])
+    assert set(result["finish_order"][-max_num_seqs:]) <= set(by_length[-2 * max_num_seqs:])

@@ -491,7 +491,10 @@ class VllmBackend:
                         yield sample
         finally:
             if in_flight:  # the consumer stopped early (an error, a signal): nothing left running
-                engine.abort_request(list(in_flight))
+                try:
+                    engine.abort_request(list(in_flight))
+                except Exception as exc:  # a dead engine: the error that stopped us is the one to report
+                    log.debug("aborting %d request(s) failed: %s", len(in_flight), exc)
 
     def _staged(self, index: int, kv_params: dict | None) -> ExtractedSample | None:
         """The row's staged file, to be waited for (`ready`) and landed by stage 02's writer pool."""
