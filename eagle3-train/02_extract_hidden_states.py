@@ -26,7 +26,6 @@ from eagle3_pipeline.extract.common import (
     write_fingerprints,
 )
 from eagle3_pipeline.extract.run import (
-    ROWS_PER_SLOT,
     all_rows_landed,
     fail_rows,
     lock_extraction,
@@ -130,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     if plan.todo:
         backend = make_backend(cfg, target, layer_ids, hs_dir, max_model_len, plan.compute_dtype)
         try:
-            failures = run_extraction(backend, plan, hs_dir, cfg.retries, batch_rows=ROWS_PER_SLOT * cfg.max_num_seqs)
+            failures = run_extraction(backend, plan, hs_dir, cfg.retries)
         except DiskFull as exc:
             left = [i for i in plan.todo if not hs_file(hs_dir, i).is_file()]
             need = sum(len(plan.rows[i]) for i in left) * hidden_state_bytes_per_token(

@@ -10,9 +10,12 @@
 #           --from NN              start at stage NN (earlier ones must be finished: their manifest complete)
 #           --status               show each stage's state and log, then exit
 #           --print-config         print every stage's resolved config (value # source), then exit
-#           --plan [--rows N --tokens-per-row T]
+#           --plan [--rows N --tokens-per-row T] [RATES]
 #                                  the run plan (hidden-state bytes in bf16 and fp8, disk, read bandwidth,
-#                                  hours, recommendation) from WORK/data's manifest or N x T tokens; writes nothing
+#                                  hours of regeneration, extraction and training, recommendation) from
+#                                  WORK/data's manifest or N x T tokens; writes nothing. RATES (python -m
+#                                  eagle3_pipeline.plan --help): --decode-tokens-per-s, --extract-tokens-per-s,
+#                                  --train-tokens-per-s, --disk-read-gb-s, --answer-tokens-per-row
 #
 # Logs: WORK/logs/0N_<stage>.log per stage (appended, one header per attempt) and WORK/logs/run_all.log.
 # Every stage is run every time, and each decides by the one rule for "done" (NOTES.md, "Reliability"):
@@ -46,6 +49,7 @@ trap '' HUP PIPE  # an SSH drop must not stop the run; a closed terminal must no
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 python="${PYTHON:-python3}"
 profile="" target="" data="" work="" from="" trust="" mode=run rows="" tokens_per_row=""
+plan_rates=()  # --plan's rate flags, passed to eagle3_pipeline.plan as given
 declare -A extra=([01]="" [02]="" [03]="" [04]="" [05]="")
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -62,6 +66,9 @@ while [[ $# -gt 0 ]]; do
     --rows|--tokens-per-row)
       [[ $# -ge 2 ]] || { echo "run_all.sh: $1 needs a value (see --help)" >&2; exit 2; }
       v="${1#--}"; declare "${v//-/_}=$2"; shift 2 ;;
+    --decode-tokens-per-s|--extract-tokens-per-s|--train-tokens-per-s|--disk-read-gb-s|--answer-tokens-per-row)
+      [[ $# -ge 2 ]] || { echo "run_all.sh: $1 needs a value (see --help)" >&2; exit 2; }
+      plan_rates+=("$1" "$2"); shift 2 ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "run_all.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
@@ -105,7 +112,7 @@ if [[ $mode == status ]]; then
   # the stages' own rule for "done" (recorded inputs = the upstream outputs on disk now), not a grep
   PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" "$python" -m eagle3_pipeline.status --work "$work" || exit $?
   if [[ -f "$work/logs/current_stage" ]]; then
-    read -r n pid < "$work/logs/current_stage" || true
+    read -r n pid _ < "$work/logs/current_stage" || true
     if kill -0 "$pid" 2>/dev/null; then echo "running: stage $n (process group $pid); tail -f $work/logs/${n}_${name[$n]}.log"
     else echo "nothing running (last started: stage $n)"; fi
   fi
@@ -116,6 +123,7 @@ if [[ $mode == plan ]]; then
   plan=("$python" -m eagle3_pipeline.plan --target "$target" --profile "$profile" --work "$work")
   [[ -n "$rows" ]] && plan+=(--rows "$rows")
   [[ -n "$tokens_per_row" ]] && plan+=(--tokens-per-row "$tokens_per_row")
+  plan+=("${plan_rates[@]}")
   PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" exec "${plan[@]}"
 fi
 
@@ -150,16 +158,19 @@ if ! flock -w 2 9; then  # a short grace: processes killed a moment ago may stil
   die 75 "another run_all or a stage it started is still running in $work (stage, process group: ${running:-?}); wait for it (run_all.sh --status --work $work) or stop it (kill -TERM -- -PGID), then rerun"
 fi
 
-child="" stop_requests=0
+child="" stop_requests=0 rank_children=()
 on_stop() {  # Ctrl-C / kill -TERM: stop the running stage (TERM, then KILL on a second request)
   stop_requests=$((stop_requests + 1))
-  [[ -n "$child" ]] || exit 130
-  if (( stop_requests == 1 )); then
-    say "run_all: stopping stage (kill -TERM -- -$child); again to kill it"
-    kill -TERM -- "-$child" 2>/dev/null || true
-  else
-    kill -KILL -- "-$child" 2>/dev/null || true
-  fi
+  local pg
+  [[ -n "$child" || ${#rank_children[@]} -gt 0 ]] || exit 130
+  for pg in $child "${rank_children[@]}"; do
+    if (( stop_requests == 1 )); then
+      say "run_all: stopping stage (kill -TERM -- -$pg); again to kill it"
+      kill -TERM -- "-$pg" 2>/dev/null || true
+    else
+      kill -KILL -- "-$pg" 2>/dev/null || true
+    fi
+  done
 }
 trap on_stop INT TERM
 
@@ -190,6 +201,47 @@ run_stage() {  # run_stage NN: the stage in its own process group, its output ap
   say "== $n ${name[$n]}: done in $((SECONDS - start)) s"
 }
 
+extract_ranks() {  # stage 02's resolved world_size and tensor_parallel_size (the profile's), or "1 0" when
+  # --args-02 runs one rank itself (--rank) or the config cannot be printed
+  local text ws tp
+  [[ " ${extra[02]} " == *" --rank "* ]] && { echo "1 0"; return; }
+  stage_command 02
+  text=$("${cmd[@]}" --print-config 2>/dev/null) || { echo "1 0"; return; }
+  ws=$(sed -n 's/^world_size = \([0-9]*\).*/\1/p' <<< "$text")
+  tp=$(sed -n 's/^tensor_parallel_size = \([0-9]*\).*/\1/p' <<< "$text")
+  echo "${ws:-1} ${tp:-1}"
+}
+
+run_ranks() {  # run_ranks WS TP: stage 02 as WS data-parallel ranks (--rank r), rank r on GPUs r*TP..r*TP+TP-1 of
+  # CUDA_VISIBLE_DEVICES (or of 0..WS*TP-1), each in its own process group and log; the last rank to finish
+  # writes the one manifest (02_extract_hidden_states.py, step 5)
+  local ws="$1" tp="$2" log="$work/logs/02_${name[02]}.log" start=$SECONDS r rc=0 failed="" gpus=() devices pid
+  IFS=, read -r -a gpus <<< "${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((ws * tp - 1)))}"
+  (( ${#gpus[@]} >= ws * tp )) || die 2 "02: $ws ranks x tensor parallel $tp need $((ws * tp)) GPUs, CUDA_VISIBLE_DEVICES has ${#gpus[@]}"
+  stage_command 02
+  say "== 02 ${name[02]} -> ${out[02]}: $ws data-parallel ranks x tensor parallel $tp (logs: ${log%.log}.rankN.log)"
+  rank_children=()
+  for ((r = 0; r < ws; r++)); do
+    devices=$(IFS=,; echo "${gpus[*]:$((r * tp)):$tp}")
+    printf '\n==== %s  run_all attempt (rank %d/%d, GPUs %s): %s --rank %d\n' "$(date '+%F %T')" "$r" "$ws" "$devices" \
+      "${cmd[*]}" "$r" >> "${log%.log}.rank$r.log"
+    CUDA_VISIBLE_DEVICES="$devices" setsid "${cmd[@]}" --rank "$r" >> "${log%.log}.rank$r.log" 2>&1 < /dev/null &
+    rank_children+=("$!")
+  done
+  echo "02 ${rank_children[*]}" > "$work/logs/current_stage"
+  for ((r = 0; r < ws; r++)); do
+    pid=${rank_children[$r]}
+    rc=0; wait "$pid" || rc=$?
+    while kill -0 "$pid" 2>/dev/null; do rc=0; wait "$pid" || rc=$?; done  # a signal interrupted wait
+    (( rc == 0 )) || failed+=" rank $r (exit $rc: $(grep '^error: ' "${log%.log}.rank$r.log" | tail -n 1 | cut -c8-300))"
+  done
+  rank_children=()
+  (( stop_requests == 0 )) || die 130 "stopped during 02 ${name[02]}; rerun the same command to continue"
+  [[ -z "$failed" ]] || die 1 "02 ${name[02]} failed:$failed; see ${log%.log}.rankN.log, fix, then rerun the same command"
+  finished "${out[02]}" || die 3 "02 ${name[02]}: every rank exited 0 but ${out[02]}/manifest.json is not complete"
+  say "== 02 ${name[02]}: done in $((SECONDS - start)) s ($ws ranks)"
+}
+
 say "run_all: profile $profile, target $target, data $data, work $work (driver pid $$)"
 if command -v nvidia-smi > /dev/null; then
   say "gpus: $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | sort | uniq -c | tr -s ' \n' ' ')"
@@ -198,6 +250,8 @@ for n in "${nums[@]}"; do
   if [[ -n "$from" && "$n" < "$from" ]]; then
     finished "${out[$n]}" || die 3 "--from $from: stage $n ${name[$n]} is not finished; rerun without --from"
     say "== $n ${name[$n]}: not run (--from $from)"
+  elif [[ $n == 02 ]] && read -r ws tp < <(extract_ranks) && (( ws > 1 )) && ! finished "${out[02]}"; then
+    run_ranks "$ws" "$tp"  # the profile's data-parallel extraction (extract.world_size)
   else
     run_stage "$n"  # a finished stage checks its identity and does nothing
   fi

@@ -475,3 +475,100 @@ def test_endpoint_serving_another_model_is_refused(mini, tmp_path):
             vb.VllmBackend(_cfg(target.path, endpoint=url), target, [2, 3, 4, 6], tmp_path, MAX_MODEL_LEN)
     finally:
         server.shutdown()
+
+
+# --- the engine is never starved ------------------------------------------------------------------
+
+# A child process (the engine core in-process, VLLM_ENABLE_V1_MULTIPROCESSING=0: each step() is one
+# schedule + forward in this process, so what the scheduler sees is deterministic; in the pytest process
+# an in-process engine core would freeze vLLM's env cache for the other tests). It records, before each
+# schedule, the scheduler's running + waiting requests and, after it, how many requests it scheduled.
+_FEED_CHILD = r"""
+import json, sys, torch
+from pathlib import Path
+from eagle3_pipeline.config import ExtractConfig
+from eagle3_pipeline.extract import vllm_backend as vb
+from eagle3_pipeline.extract.common import land_sample
+from eagle3_pipeline.target import extraction_layer_ids, load_target_info
+
+spec = json.loads(sys.argv[1])
+target = load_target_info(spec["target"])
+layer_ids = extraction_layer_ids(target.num_layers, None)
+cfg = ExtractConfig(target=target.path, data="unused", backend="vllm", dtype="float32", enforce_eager=True,
+                    max_num_seqs=spec["max_num_seqs"])
+work = Path(spec["work"])
+backend = vb.VllmBackend(cfg, target, layer_ids, work / "staging", spec["max_model_len"])
+scheduler = backend._llm.llm_engine.engine_core.engine_core.scheduler
+samples = []
+schedule = scheduler.schedule
+def recording_schedule(*args, **kwargs):
+    running, waiting = scheduler.get_request_counts()
+    out = schedule(*args, **kwargs)
+    samples.append({"running_plus_waiting": running + waiting, "scheduled": len(out.num_scheduled_tokens)})
+    return out
+scheduler.schedule = recording_schedule
+engine = backend._llm.llm_engine
+step = engine.step
+finished_per_step = []
+def recording_step():
+    outputs = step()
+    finished_per_step.append(sum(1 for o in outputs if o.finished))
+    return outputs
+engine.step = recording_step
+rows = {i: ids for i, ids in spec["rows"]}
+try:
+    samples_out = list(backend.extract(spec["rows"]))
+    steps = len(backend.queue_depths)
+    # A file is written on the engine step after its request finished: in-process nothing steps the engine
+    # but us (stage 02's engine core runs in its own process and does), so flush the last ones.
+    while scheduler.has_requests():
+        engine.step()
+    for sample in samples_out:
+        land_sample(sample, work / "hidden_states", rows[sample.index], len(layer_ids), target.hidden_size, torch.float32)
+    finish_order = [sample.index for sample in samples_out]
+finally:
+    backend.close()
+samples, finished_per_step = samples[:steps], finished_per_step[:steps]
+print("RESULT " + json.dumps({"samples": samples, "queue_depths": backend.queue_depths, "cap": backend.in_flight_cap,
+                              "finish_order": finish_order, "failed": backend.failed,
+                              "finished_per_step": finished_per_step}))
+"""
+
+
+def test_engine_is_never_starved_rows_of_very_different_lengths(mini, tmp_path):
+    """The backend keeps `in_flight_cap` (2 x max_num_seqs) requests unfinished in vLLM until the last
+    rows are submitted: before every step the scheduler holds exactly min(cap, rows not yet finished)
+    requests and runs max_num_seqs of them, while rows of 2..300 tokens finish at very different
+    times. (The old loop, a generate() per batch, fell to one running request at each batch's end.)"""
+    import random
+
+    rng = random.Random(29)
+    lengths = [300, 2, 180, 7, 250, 3, 120, 40, 290, 5, 60, 210, 9, 150, 4, 270, 30, 100, 6, 220]
+    rows = [(i, [rng.randrange(1, 1000) for _ in range(n)]) for i, n in enumerate(lengths)]
+    max_num_seqs = 3
+    spec = {"target": str(mini["llama"]), "work": str(tmp_path), "max_num_seqs": max_num_seqs,
+            "max_model_len": MAX_MODEL_LEN, "rows": rows}
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "PYTHONPATH": os.pathsep.join([str(SCRIPTS_DIR), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", _FEED_CHILD, json.dumps(spec)], capture_output=True, text=True,
+                          env=env, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert result["failed"] == {} and sorted(result["finish_order"]) == list(range(len(rows)))
+    assert result["cap"] == 2 * max_num_seqs
+    samples, cap = result["samples"], result["cap"]
+    assert cap == 2 * max_num_seqs and len(samples) == len(result["finished_per_step"]) == len(result["queue_depths"])
+    # the scheduler's running + waiting before each step is the backend's own count of unfinished requests...
+    assert [s["running_plus_waiting"] for s in samples] == result["queue_depths"]
+    # ...and it is the cap, or every row not yet finished when fewer are left; each step runs max_num_seqs of them
+    unfinished = len(rows)
+    for sample, finished in zip(samples, result["finished_per_step"]):
+        assert sample["running_plus_waiting"] == min(cap, unfinished), samples
+        assert sample["scheduled"] == min(max_num_seqs, sample["running_plus_waiting"]), samples
+        unfinished -= finished
+    assert unfinished == 0
+    assert sum(s["running_plus_waiting"] == cap for s in samples) >= (len(rows) - cap) // max_num_seqs, samples
+    # longest first: the longest rows finish first, the run ends on short rows
+    by_length = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    assert set(result["finish_order"][:max_num_seqs]) == set(by_length[:max_num_seqs])
+    assert set(result["finish_order"][-max_num_seqs:]) <= set(by_length[-2 * max_num_seqs:])

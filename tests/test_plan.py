@@ -72,3 +72,50 @@ def test_run_all_plan_prints_the_plan_for_the_profile_and_writes_nothing(kimi_co
     assert result.returncode == 0, result.stderr
     assert "profile rtx-pro-6000-8x: 8 training GPU(s)" in result.stdout and "204,800,000 tokens" in result.stdout
     assert "recommendation:" in result.stdout and not work.exists()
+
+
+def test_every_stage_has_hours_with_stated_rates_and_their_sources(kimi_config, tmp_path):
+    plan = make_plan(str(kimi_config), "b300-8x", str(tmp_path / "w"), rows=100_000, tokens_per_row=2048,
+                     extract_tokens_per_s=80_000, decode_tokens_per_s=20_000, answer_tokens_per_row=1024,
+                     disk_read_gb_s=2.0)
+    assert plan.answer_tokens == 100_000 * 1024
+    assert plan.regen_hours() == pytest.approx(100_000 * 1024 / 20_000 / 3600)
+    assert plan.extract_hours() == pytest.approx(204_800_000 / 80_000 / 3600)
+    modes = plan.mode_hours()
+    assert modes["bf16"] == pytest.approx(plan.extract_hours() + plan.train_hours("bf16"))
+    assert modes["fp8"] == pytest.approx(plan.extract_hours() + plan.train_hours("fp8"))
+    gpu_epoch = 204_800_000 / (8 * plan.train_tokens_per_s_per_gpu) / 3600
+    assert modes["online"] == pytest.approx(plan.epochs * max(plan.extract_hours(), gpu_epoch))
+    text = format_plan(plan)
+    lines = {line.split(":", 1)[0].strip(): line for line in text.splitlines()}
+    assert "1.4 h at 20,000 decode tokens/s (--decode-tokens-per-s)" in lines["regeneration"]
+    assert "0.7 h at 80,000 tokens/s prefill (--extract-tokens-per-s)" in lines["extraction"]
+    assert "?" not in lines["disk x hours"] and "online 0 B" in lines["disk x hours"]
+
+
+def test_extraction_rate_is_read_from_a_10_sample_stage_02s_manifest(kimi_config, tmp_path):
+    hs = tmp_path / "w" / "data" / "hidden_states"
+    hs.mkdir(parents=True)
+    (tmp_path / "w" / "data" / "manifest.json").write_text(json.dumps({"counts": {"rows": 10, "tokens": 20_000,
+                                                                                    "loss_tokens": 12_000}}))
+    (hs / "manifest.json").write_text(json.dumps({"counts": {"extracted_tokens": 20_000, "extract_s": 4.0,
+                                                             "extract_tokens_per_s": 5000.0}}))
+    plan = make_plan(str(kimi_config), "b300-8x", str(tmp_path / "w"))
+    assert plan.extract_tokens_per_s == 5000.0 and plan.extract_rate_source.startswith("measured: stage 02")
+    assert plan.answer_tokens == 12_000 and "loss tokens" in plan.answer_tokens_source
+    # no decode rate: the line says how to get one instead of an hour figure
+    assert "give --decode-tokens-per-s" in format_plan(plan)
+
+
+def test_run_all_plan_passes_the_rates_through(kimi_config, tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import SCRIPTS
+
+    result = subprocess.run(["bash", str(SCRIPTS / "run_all.sh"), "--plan", "--profile", "b300-8x", "--target",
+                             str(kimi_config), "--work", str(tmp_path / "w"), "--rows", "100000", "--tokens-per-row",
+                             "2048", "--decode-tokens-per-s", "20000", "--extract-tokens-per-s", "80000",
+                             "--python", sys.executable], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "(--decode-tokens-per-s)" in result.stdout and "(--extract-tokens-per-s)" in result.stdout

@@ -50,9 +50,11 @@ STUB = textwrap.dedent(r'''
         sys.exit(143)
 
     signal.signal(signal.SIGTERM, on_term)
-    note("start pid=%d pgid=%d %s" % (os.getpid(), os.getpgid(0), " ".join(rest)))
+    note("start pid=%d pgid=%d cvd=%s %s" % (os.getpid(), os.getpgid(0), os.environ.get("CUDA_VISIBLE_DEVICES", "-"),
+                                                " ".join(rest)))
     if "--print-config" in rest:
         print(f"# stage {{num}} config (profile {{flag('--profile')}})")
+        print(os.environ.get(f"FAKE_{{num}}_CONFIG", "").replace(";", "\n"))  # e.g. world_size = 2
         sys.exit(0)
     mode = os.environ.get(f"FAKE_{{num}}", "ok")
     print(f"stage {{num}} working ({{mode}})", flush=True)
@@ -105,7 +107,8 @@ def calls(work: Path) -> list[str]:
 
 
 def started(work: Path) -> list[str]:
-    return [line.split()[0] for line in calls(work) if line.split()[1] == "start"]
+    """Stages run (not the --print-config that asks stage 02 for its data-parallel ranks)."""
+    return [line.split()[0] for line in calls(work) if line.split()[1] == "start" and "--print-config" not in line]
 
 
 def wait_for(predicate, timeout: float = 30, what: str = "condition"):
@@ -311,3 +314,18 @@ def test_driver_restarts_after_sigkill_mid_training_on_the_miniature(tmp_path, k
     assert max(steps) + 1 == len(set(steps))  # every step of the 3 epochs logged, none lost
     assert (work / "checkpoints" / "plots" / "loss.png").stat().st_size > 10_000
     assert "best checkpoint" in (work / "checkpoints" / "summary.txt").read_text()
+
+
+def test_data_parallel_extraction_starts_one_rank_per_share_of_the_gpus(tmp_path, stub):
+    """extract.world_size 2 x tensor_parallel_size 2 (a profile's choice, here via the config stage 02 prints):
+    two stage-02 processes, --rank 0 and 1, on GPUs 0,1 and 2,3, each with its own log; then 03 runs."""
+    work = tmp_path / "w"
+    result = driver(work, stub, env={"FAKE_02_CONFIG": "world_size = 2;tensor_parallel_size = 2"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    ranks = [line for line in calls(work) if line.startswith("02 start") and "--print-config" not in line]
+    assert len(ranks) == 2
+    assert ranks[0].endswith("--rank 0") and " cvd=0,1 " in ranks[0]
+    assert ranks[1].endswith("--rank 1") and " cvd=2,3 " in ranks[1]
+    assert (work / "logs" / "02_extract.rank0.log").is_file() and (work / "logs" / "02_extract.rank1.log").is_file()
+    assert started(work)[-3:] == ["03", "04", "05"]
+    assert "2 data-parallel ranks x tensor parallel 2" in result.stdout

@@ -69,6 +69,11 @@ class Plan:
     disk_read_source: str
     extract_tokens_per_s: float | None
     recommendation: str
+    extract_rate_source: str = "not given"
+    answer_tokens: int = 0  # decode tokens of regenerating every answer with the target
+    answer_tokens_source: str = ""
+    decode_tokens_per_s: float | None = None
+    decode_rate_source: str = "not given"
 
     def need_gb_s(self, storage: str) -> float:
         return self.gpus * self.train_tokens_per_s_per_gpu * self.bytes_per_token[storage] / 1e9
@@ -79,6 +84,51 @@ class Plan:
         if self.disk_read_gb_s is not None:
             rate = min(rate, self.disk_read_gb_s * 1e9 / self.bytes_per_token[storage])
         return self.tokens * self.epochs / rate / 3600
+
+    def regen_hours(self) -> float | None:
+        return self.answer_tokens / self.decode_tokens_per_s / 3600 if self.decode_tokens_per_s else None
+
+    def extract_hours(self) -> float | None:
+        return self.tokens / self.extract_tokens_per_s / 3600 if self.extract_tokens_per_s else None
+
+    def mode_hours(self) -> dict[str, float | None]:
+        """Wall hours after regeneration, per way of feeding the trainer: files (stage 02 once, then every
+        epoch from disk), online (vLLM recomputes every epoch's states beside the trainer, on other GPUs:
+        each epoch takes the slower of the two), hybrid (the first epoch online, cached in bf16, the rest
+        from that cache)."""
+        extract, epoch = self.extract_hours(), self.train_hours("bf16") / max(self.epochs, 1)
+        if extract is None:
+            return {"bf16": None, "fp8": None, "online": None, "hybrid": None}
+        return {"bf16": extract + self.train_hours("bf16"), "fp8": extract + self.train_hours("fp8"),
+                "online": self.epochs * max(extract, self.tokens / (self.gpus * self.train_tokens_per_s_per_gpu) / 3600),
+                "hybrid": max(extract, epoch) + (self.epochs - 1) * epoch}
+
+
+def measured_extract_rate(data: Path) -> tuple[float | None, str]:
+    """Stage 02's own rate, from its manifest in DATA/hidden_states (a 10-sample run records it)."""
+    manifest = manifest_path(data / "hidden_states")
+    try:
+        counts = json.loads(manifest.read_text()).get("counts", {})
+    except (OSError, json.JSONDecodeError):
+        return None, ""
+    rate = counts.get("extract_tokens_per_s")
+    if not rate:
+        return None, ""
+    return float(rate), (f"measured: stage 02 on {counts.get('extracted_tokens', 0):,} tokens in "
+                         f"{counts.get('extract_s', 0):.0f} s, engine start excluded ({manifest})")
+
+
+def answer_tokens(data: Path, rows: int, tokens: int, answer_tokens_per_row: int | None) -> tuple[int, str]:
+    """Tokens the target generates to regenerate every answer: stage 01's loss tokens, else the given
+    or assumed share of each row."""
+    if answer_tokens_per_row is not None:
+        return rows * answer_tokens_per_row, f"--answer-tokens-per-row {answer_tokens_per_row:,}"
+    manifest = manifest_path(data)
+    if manifest.is_file():
+        loss = json.loads(manifest.read_text()).get("counts", {}).get("loss_tokens")
+        if loss:
+            return int(loss), f"stage 01's loss tokens ({manifest})"
+    return tokens // 2, "assumed: half of each row is answer (give --answer-tokens-per-row)"
 
 
 def data_tokens(data: Path, rows: int | None, tokens_per_row: int | None) -> tuple[int, int, str]:
@@ -128,7 +178,8 @@ def recommend(plan: Plan) -> str:
 def make_plan(target_dir: str, profile: str | None, work: str, rows: int | None = None, tokens_per_row: int | None = None,
               train_tokens_per_s: float | None = None, disk_read_gb_s: float | None = None,
               extract_tokens_per_s: float | None = None, *, data: str | None = None, gpus: int | None = None,
-              epochs: int | None = None) -> Plan:
+              epochs: int | None = None, decode_tokens_per_s: float | None = None,
+              answer_tokens_per_row: int | None = None) -> Plan:
     """`data`: stage 01's output (default WORK/data); `gpus`/`epochs`: stage 04's resolved values (default:
     the profile's train section, else 04's defaults)."""
     target = load_target_info(target_dir)
@@ -141,6 +192,11 @@ def make_plan(target_dir: str, profile: str | None, work: str, rows: int | None 
     num_rows, tokens, source = data_tokens(data_dir, rows, tokens_per_row)
     per_token = {s: bytes_per_token(target.hidden_size, s) for s in FORMATS}
     read, read_source = cold_read(data_dir, disk_read_gb_s)
+    if extract_tokens_per_s:
+        extract_source = "--extract-tokens-per-s"
+    else:
+        extract_tokens_per_s, extract_source = measured_extract_rate(data_dir)
+    answers, answers_source = answer_tokens(data_dir, num_rows, tokens, answer_tokens_per_row)
     plan = Plan(
         target=target.path, hidden_size=target.hidden_size, num_layers=target.num_layers, profile=profile or "none",
         gpus=gpus, epochs=epochs, rows=num_rows, tokens=tokens, tokens_source=source, data=str(data_dir),
@@ -150,7 +206,9 @@ def make_plan(target_dir: str, profile: str | None, work: str, rows: int | None 
         train_rate_source="--train-tokens-per-s" if train_tokens_per_s else
         "04_train's defaults at Kimi-K2.5 geometry on one H200 (bench/README.md); measure yours with bench/train_throughput.py",
         disk_read_gb_s=read, disk_read_source=read_source, extract_tokens_per_s=extract_tokens_per_s,
-        recommendation="",
+        recommendation="", extract_rate_source=extract_source or "not given", answer_tokens=answers,
+        answer_tokens_source=answers_source, decode_tokens_per_s=decode_tokens_per_s,
+        decode_rate_source="--decode-tokens-per-s" if decode_tokens_per_s else "not given",
     )
     plan.recommendation = recommend(plan)
     return plan
@@ -172,9 +230,17 @@ def format_plan(plan: Plan) -> str:
 
     rate = plan.gpus * plan.train_tokens_per_s_per_gpu
     disk = f"{plan.disk_read_gb_s:.2f} GB/s" if plan.disk_read_gb_s is not None else "?"
-    extract = (f"{plan.tokens / plan.extract_tokens_per_s / 3600:,.1f} h at {plan.extract_tokens_per_s:,.0f} tokens/s"
-               if plan.extract_tokens_per_s else "hours = tokens / your stage-02 rate (a 10-sample run's log "
-                                                 "prints it; not measured for Kimi-K2.5 here): give --extract-tokens-per-s")
+    extract = (f"{plan.extract_hours():,.1f} h at {plan.extract_tokens_per_s:,.0f} tokens/s prefill ({plan.extract_rate_source})"
+               if plan.extract_tokens_per_s else "hours = tokens / stage 02's rate: run a 10-sample stage 02 "
+                                                 "(--max-samples 10; its manifest records the rate) or give --extract-tokens-per-s")
+    regen = (f"{plan.regen_hours():,.1f} h at {plan.decode_tokens_per_s:,.0f} decode tokens/s ({plan.decode_rate_source})"
+             if plan.decode_tokens_per_s else "hours = answer tokens / the target's decode rate at your batch "
+                                              "(vLLM's throughput): give --decode-tokens-per-s")
+
+    def hours(value: float | None) -> str:
+        return f"{value:,.1f} h" if value is not None else "? h"
+
+    modes = plan.mode_hours()
     return "\n".join([
         f"run plan: {plan.target} (hidden {plan.hidden_size}, {plan.num_layers} layers, {NUM_SLOTS} states per token), "
         f"profile {plan.profile}: {plan.gpus} training GPU(s), {plan.epochs} epochs",
@@ -184,10 +250,15 @@ def format_plan(plan: Plan) -> str:
         f"{plan.need_gb_s('bf16'):.2f} GB/s in bf16, {plan.need_gb_s('fp8'):.2f} GB/s in fp8; the disk gives {disk} cold "
         f"({plan.disk_read_source})",
         f"  training rate: {plan.train_tokens_per_s_per_gpu:,.0f} tokens/s per GPU ({plan.train_rate_source})",
+        f"  regeneration:  {plan.answer_tokens:,} answer tokens ({plan.answer_tokens_source}); {regen}",
         f"  extraction:    {plan.tokens:,} tokens; {extract}",
         f"  training:      {plan.epochs} epochs x {plan.tokens:,} tokens at {rate:,.0f} tokens/s: "
         f"{plan.train_hours('bf16'):,.1f} h from bf16 files, {plan.train_hours('fp8'):,.1f} h from fp8 files"
         + ("" if plan.disk_read_gb_s is not None else " (GPU-bound; the disk not measured)"),
+        f"  disk x hours:  bf16 files {human_bytes(plan.total_bytes['bf16'])}, {hours(modes['bf16'])}; fp8 files "
+        f"{human_bytes(plan.total_bytes['fp8'])}, {hours(modes['fp8'])}; online 0 B, {hours(modes['online'])} (a vLLM on other GPUs "
+        f"recomputes every epoch); hybrid {human_bytes(plan.total_bytes['bf16'])} cache, {hours(modes['hybrid'])} "
+        f"(extraction + training; regeneration adds {hours(plan.regen_hours())})",
         communication_line(load_target_info(plan.target).text_config, plan.profile, plan.gpus),
         f"  recommendation: {plan.recommendation}",
     ])
@@ -203,12 +274,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens-per-row", type=int, help="average tokens per row of a run not prepared yet")
     parser.add_argument("--train-tokens-per-s", type=float, help="training tokens/s per GPU on this box (bench/train_throughput.py)")
     parser.add_argument("--disk-read-gb-s", type=float, help="the disk's cold read rate, if known")
-    parser.add_argument("--extract-tokens-per-s", type=float, help="stage 02's tokens/s on this box, if known")
+    parser.add_argument("--extract-tokens-per-s", type=float, help="stage 02's tokens/s on this box, if known "
+                        "(default: the rate a stage 02 in WORK/data recorded, e.g. a 10-sample run)")
+    parser.add_argument("--decode-tokens-per-s", type=float, help="the target's decode tokens/s on this box (answer regeneration)")
+    parser.add_argument("--answer-tokens-per-row", type=int, help="answer tokens per row that regeneration generates "
+                        "(default: stage 01's loss tokens, else half of --tokens-per-row)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = parser.parse_args(argv)
     try:
         plan = make_plan(args.target, args.profile, args.work, args.rows, args.tokens_per_row, args.train_tokens_per_s,
-                         args.disk_read_gb_s, args.extract_tokens_per_s)
+                         args.disk_read_gb_s, args.extract_tokens_per_s, decode_tokens_per_s=args.decode_tokens_per_s,
+                         answer_tokens_per_row=args.answer_tokens_per_row)
     except StageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code

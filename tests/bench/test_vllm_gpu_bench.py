@@ -71,3 +71,22 @@ def test_the_train_eval_split_is_by_module_and_stable():
     assert first == [chat_data.is_eval_module(m) for m in modules]  # deterministic, no seed state
     share = sum(first) / len(first)
     assert 0.05 < share < 0.3  # EVAL_FRACTION 0.15 of the modules, by hash
+
+
+def test_extraction_vs_prefill_rows_are_deterministic_and_both_sides_get_stage_02s_settings():
+    evp = load("extraction_vs_prefill")
+    rows = evp.make_rows(1000, 50, 16, 2048)
+    assert rows == evp.make_rows(1000, 50, 16, 2048)  # the same rows on every run and machine
+    lengths = [len(r["input_ids"]) for r in rows]
+    assert 16 <= min(lengths) and max(lengths) <= 2048 and max(lengths) > 8 * min(lengths)  # very different lengths
+    assert all(len(r["loss_mask"]) == len(r["input_ids"]) and any(r["loss_mask"]) for r in rows)
+    assert all(0 <= t < 1000 for r in rows for t in r["input_ids"])
+
+    class Args:
+        max_num_seqs, dtype, compile, gpu_memory_utilization = 128, None, False, 0.8
+
+    gpu = evp.engine_settings(Args, on_cpu=False)
+    assert gpu == {"max_num_seqs": 128, "dtype": "bfloat16", "enforce_eager": True, "gpu_memory_utilization": 0.8}
+    assert evp.settings_flags(gpu) == ["--max-num-seqs", "128", "--dtype", "bfloat16", "--enforce-eager",
+                                       "--gpu-memory-utilization", "0.8"]
+    assert evp.engine_settings(Args, on_cpu=True)["dtype"] == "float32"

@@ -19,7 +19,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Protocol
+from typing import Callable, Iterable, Iterator, Protocol
 
 import torch
 
@@ -40,7 +40,10 @@ class ExtractedSample:
     index: int
     hidden_states: torch.Tensor | None = None  # [T, n, H]
     token_ids: torch.Tensor | None = None  # [T]
-    staged_file: Path | None = None  # a finished file written by the backend elsewhere
+    staged_file: Path | None = None  # a file written by the backend elsewhere
+    # For a staged file another process may still be writing: blocks until it is complete, returns
+    # why it never will be (or None). Called by land_sample, on stage 02's writer threads.
+    ready: Callable[[], str | None] | None = None
 
 
 class ExtractionBackend(Protocol):
@@ -165,6 +168,8 @@ def land_sample(sample: ExtractedSample, hs_dir: Path, expected_ids: list[int], 
                 hidden_size: int, dtype: torch.dtype) -> Path:
     """Validate one backend result and move it to `hs_{i}.safetensors` atomically."""
     final = hs_file(hs_dir, sample.index)
+    if sample.ready is not None and (problem := sample.ready()):
+        raise BadHiddenStates(problem)
     if sample.staged_file is not None and dtype != FP8:
         validate_file(sample.staged_file, expected_ids, num_slots, hidden_size, dtype)
         with atomic_path(final) as tmp:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import random
+import time
+from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,9 +23,9 @@ log = logging.getLogger("eagle3")
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 FP8 = torch.float8_e4m3fn  # --storage fp8: what the files hold (the backend still computes in --dtype)
-# Rows handed to a backend per call, per request slot: vLLM schedules them continuously, so only
-# the tail of each call idles the GPUs; 4 calls' worth of slots keeps that tail small.
-ROWS_PER_SLOT = 4
+# Rows landed or waiting to land, at most: the backend's loop waits beyond it (a disk slower than the
+# engine) instead of holding every row's states in memory (the HF backend yields tensors).
+MAX_UNLANDED = 64
 
 
 @dataclass
@@ -87,30 +89,66 @@ def preflight(cfg: ExtractConfig, plan: ExtractPlan, target: TargetInfo, hs_dir:
     return preflight_extract(cfg, target, plan.num_slots, len(plan.todo), tokens, hs_dir)
 
 
-def run_extraction(backend: ExtractionBackend, plan: ExtractPlan, hs_dir: Path, retries: int,
-                   batch_rows: int = 64) -> dict[int, str]:
-    """Extract plan.todo; each failed row is retried `retries` times. Returns {row: reason} of rows that never passed."""
+def run_extraction(backend: ExtractionBackend, plan: ExtractPlan, hs_dir: Path, retries: int) -> dict[int, str]:
+    """Extract plan.todo; each failed row is retried `retries` times. Returns {row: reason} of rows that never passed.
+
+    Every pending row goes to the backend in one call (it orders and feeds them itself); each sample it yields is
+    landed on the backend's `landing_threads` writer threads (1 if it names none: rows then land in the order they
+    come). Adds the rate of the work to plan.counts (`extract_s`, `extracted_tokens`, `extract_tokens_per_s`:
+    engine start excluded, landing included).
+    """
     pending = list(plan.todo)
     failures: dict[int, str] = {}
+    started, landed_tokens = time.monotonic(), 0
+    writers = int(getattr(backend, "landing_threads", 1))
     with tqdm(total=len(plan.todo), desc="extract", unit="row") as bar:
         for attempt in range(retries + 1):
             failures = {}
-            for start in range(0, len(pending), batch_rows):
-                batch = [(i, plan.rows[i]) for i in pending[start:start + batch_rows]]
-                for sample in backend.extract(batch):
+            unlanded: dict[Future, int] = {}  # in submission order
+
+            def collect(block: str | None = None) -> None:
+                """Take the finished landings in submission order (the first error raised is the first row's)."""
+                nonlocal landed_tokens
+                if block:
+                    wait(unlanded, return_when=block)
+                for future in [f for f in unlanded if f.done()]:
+                    index = unlanded.pop(future)
                     try:
-                        land_sample(sample, hs_dir, plan.rows[sample.index], plan.num_slots, plan.hidden_size, plan.dtype)
-                        bar.update(1)
+                        future.result()  # DiskFull and any other error end the run here
                     except BadHiddenStates as exc:
-                        failures[sample.index] = str(exc)
-                missing = [i for i, _ in batch if i not in failures and not hs_file(hs_dir, i).is_file()]
-                reasons = getattr(backend, "failed", {})  # a backend may say why it skipped a row
-                failures.update({i: reasons.get(i, "backend returned no file") for i in missing})
-                bar.set_postfix(failed=len(failures), attempt=attempt + 1)
+                        failures[index] = str(exc)
+                        continue
+                    landed_tokens += len(plan.rows[index])
+                    bar.update(1)
+
+            pool = ThreadPoolExecutor(max_workers=writers, thread_name_prefix="land")
+            samples = backend.extract([(i, plan.rows[i]) for i in pending])
+            try:
+                for sample in samples:
+                    unlanded[pool.submit(land_sample, sample, hs_dir, plan.rows[sample.index], plan.num_slots,
+                                         plan.hidden_size, plan.dtype)] = sample.index
+                    collect(FIRST_COMPLETED if len(unlanded) >= MAX_UNLANDED else None)
+                collect(ALL_COMPLETED)
+            finally:
+                for future in unlanded:  # an error or a signal: rows not started stay unlanded (a rerun does them)
+                    future.cancel()
+                pool.shutdown(wait=True)
+                close = getattr(samples, "close", None)
+                if close is not None:  # a generator stopped early: the backend stops its requests
+                    close()
+            missing = [i for i in pending if i not in failures and not hs_file(hs_dir, i).is_file()]
+            reasons = getattr(backend, "failed", {})  # a backend may say why it skipped a row
+            failures.update({i: reasons.get(i, "backend returned no file") for i in missing})
+            bar.set_postfix(failed=len(failures), attempt=attempt + 1)
             if not failures:
-                return {}
+                break
             log.warning("attempt %d: %d row(s) failed validation, e.g. %s", attempt + 1, len(failures), next(iter(failures.values())))
             pending = sorted(failures)
+    seconds = time.monotonic() - started
+    plan.counts.update(extract_s=round(seconds, 3), extracted_tokens=landed_tokens,
+                       extract_tokens_per_s=round(landed_tokens / seconds, 1) if seconds > 0 else None)
+    log.info("extracted %d token(s) in %.1fs: %.0f tokens/s (engine start excluded)", landed_tokens, seconds,
+             landed_tokens / seconds if seconds > 0 else 0.0)
     return failures
 
 

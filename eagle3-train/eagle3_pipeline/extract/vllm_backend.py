@@ -9,10 +9,15 @@ writes, per finished request, `<staging>/<request id>.safetensors` with `hidden_
 [T, len(IDS), H] and `token_ids` [T] (the prompt), guarded by a `.lock` file it holds while
 writing. The request's output names the file in `kv_transfer_params["hidden_states_path"]`.
 
-This backend sends each row's input_ids as a prompt with max_tokens=1, waits for the file's
-lock, and yields `ExtractedSample(index, staged_file=...)`; stage 02's `land_sample`
-validates it (ids, shape with the final layer, finite, non-zero) and renames it into place.
-- in-process (`cfg.endpoint` is None): one `vllm.LLM` for the whole run;
+This backend sends each row's input_ids as a prompt with max_tokens=1 and yields
+`ExtractedSample(index, staged_file=..., ready=...)` as each request finishes; stage 02's writer
+pool waits for the file's lock (`ready`), validates it (ids, shape with the final layer, finite,
+non-zero) and renames it into place, off the engine's thread.
+- in-process (`cfg.endpoint` is None): one `vllm.LLM` for the whole run, fed continuously: its
+  `llm_engine.add_request` + `step()` loop (vLLM 0.26-0.32) keeps `IN_FLIGHT_PER_SEQ x max_num_seqs`
+  requests unfinished, so the scheduler always has the next rows waiting when one finishes (a
+  `generate()` call per batch leaves the GPUs idle while its longest row finishes); rows go in
+  longest first, so the run ends on short rows;
 - `--endpoint URL`: /v1/completions against a server started with `server_command(...)`'s
   flags (printed by `--print-server-cmd`), on this machine: the client moves the files the
   server writes, so both must see the same staging directory.
@@ -24,6 +29,7 @@ vLLM gets the stock connector, untouched.
 from __future__ import annotations
 
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -33,6 +39,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Iterator
@@ -74,6 +81,15 @@ MIN_VLLM_PAGE_FIX = (0, 30, 0)
 _PAGE_FIX_MARKER = "_ensure_min_page_size"
 _SMALLEST_BLOCK = 16  # tokens per KV block, the smallest vLLM's GPU attention backends use
 
+# Unfinished requests kept per engine slot (max_num_seqs): the slots run, the rest wait in vLLM's
+# queue, so a finished row's slot is refilled by the scheduler itself, not after a round trip
+# through this process (the engine core runs in its own process and does not wait for us).
+IN_FLIGHT_PER_SEQ = 2
+HTTP_MAX_CLIENT_THREADS = 256  # --endpoint: one blocking request per thread
+# Stage 02 lands this backend's files (wait for vLLM's writer, read back, validate, rename) on this many
+# threads, so the engine loop never waits on the disk; the checks are torch ops and file I/O, which
+# release the GIL. (The HF backend computes on the caller's thread and lands on one.)
+LANDING_THREADS = 8
 REQUEST_TIMEOUT_S = 1800.0  # one /v1/completions call (long prompts behind a full batch)
 WRITE_TIMEOUT_S = 600.0  # the connector's writer thread finishing a file after the response
 
@@ -359,6 +375,12 @@ def wait_until_written(path: Path, timeout: float = WRITE_TIMEOUT_S) -> str | No
 
 # --- the backend ------------------------------------------------------------------------
 
+def longest_first(rows: list[tuple[int, list[int]]]) -> list[tuple[int, list[int]]]:
+    """Longest rows first (ties by row index): the run's tail is short rows, not one long row
+    holding the engine while its other slots are empty."""
+    return sorted(rows, key=lambda row: (-len(row[1]), row[0]))
+
+
 class VllmBackend:
     """ExtractionBackend over vLLM: in-process `vllm.LLM`, or `--endpoint` over HTTP.
 
@@ -377,6 +399,8 @@ class VllmBackend:
         self.max_model_len = int(max_model_len)
         self.failed: dict[int, str] = {}
         self._handed: set[Path] = set()
+        self.queue_depths: list[int] = []  # unfinished requests before each engine step (in-process)
+        self._requests = 0
         self._llm = None
         self._endpoint = cfg.endpoint.rstrip("/") if cfg.endpoint else None
         if self._endpoint:
@@ -421,24 +445,59 @@ class VllmBackend:
                 keep.append((index, ids))
         return keep
 
+    landing_threads = LANDING_THREADS
+
+    @property
+    def in_flight_cap(self) -> int:
+        """Requests kept unfinished (running + waiting in vLLM) while rows remain."""
+        return IN_FLIGHT_PER_SEQ * self.cfg.max_num_seqs
+
     def extract(self, rows: list[tuple[int, list[int]]]) -> Iterator[ExtractedSample]:
-        rows = self._too_long(rows)
+        rows = longest_first(self._too_long(rows))
         if not rows:
             return
         if self._endpoint:
             yield from self._extract_http(rows)
             return
+        yield from self._extract_engine(rows)
+
+    def _extract_engine(self, rows: list[tuple[int, list[int]]]) -> Iterator[ExtractedSample]:
+        """The engine loop: top up to `in_flight_cap` unfinished requests, step, yield the finished ones.
+
+        `queue_depths` gets the engine's unfinished-request count before every step (what the
+        scheduler can choose from); it stays at the cap until the last rows are in.
+        """
         from vllm import SamplingParams
 
+        engine = self._llm.llm_engine
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-        prompts = [{"prompt_token_ids": list(ids)} for _, ids in rows]
-        outputs = self._llm.generate(prompts, params, use_tqdm=False)
-        for (index, _), output in zip(rows, outputs):
-            sample = self._staged(index, output.kv_transfer_params)
-            if sample is not None:
-                yield sample
+        queue = deque(rows)
+        in_flight: dict[str, int] = {}
+        try:
+            while queue or in_flight:
+                while queue and len(in_flight) < self.in_flight_cap:
+                    index, ids = queue.popleft()
+                    self._requests += 1
+                    request_id = f"row{index}-{self._requests}"  # unique across retries of one row
+                    engine.add_request(request_id, {"prompt_token_ids": list(ids)}, params)
+                    in_flight[request_id] = index
+                self.queue_depths.append(engine.get_num_unfinished_requests())
+                for output in engine.step():
+                    if not output.finished or output.request_id not in in_flight:
+                        continue
+                    index = in_flight.pop(output.request_id)
+                    sample = self._staged(index, output.kv_transfer_params)
+                    if sample is not None:
+                        yield sample
+        finally:
+            if in_flight:  # the consumer stopped early (an error, a signal): nothing left running
+                try:
+                    engine.abort_request(list(in_flight))
+                except Exception as exc:  # a dead engine: the error that stopped us is the one to report
+                    log.debug("aborting %d request(s) failed: %s", len(in_flight), exc)
 
     def _staged(self, index: int, kv_params: dict | None) -> ExtractedSample | None:
+        """The row's staged file, to be waited for (`ready`) and landed by stage 02's writer pool."""
         path = (kv_params or {}).get("hidden_states_path")
         if not path:
             self.failed[index] = ("vLLM returned no hidden_states_path (the engine was not started with "
@@ -446,11 +505,7 @@ class VllmBackend:
             return None
         path = Path(path)
         self._handed.add(path)
-        problem = wait_until_written(path)
-        if problem:
-            self.failed[index] = problem
-            return None
-        return ExtractedSample(index=index, staged_file=path)
+        return ExtractedSample(index=index, staged_file=path, ready=functools.partial(wait_until_written, path))
 
     # HTTP ---------------------------------------------------------------------------------
     def _request(self, method: str, route: str, body: dict | None = None, timeout: float = 30.0) -> dict:
@@ -480,7 +535,7 @@ class VllmBackend:
         return self._request("POST", "/v1/completions", body, timeout=REQUEST_TIMEOUT_S)
 
     def _extract_http(self, rows: list[tuple[int, list[int]]]) -> Iterator[ExtractedSample]:
-        workers = max(1, min(self.cfg.max_num_seqs, len(rows), 64))
+        workers = max(1, min(self.in_flight_cap, len(rows), HTTP_MAX_CLIENT_THREADS))
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="vllm-http") as pool:
             futures = {pool.submit(self._complete, ids): index for index, ids in rows}
             for future in as_completed(futures):

