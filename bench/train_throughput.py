@@ -285,7 +285,7 @@ def main() -> None:
                         "speculators train with OURS_FLAGS + device prefetch")
     parser.add_argument("--ours-profile", default="h200-8x",
                         help="04_train profile for ours (--nproc is set per run)")
-    parser.add_argument("--loader-check", choices=("on", "off", "both"), default="on",
+    parser.add_argument("--loader-check", choices=("on", "off", "both", "both-off-first"), default="on",
                         help="stage 04's input checks (every sample as the loader reads it, and the non-finite "
                              "loss check) in the 04_train runs: both = each such run also without them (its "
                              "name + '-no-input-checks'), so one invocation measures their cost in tokens/s")
@@ -574,6 +574,10 @@ def _plan_runs(args: argparse.Namespace) -> dict[str, dict]:
             specs[name]["input_checks"] = False
         elif checks == "both":  # the same run without the checks, right after it
             specs[f"{name}-no-input-checks"] = {**specs[name], "input_checks": False}
+        elif checks == "both-off-first":  # the same pair in the other order (a run's place in an invocation matters)
+            specs = {(f"{n}-no-input-checks" if n == name else n): ({**spec, "input_checks": False} if n == name else spec)
+                     for n, spec in specs.items()}
+            specs[name] = {**specs[f"{name}-no-input-checks"], "input_checks": True}
     if getattr(args, "trace", False):
         specs["trace"] = {"via_04": True, "flags": [], "prefetch": True, "gpus": 1, "trace": True}
     resolved = _resolved_04_config(args) if any(spec.get("via_04") for spec in specs.values()) else {}
