@@ -152,7 +152,8 @@ def test_pricing_and_the_split_read_at_equal_total_cost():
     split = lc.recommend_split(priced, "ours-8k")
     # from 4x's first checkpoint (4e5 + 2.4e6) on, 1x has long finished (best 2.2) and 4x reaches 2.7
     assert split["winner_data"] == "4" and split["split"] == "more data, fewer epochs"
-    assert "4x data x 2 epochs" in split["line"]
+    assert "4x data x 2 epochs" in split["line"] and split["still_rising"] == ["1", "4"]
+    assert "still rising at its last checkpoint: 1x, 4x" in split["line"]
     # priced 10x higher, the data costs dominate and the same curves still favour 4x at its end
     assert lc.recommend_split(lc.priced_curves(curves, costs, 5, ratio=40.0), "ours-8k")["winner_data"] == "4"
     # a curve where more data learns nothing: more epochs on less data wins
@@ -236,7 +237,7 @@ def test_the_run_plan_quotes_the_curves_split_or_names_the_file_it_needs(tmp_pat
     analysis = lc.analyse(synthetic_curves(), costs, [5])
     path = tmp_path / "curves.json"
     path.write_text(json.dumps({"run_plan_line": lc.run_plan_line(analysis, "ours-8k", path.name)}))
-    assert data_epochs_line(path).startswith("more data, fewer epochs: at ")
+    assert data_epochs_line(path).startswith("more data, fewer epochs: within ")
 
 
 # --- the curve mode end to end (CPU, vLLM) -------------------------------------------------------

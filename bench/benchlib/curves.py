@@ -325,10 +325,13 @@ def recommend_split(priced: Mapping, recipe: str) -> dict:
     """Which data size buys the most tau for `recipe` at equal total cost.
 
     Budgets: every checkpoint cost at which every data size already has an affordable checkpoint
-    (from the largest data size's first checkpoint on). At each, the best affordable checkpoint per
-    data size; the recommendation is read at the largest such budget: a larger data size winning means
-    "more data, fewer epochs", a smaller one "more epochs on less data". `margin_stderr` is the
-    winner's lead over the runner-up in standard errors.
+    (from the most expensive first checkpoint on). At each, the best affordable checkpoint per data
+    size (a run can stop at any checkpoint); the recommendation is read at the largest such budget: a
+    larger data size winning means "more data, fewer epochs", a smaller one "more epochs on less data".
+    `margin_stderr` is the winner's lead over the runner-up in standard errors. A smaller data size
+    often ends below that budget (its last checkpoint cost less): `still_rising` lists the sizes whose
+    curve still gained > 2 standard errors at its last checkpoint, where more epochs might have
+    changed the answer; the line says so.
     """
     sizes = sorted((d for d in priced if recipe in priced[d] and priced[d][recipe]), key=float)
     if len(sizes) < 2:
@@ -349,10 +352,19 @@ def recommend_split(priced: Mapping, recipe: str) -> dict:
     split = "more data, fewer epochs" if float(winner) > float(smallest) else "more epochs on less data"
     if winner not in (smallest, largest):
         split = f"{winner}x data (between the measured sizes)"
-    line = (f"{split}: at {table[-1]['cost']:.3g} draft-token units the best {recipe} checkpoint is {winner}x data x "
-            f"{final[winner]['epoch'] + 1} epochs (tau {final[winner]['tau']:.3f}) vs {runner}x x "
-            f"{final[runner]['epoch'] + 1} (tau {final[runner]['tau']:.3f}; lead {margin:.1f} standard errors)")
-    return {"recipe": recipe, "split": split, "winner_data": winner, "margin_stderr": margin, "budgets": table, "line": line}
+    still_rising = []
+    for d in sizes:
+        pts = sorted(priced[d][recipe], key=lambda p: p["cost"])
+        if len(pts) >= 2 and pts[-1]["tau"] - pts[-2]["tau"] > 2 * math.hypot(pts[-1]["tau_stderr"], pts[-2]["tau_stderr"]):
+            still_rising.append(d)
+    cost_of = {d: next(p["cost"] for p in priced[d][recipe] if p["epoch"] == final[d]["epoch"]) for d in (winner, runner)}
+    line = (f"{split}: within {table[-1]['cost']:.3g} draft-token units the best {recipe} checkpoint is {winner}x data x "
+            f"{final[winner]['epoch'] + 1} epochs (tau {final[winner]['tau']:.3f}, cost {cost_of[winner]:.3g}) vs {runner}x x "
+            f"{final[runner]['epoch'] + 1} (tau {final[runner]['tau']:.3f}, cost {cost_of[runner]:.3g}); lead {margin:.1f} "
+            f"standard errors" + (f"; still rising at its last checkpoint: {', '.join(d + 'x' for d in still_rising)}"
+                                   if still_rising else ""))
+    return {"recipe": recipe, "split": split, "winner_data": winner, "margin_stderr": margin, "still_rising": still_rising,
+            "budgets": table, "line": line}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -445,7 +457,8 @@ class HostMemory:
 # ---------------------------------------------------------------------------------------------
 # The whole analysis of a curves JSON, its printout and its plot
 
-PACKING = ("ours-8k", "ours-32k")
+PACKING_SMALL = "ours-8k"
+PACKING_LARGE = ("ours-32k", "ours-32k-lr")  # 32K as it is, and with the lr scaled and warmed up
 
 
 def analyse(curves: Mapping, data_costs: Mapping, ks: Sequence[int], ratio: float = EXTRACT_COST_RATIO,
@@ -455,7 +468,8 @@ def analyse(curves: Mapping, data_costs: Mapping, ks: Sequence[int], ratio: floa
     out = {"by_k": {}}
     for k in ks:
         out["by_k"][str(k)] = {"equal_time": equal_time_table(curves, k), "equal_epochs": equal_epochs_table(curves, k),
-                               "packing_crossover": packing_crossover(curves, k, *PACKING)}
+                               "packing_crossover": [row for large in PACKING_LARGE
+                                                     for row in packing_crossover(curves, k, PACKING_SMALL, large)]}
     k = max(ks)
     priced = priced_curves(curves, data_costs, k, ratio)
     recipes = split_recipes or sorted({name for recipes in curves.values() for name in recipes})
@@ -484,14 +498,15 @@ def format_analysis(analysis: Mapping) -> list[str]:
                          f"{row['ratio_last']:.3f}, min over epochs {row['ratio_min']:.3f}")
         lines.append(f"packing crossover at k={k} (32K-token steps overtake 8K at equal GPU time):")
         for row in tables["packing_crossover"]:
+            head = f"  {row['data'] + 'x':>5} {row['large']:<12}"
             if not row["overlap"]:
-                lines.append(f"  {row['data'] + 'x':>5} no overlap")
+                lines.append(f"{head} no overlap")
             elif row["crossover"]:
                 c = row["crossover"]
-                lines.append(f"  {row['data'] + 'x':>5} at {c['gpu_s']:.1f} GPU s = {c['steps']:.0f} steps of 32K "
+                lines.append(f"{head} at {c['gpu_s']:.1f} GPU s = {c['steps']:.0f} steps of 32K "
                              f"({c['tokens']:.3g} tokens){'' if c['resolved'] else ' (within 2 standard errors)'}")
             else:
-                lines.append(f"  {row['data'] + 'x':>5} none: {row['leader']} led up to {row['matched_up_to_steps']:.0f} "
+                lines.append(f"{head} none: {row['leader']} led up to {row['matched_up_to_steps']:.0f} "
                              f"steps of 32K (diff at the end {row['diff_at_max']:+.3f}±{row['diff_at_max_stderr']:.3f})")
     pricing = analysis["pricing"]
     lines.append(f"priced at k={pricing['k']}: extracted/regenerated token = {pricing['ratio']:.2f} draft training "
