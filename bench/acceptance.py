@@ -203,6 +203,13 @@ class Bench:
         factor = max([RECIPES[r]["data"] for r in self.args.recipes if isinstance(RECIPES[r].get("data"), int)] or [1])
         if self.args.curves:
             factor = max(self.args.curve_data)
+            wanted = self.args.train_conversations * factor
+            with open(prompts) as handle:
+                available = sum(json.loads(line).get("split") == "train" for line in handle if line.strip())
+            if available < wanted:  # regenerate would quietly make fewer conversations than the size says
+                raise SystemExit(f"bench-acceptance --curves: {prompts}: {available:,} training prompts, fewer than the "
+                                 f"{wanted:,} conversations --curve-data {factor} x --train-conversations "
+                                 f"{self.args.train_conversations} needs; use smaller sizes or more prompts")
         if not (chat / "summary.json").is_file():
             run([sys.executable, BENCH / "chat_data.py", "regenerate", "--target", self.target, "--prompts", prompts,
                  "--out", chat, "--train-limit", self.args.train_conversations * factor,
@@ -473,7 +480,8 @@ def run_curves(args, bench: Bench, target: dict, started: float, load_start) -> 
     for f, runs in trained.items():
         manifest = json.loads((datasets[f] / "manifest.json").read_text())
         counts = manifest.get("counts", {})
-        data_costs[str(f)] = {"conversations": args.train_conversations * f, "rows": counts.get("rows"),
+        data_costs[str(f)] = {"conversations": counts.get("conversations", args.train_conversations * f),
+                              "conversations_asked": args.train_conversations * f, "rows": counts.get("rows"),
                               "extracted_tokens": counts.get("tokens"),
                               "regenerated_tokens": counts.get("loss_tokens", counts.get("trainable_tokens", 0)),
                               "storage": args.curve_storage}
