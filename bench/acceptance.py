@@ -518,6 +518,12 @@ def run_curves(args, bench: Bench, target: dict, started: float, load_start) -> 
                   "data_sizes": args.curve_data, "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                   "device": args.device, "load_average_start": load_start, "load_average_end": os.getloadavg()},
                   "wall_s": {"train": t_train, "vllm": t_vllm, "total": time.perf_counter() - started}}
+    setup = {"train_conversations_1x": args.train_conversations, "epochs": {str(f): e for f, e in epochs_by_size.items()},
+             "marks": args.curve_marks or "every epoch", "ks_measured": args.ks, "storage": args.curve_storage,
+             "jobs": args.jobs, "recipes": recipes, "curve_04_flags": CURVE_04_FLAGS,
+             "cpu_forced": {"ours_04": CPU_04_FLAGS, "plain": CPU_TRAIN_FLAGS} if bench.cpu else None,
+             "vllm_settings": settings.__dict__}
+    invocation["setup"] = setup  # each invocation's own, when several data sizes are merged into one file
     results = {
         "benchmark": "acceptance-curves-smollm2",
         "timing_rule": lc.TIMING_RULE,
@@ -526,11 +532,7 @@ def run_curves(args, bench: Bench, target: dict, started: float, load_start) -> 
                          "run of that length would reach"),
         "invocations": merged_from + [invocation],
         "target": target, "data": data_summary,
-        "setup": {"train_conversations_1x": args.train_conversations, "epochs": {str(f): e for f, e in epochs_by_size.items()},
-                  "marks": args.curve_marks or "every epoch", "ks_measured": args.ks, "storage": args.curve_storage,
-                  "jobs": args.jobs, "recipes": recipes, "curve_04_flags": CURVE_04_FLAGS,
-                  "cpu_forced": {"ours_04": CPU_04_FLAGS, "plain": CPU_TRAIN_FLAGS} if bench.cpu else None,
-                  "vllm_settings": settings.__dict__},
+        "setup": setup,
         "baseline": cache.get("baseline"),
         "data_costs": data_costs,
         "curves": curves,
