@@ -520,7 +520,7 @@ def run_plan_line(analysis: Mapping, recipe: str, source: str) -> str:
     """The run plan's data/epochs line (eagle3_pipeline.plan reads it from the curves JSON)."""
     split = analysis["pricing"]["split"].get(recipe)
     if not split or not split.get("split"):
-        return f"no data/epochs split measured for {recipe} in {source}"
+        return f"no data/epochs split measured for {recipe} in {source}" + (f" ({split['line']})" if split else "")
     return f"{split['line']} (curves: {source}; extracted token priced at {analysis['pricing']['ratio']:.2f} draft tokens)"
 
 
