@@ -24,6 +24,13 @@ Results: bench/results/<cpu|gpu>-acceptance-smollm2.json and the printed tables.
     python bench/acceptance.py --recipes ttt-5 lr-2e-3 offpolicy data-2x
     python bench/acceptance.py --train-conversations 400 --device cuda
     python bench/acceptance.py --device cuda --jobs 6 --ks 5 --recipe-ks 5 --recipes ...  # one GPU, shared
+    python bench/acceptance.py --device cuda --curves --ks 5 --jobs 8 --curve-data 1    # learning curves (issue 27)
+    python bench/acceptance.py --curves-report bench/results/h200-acceptance-curves-smollm2.json
+
+--curves: per data size, ours at 8K and 32K tokens/step, ours at 32K with a scaled and warmed-up lr, and plain
+speculators, each trained once, one at a time, with a checkpoint per epoch; vLLM measures every checkpoint; tau
+against training GPU seconds from the trainer's own step timer (benchlib.curves: the timing rule, the tables,
+the priced data/epochs split). Results merge into one JSON across invocations (one data size per device hold).
 
 --jobs N runs up to N independent stages at once (datasets, trainings, vLLM engines): a GPU box's
 cores and memory hold several of this small target's jobs. Their wall times then include each other's
@@ -52,6 +59,7 @@ from pathlib import Path
 import numpy as np
 from pydantic_core import PydanticUndefined
 
+from benchlib import curves as lc
 from benchlib.acceptance import (
     VllmSettings,
     draft_vocab_coverage,
@@ -60,6 +68,7 @@ from benchlib.acceptance import (
     offline_estimate,
     read_val_metrics,
 )
+from benchlib.curves import HostMemory, process_tree_rss
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "eagle3-train"
@@ -79,6 +88,7 @@ CPU_04_FLAGS = ["--attn-impl", "sdpa", "--loss-impl", "eager", "--num-workers", 
 # capture costs more than the extraction of this small target), and a fixed KV cache: with --jobs several
 # engines share the GPU, and vLLM's memory profiling would count the others' memory as its own.
 GPU_02_FLAGS = ["--backend", "vllm", "--enforce-eager", "--gpu-memory-utilization", "0.15", "--kv-cache-memory-gib", "4"]
+MEMORY_SAMPLE_S = 1.0  # how often a job's process tree's resident memory is sampled (run())
 
 # One-change variants of ours. `train`: extra 04 flags; `draft_vocab`: 03's size (None = the target's
 # whole vocabulary); `data`: "offpolicy" answers or a data-size factor; `epochs_factor`.
@@ -103,12 +113,35 @@ RECIPES = {
 }
 
 
+# Learning curves (--curves): packed tokens per step of the two packings, (GPU, CPU); the CPU keeps the 4x ratio at
+# sizes its attention can hold. ours-32k-lr: the lr scaled by sqrt(4) for 4x the tokens per step (AdamW's
+# square-root rule) and warmed up over the first 10% of the steps (speculators' default warmup: 1%).
+CURVE_SEQ = {"cuda": (8192, 32768), "cpu": (1024, 4096)}
+
+
+def curve_recipes(device: str) -> dict[str, dict]:
+    small, large = CURVE_SEQ[device]
+    return {
+        "ours-8k": {"train": ["--total-seq-len", str(small)]},
+        "ours-32k": {"train": ["--total-seq-len", str(large)]},
+        "ours-32k-lr": {"train": ["--total-seq-len", str(large), "--lr", "2e-3",
+                                  "--extra-args=--scheduler-warmup-ratio", "--extra-args=0.1"]},
+        "plain": {"plain": True},
+    }
+
+
+# Every curve training checkpoints every epoch and times every step (the timing rule, benchlib.curves).
+CURVE_04_FLAGS = ["--checkpoint-freq", "1", "--log-freq", "1"]
+
+
 def log(message: str) -> None:
     print(message, flush=True)
 
 
-def run(cmd: list, log_path: Path, what: str, env: dict | None = None) -> float:
-    """Run a command with output to log_path; returns its wall seconds; raises on failure."""
+def run(cmd: list, log_path: Path, what: str, env: dict | None = None, memory: HostMemory | None = None,
+        kind: str | None = None) -> float:
+    """Run a command with output to log_path; returns its wall seconds; raises on failure. With `memory`
+    and `kind`, its process tree's peak resident memory is sampled and recorded under `kind`."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1",
                 "PYTHONPATH": os.pathsep.join(filter(None, [str(SCRIPTS), str(BENCH), os.environ.get("PYTHONPATH")])),
                 "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(TORCH_THREADS)), **(env or {})}
@@ -117,8 +150,19 @@ def run(cmd: list, log_path: Path, what: str, env: dict | None = None) -> float:
     with open(log_path, "ab") as handle:
         handle.write(("$ " + shlex.join(cmd) + "\n").encode())
         handle.flush()
-        result = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=full_env, cwd=REPO)
+        proc = subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, env=full_env, cwd=REPO)
+        peak = 0
+        while proc.poll() is None:
+            if memory is not None and kind:
+                peak = max(peak, process_tree_rss(proc.pid))
+            try:
+                proc.wait(timeout=MEMORY_SAMPLE_S)
+            except subprocess.TimeoutExpired:
+                pass
+        result = proc
     seconds = time.perf_counter() - start
+    if memory is not None and kind and peak:
+        memory.record(kind, peak)
     if result.returncode != 0:
         tail = log_path.read_text(errors="replace")[-3000:]
         raise SystemExit(f"{what} failed (exit {result.returncode}); log {log_path}:\n{tail}")
@@ -138,9 +182,13 @@ class Bench:
         self.logs.mkdir(parents=True, exist_ok=True)
         self.cpu = args.device == "cpu"
         self.target = None
+        self.memory = HostMemory(self.work / "host-memory.json")
 
     # --- 1-2. target and data -----------------------------------------------------------------
     def build_target(self) -> dict:
+        if self.args.target:  # another local chat model (the CPU test's tiny Llama)
+            self.target = self.args.target.resolve()
+            return {"path": str(self.target), "provenance": "--target"}
         sys.path.insert(0, str(BENCH))  # the bench's own modules, not the product's
         from testbed import build_testbed, read_provenance
 
@@ -153,6 +201,15 @@ class Bench:
         if not prompts.is_file():
             run([sys.executable, BENCH / "chat_data.py", "prompts", "--out", prompts], self.logs / "prompts.log", "prompts")
         factor = max([RECIPES[r]["data"] for r in self.args.recipes if isinstance(RECIPES[r].get("data"), int)] or [1])
+        if self.args.curves:
+            factor = max(self.args.curve_data)
+            wanted = self.args.train_conversations * factor
+            with open(prompts) as handle:
+                available = sum(json.loads(line).get("split") == "train" for line in handle if line.strip())
+            if available < wanted:  # regenerate would quietly make fewer conversations than the size says
+                raise SystemExit(f"bench-acceptance --curves: {prompts}: {available:,} training prompts, fewer than the "
+                                 f"{wanted:,} conversations --curve-data {factor} x --train-conversations "
+                                 f"{self.args.train_conversations} needs; use smaller sizes or more prompts")
         if not (chat / "summary.json").is_file():
             run([sys.executable, BENCH / "chat_data.py", "regenerate", "--target", self.target, "--prompts", prompts,
                  "--out", chat, "--train-limit", self.args.train_conversations * factor,
@@ -168,10 +225,11 @@ class Bench:
         (self.work / name).mkdir(parents=True, exist_ok=True)
         run(stage("01_prepare_dataset.py", "--target", self.target, "--data", source, "--output", data,
                   "--max-samples", conversations, "--max-seq-len", self.args.max_seq_len),
-            self.logs / f"{name}-01.log", f"01 prepare {name} ({conversations} conversations)")
+            self.logs / f"{name}-01.log", f"01 prepare {name} ({conversations} conversations)",
+            memory=self.memory, kind="dataset")
         extract = ["--backend", "hf", "--device", "cpu", "--dtype", "float32"] if self.cpu else GPU_02_FLAGS
         run(stage("02_extract_hidden_states.py", "--target", self.target, "--data", data, *extract, "--storage", storage),
-            self.logs / f"{name}-02.log", f"02 extract {name}")
+            self.logs / f"{name}-02.log", f"02 extract {name}", memory=self.memory, kind="dataset")
         return data
 
     # --- 4-6. drafts ----------------------------------------------------------------------------
@@ -197,25 +255,37 @@ class Bench:
         os.replace(record.with_name(record.name + ".tmp"), record)
         return result
 
-    def train_ours(self, name: str, data: Path, epochs: int, recipe: dict) -> dict:
+    def train_ours(self, name: str, data: Path, epochs: int, recipe: dict, vocab: Path | None = None,
+                   export: bool = True, extra: list | tuple = ()) -> dict:
+        """Stages 03-05. `vocab`: a stage 03 output to reuse (the curves: one per data size); `extra`: 04
+        flags before the recipe's; `export=False` stops after 04 (the curves measure each checkpoint)."""
         settings = {"data": str(data), "epochs": epochs, "recipe": recipe, "pipeline_defaults": pipeline_defaults()}
+        if vocab or not export or extra:
+            settings.update(vocab=str(vocab) if vocab else None, export=export, extra=list(map(str, extra)))
         if done := self.finished_run(name, settings):
             return done
         out = self.work / name
+        out.mkdir(parents=True, exist_ok=True)
         draft_vocab = recipe.get("draft_vocab", "default")
         vocab_args = [] if draft_vocab == "default" else ["--draft-vocab-size", draft_vocab or self.vocab_size()]
-        times = {"03_vocab": run(stage("03_build_vocab_mapping.py", "--data", data, "--output", out / "vocab", *vocab_args),
-                                 self.logs / f"{name}-03.log", f"03 vocab {name}")}
-        times["04_train"] = run(stage("04_train.py", "--target", self.target, "--data", data, "--vocab", out / "vocab",
+        times = {}
+        if vocab is None:
+            vocab = out / "vocab"
+            times["03_vocab"] = run(stage("03_build_vocab_mapping.py", "--data", data, "--output", vocab, *vocab_args),
+                                    self.logs / f"{name}-03.log", f"03 vocab {name}")
+        times["04_train"] = run(stage("04_train.py", "--target", self.target, "--data", data, "--vocab", vocab,
                                       "--output", out / "checkpoints", "--epochs", epochs, "--logger", "",
-                                      *(CPU_04_FLAGS if self.cpu else []), *recipe.get("train", [])),
-                                self.logs / f"{name}-04.log", f"04 train {name} ({epochs} epochs)")
-        times["05_export"] = run(stage("05_export.py", "--checkpoints", out / "checkpoints", "--output", out / "draft",
-                                       "--tensor-parallel-size", 1), self.logs / f"{name}-05.log", f"05 export {name}")
+                                      *(CPU_04_FLAGS if self.cpu else []), *extra, *recipe.get("train", [])),
+                                self.logs / f"{name}-04.log", f"04 train {name} ({epochs} epochs)",
+                                memory=self.memory, kind="training")
+        if export:
+            times["05_export"] = run(stage("05_export.py", "--checkpoints", out / "checkpoints", "--output", out / "draft",
+                                           "--tensor-parallel-size", 1), self.logs / f"{name}-05.log", f"05 export {name}")
         times["training"] = training_seconds(out / "checkpoints" / "metrics.jsonl")
         summary = json.loads((out / "checkpoints" / "summary.json").read_text())
         return self.record_run(name, settings, {
-            "draft": str(out / "draft"), "times": times, "epochs": epochs, "t2d": str(out / "vocab" / "t2d.npy"),
+            "draft": str(out / "draft"), "times": times, "epochs": epochs, "t2d": str(Path(vocab) / "t2d.npy"),
+            "checkpoints": str(out / "checkpoints"),
             "offline": {"full_acc": summary.get("full_acc"), "expected_accepted_length": summary.get("expected_accepted_length")}})
 
     def train_plain(self, name: str, data: Path, epochs: int) -> dict:
@@ -228,14 +298,27 @@ class Bench:
         out.mkdir(parents=True, exist_ok=True)
         argv = ["--verifier-name-or-path", self.target, "--data-path", data, "--save-path", out, "--epochs", epochs,
                 "--train-data-ratio", repr(prepared["train_data_ratio"]), "--logger", "",
-                *(CPU_TRAIN_FLAGS if self.cpu else [])]
+                *(CPU_TRAIN_FLAGS if self.cpu else []), *self.forced_by_states(data)]
         # speculators' own CLI through the pipeline's entry point, which adds only the gated CPU trainer fix.
         seconds = run([sys.executable, "-m", "eagle3_pipeline.train_entry", *argv], self.logs / f"{name}.log",
-                      f"plain speculators train {name} ({epochs} epochs)")
+                      f"plain speculators train {name} ({epochs} epochs)", memory=self.memory, kind="training")
+        best = out / "checkpoint_best"
         return self.record_run(name, settings, {
-            "draft": str((out / "checkpoint_best").resolve()), "epochs": epochs,
+            "draft": str(best.resolve() if best.exists() else out / str(epochs - 1)), "epochs": epochs,
+            "checkpoints": str(out),
             "times": {"04_train": seconds, "training": training_seconds(out / "metrics.jsonl")},
             "argv": ["speculators", "train", *map(str, argv)], "offline": offline_estimate(read_val_metrics(out))})
+
+    def forced_by_states(self, data: Path) -> list[str]:
+        """Flags the prepared hidden states force on plain: their aux layer ids where speculators' default
+        (2, L//2, L-3) differs (a target under 5 layers), and the fp8 reader for fp8 files."""
+        manifest = json.loads((data / "hidden_states" / "manifest.json").read_text())
+        aux = list(manifest["layer_ids"])[:-1]
+        layers = json.loads((self.target / "config.json").read_text())["num_hidden_layers"]
+        flags = [] if aux == [2, layers // 2, layers - 3] else ["--target-layer-ids", *map(str, aux)]
+        if manifest.get("storage") == "fp8":
+            flags += ["--hidden-states-backend", "fp8"]
+        return flags
 
     def vocab_size(self) -> int:
         return json.loads((self.target / "config.json").read_text())["vocab_size"]
@@ -284,6 +367,218 @@ def fmt_tau(sd: dict) -> str:
     return f"{sd['mean_acceptance_length']:.3f}±{sd['mean_acceptance_length_stderr']:.3f}"
 
 
+def jobs_refusal(args, bench: Bench, kinds: list[str]) -> str | None:
+    """The --jobs check (issue 27: data-2x's training was killed by the OOM killer with 8 at once): each
+    concurrent job kind's host memory, measured on an earlier invocation in this --work or estimated from
+    the target's and the batches' sizes, times --jobs, against MemAvailable."""
+    target_bytes = sum(f.stat().st_size for f in bench.target.glob("*.safetensors"))
+    hidden = json.loads((bench.target / "config.json").read_text())["hidden_size"]
+    # (tokens per step, loader workers, prefetch per worker): ours (04's defaults) and plain (speculators')
+    shapes = [(CPU_TOTAL_SEQ_LEN, 0, 1)] if bench.cpu else [(CURVE_SEQ["cuda"][1], 8, 2), (8192, 12, 4)]
+    estimates = {"dataset": lc.engine_job_bytes(target_bytes) if not bench.cpu else 3 * lc.GIB + 2 * target_bytes,
+                 "engine": lc.engine_job_bytes(target_bytes),
+                 "training": max(lc.training_job_bytes(seq, 4, hidden, workers, prefetch, target_bytes)
+                                 for seq, workers, prefetch in shapes)}
+    per_job = bench.memory.per_job({kind: estimates[kind] for kind in kinds})
+    return lc.host_memory_refusal(args.jobs, per_job, lc.mem_available_bytes())
+
+
+def parse_curve_epochs(values: list[str], sizes: list[int]) -> dict[int, int]:
+    """`--curve-epochs 1=10 4=5 8=3` (or one number for every size) -> {data size: epochs}."""
+    given = {}
+    for value in values:
+        size, _, epochs = value.rpartition("=")
+        given[int(size) if size else None] = int(epochs)
+    missing = [f for f in sizes if f not in given and None not in given]
+    if missing:
+        raise SystemExit(f"--curve-epochs: no epochs for data size(s) {missing} (give SIZE=EPOCHS or one number)")
+    return {f: given.get(f, given.get(None)) for f in sizes}
+
+
+def curve_point(ckpt: Path, cost: dict, taus: dict) -> dict:
+    val = ckpt / "val_metrics.json"
+    offline = offline_estimate(read_val_metrics(val)) if val.is_file() else None
+    return {**cost, "checkpoint": str(ckpt), "tau": taus, "offline": offline}
+
+
+def run_curves(args, bench: Bench, target: dict, started: float, load_start) -> int:
+    """--curves: per data size, every recipe trained once with a checkpoint per epoch, one at a time (the
+    timing rule, benchlib.curves.TIMING_RULE), then each measured checkpoint in vLLM (--jobs engines)."""
+    output = args.output or REPO / "bench" / "results" / f"{'cpu' if bench.cpu else 'h200'}-acceptance-curves-smollm2.json"
+    recipes = {name: r for name, r in curve_recipes(args.device).items() if name in args.curve_recipes}
+    epochs_by_size = parse_curve_epochs(args.curve_epochs, args.curve_data)
+    data_summary = bench.build_data()
+    chat = bench.work / "chat"
+
+    # 1. datasets (stages 01-02), up to --jobs at once; the same rows and states for every recipe of a size
+    def name_of(f: int) -> str:
+        return f"curves-{f}x" + ("-fp8" if args.curve_storage == "fp8" else "")
+
+    tasks = {f: ((), lambda done, f=f: bench.prepared(name_of(f), chat / "train_tokens.jsonl",
+                                                     args.train_conversations * f, args.curve_storage))
+             for f in args.curve_data}
+    outcome = in_dependency_order(tasks, args.jobs)
+    for f, result in outcome.items():
+        if isinstance(result, BaseException):
+            raise SystemExit(f"bench-acceptance --curves: dataset {f}x failed: {result}")
+    datasets: dict[int, Path] = outcome
+
+    # 2. trainings, strictly one at a time (nothing else on the device while a trainer's steps are timed)
+    trained: dict[int, dict[str, dict]] = {}
+    for f in args.curve_data:
+        data, epochs, vocab = datasets[f], epochs_by_size[f], None
+        for name, recipe in recipes.items():
+            run_name = f"{name_of(f)}-{name}"
+            if recipe.get("plain"):
+                done = bench.train_plain(run_name, data, epochs)
+            else:
+                done = bench.train_ours(run_name, data, epochs, recipe, vocab=vocab, export=False, extra=CURVE_04_FLAGS)
+                vocab = vocab or Path(done["t2d"]).parent  # one stage 03 vocab per data size
+            trained.setdefault(f, {})[name] = done
+    t_train = time.perf_counter() - started
+
+    # 3. vLLM: each marked checkpoint at each k; cached per (data, draft, k) so a rerun measures what is missing
+    settings = vllm_settings(args, bench)
+    cache_path = bench.work / "vllm-curves.json"
+    cache = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
+    known = (cache["baseline"], cache["baseline_token_ids"]) if "baseline" in cache else None
+    todo, checkpoints = [], {}
+    for f, runs in trained.items():
+        for name, done in runs.items():
+            for epoch in range(epochs_by_size[f]):
+                if args.curve_marks and epoch + 1 not in args.curve_marks and epoch + 1 != epochs_by_size[f]:
+                    continue
+                ckpt = Path(done["checkpoints"]) / str(epoch)
+                if not (ckpt / "config.json").is_file():
+                    raise SystemExit(f"bench-acceptance --curves: {ckpt}: no checkpoint of epoch {epoch}")
+                checkpoints[(f, name, epoch)] = ckpt
+                for k in args.ks:
+                    key = f"{f}x/{name}-e{epoch}-k{k}"
+                    if cache.get(key, {}).get("stamp") != draft_stamp(str(ckpt)):
+                        todo.append((key, f, name, epoch, k, ckpt))
+    chunk = max(1, args.jobs)
+    for i in range(0, len(todo), chunk):
+        batch = todo[i:i + chunk]
+        for k in sorted({item[4] for item in batch}):
+            drafts = {f"{f}x-{name}-e{epoch}": str(ckpt) for key, f, name, epoch, kk, ckpt in batch if kk == k}
+            measured = measure_acceptance(bench.target, drafts, chat / "eval_prompts.jsonl", ks=[k], settings=settings,
+                                          log_dir=bench.logs, log=log, baseline=known, jobs=args.jobs)
+            if known is None:
+                cache["baseline"], cache["baseline_token_ids"] = measured["baseline"], measured["baseline_token_ids"]
+                known = (cache["baseline"], cache["baseline_token_ids"])
+            for key, f, name, epoch, kk, ckpt in batch:
+                if kk == k:
+                    cache[key] = {"stamp": draft_stamp(str(ckpt)), "run": measured["runs"][f"{f}x-{name}-e{epoch}-k{k}"]}
+        tmp = cache_path.with_name(cache_path.name + ".tmp")
+        tmp.write_text(json.dumps(cache, default=str))
+        os.replace(tmp, cache_path)
+    t_vllm = time.perf_counter() - started - t_train
+
+    # 4. the curves: x from the trainer's step timer, tau per k and kind per checkpoint
+    curves: dict[str, dict] = {}
+    data_costs: dict[str, dict] = {}
+    for f, runs in trained.items():
+        manifest = json.loads((datasets[f] / "manifest.json").read_text())
+        counts = manifest.get("counts", {})
+        data_costs[str(f)] = {"conversations": counts.get("conversations", args.train_conversations * f),
+                              "conversations_asked": args.train_conversations * f, "rows": counts.get("rows"),
+                              "extracted_tokens": counts.get("tokens"),
+                              "regenerated_tokens": counts.get("loss_tokens", counts.get("trainable_tokens", 0)),
+                              "storage": args.curve_storage}
+        for name, done in runs.items():
+            metrics = Path(done["checkpoints"]) / "metrics.jsonl"
+            costs = lc.read_gpu_seconds(metrics)
+            points = []
+            for epoch in range(epochs_by_size[f]):
+                if (f, name, epoch) not in checkpoints:
+                    continue
+                engines = {k: cache[f"{f}x/{name}-e{epoch}-k{k}"]["run"] for k in args.ks}
+                taus = lc.checkpoint_taus(engines, sorted(set(args.ks) | {3, 5} & set(range(1, max(args.ks) + 1))))
+                points.append(curve_point(checkpoints[(f, name, epoch)], {"epoch": epoch, **costs[epoch]}, taus))
+            curves.setdefault(str(f), {})[name] = {
+                "recipe": recipes[name], "epochs": epochs_by_size[f], "metrics": str(metrics), "points": points,
+                "training_process_s": done["times"].get("04_train"), "argv": done.get("argv")}
+
+    # 5. merge with the data sizes an earlier invocation measured into the same file (one per device hold)
+    merged_from = []
+    if output.is_file():
+        earlier = json.loads(output.read_text())
+        if earlier.get("benchmark") == "acceptance-curves-smollm2":
+            for size, recipes_then in earlier.get("curves", {}).items():
+                if size not in curves:
+                    curves[size] = recipes_then
+                    data_costs[size] = earlier["data_costs"][size]
+            merged_from = earlier.get("invocations", [])
+    ks = sorted(set(args.ks) | ({3} if max(args.ks) >= 3 else set()))
+    analysis = lc.analyse(curves, data_costs, ks, args.extract_cost_ratio)
+    for line in lc.format_analysis(analysis):
+        log(line)
+    invocation = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                  "command": shlex.join([sys.executable, *sys.argv]), "commit": git_commit(),
+                  "data_sizes": args.curve_data, "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                  "device": args.device, "load_average_start": load_start, "load_average_end": os.getloadavg()},
+                  "wall_s": {"train": t_train, "vllm": t_vllm, "total": time.perf_counter() - started}}
+    setup = {"train_conversations_1x": args.train_conversations, "epochs": {str(f): e for f, e in epochs_by_size.items()},
+             "marks": args.curve_marks or "every epoch", "ks_measured": args.ks, "storage": args.curve_storage,
+             "jobs": args.jobs, "recipes": recipes, "curve_04_flags": CURVE_04_FLAGS,
+             "cpu_forced": {"ours_04": CPU_04_FLAGS, "plain": CPU_TRAIN_FLAGS} if bench.cpu else None,
+             "vllm_settings": settings.__dict__}
+    invocation["setup"] = setup  # each invocation's own, when several data sizes are merged into one file
+    results = {
+        "benchmark": "acceptance-curves-smollm2",
+        "timing_rule": lc.TIMING_RULE,
+        "curve_caveat": ("a checkpoint inside a run has had the lr of that run's schedule (speculators' linear decay "
+                         "over all its epochs), not a schedule ending there: points before the last understate what a "
+                         "run of that length would reach"),
+        "invocations": merged_from + [invocation],
+        "target": target, "data": data_summary,
+        "setup": setup,
+        "baseline": cache.get("baseline"),
+        "data_costs": data_costs,
+        "curves": curves,
+        "analysis": analysis,
+        "run_plan_line": lc.run_plan_line(analysis, "ours-8k", output.name),
+    }
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_name(output.name + ".tmp")
+    tmp.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    os.replace(tmp, output)
+    png = lc.write_png(curves, max(args.ks), output.with_suffix(".png"), f"{output.name} (k={max(args.ks)})")
+    log(f"wrote {output}" + (f" and {png.name}" if png else " (no matplotlib here: --curves-report draws the PNG)"))
+    return 0
+
+
+def curves_report(path: Path) -> int:
+    """--curves-report FILE: print a curves JSON's tables again (recomputed from its curves) and draw its PNG."""
+    results = json.loads(path.read_text())
+    ks = sorted(int(k) for k in results["analysis"]["by_k"])
+    analysis = lc.analyse(results["curves"], results["data_costs"], ks, results["analysis"]["pricing"]["ratio"])
+    for line in lc.format_analysis(analysis):
+        log(line)
+    log(f"run plan: {lc.run_plan_line(analysis, 'ours-8k', path.name)}")
+    png = lc.write_png(results["curves"], max(ks), path.with_suffix(".png"), f"{path.name} (k={max(ks)})")
+    log(f"drew {png}" if png else "no matplotlib: no PNG")
+    return 0
+
+
+def git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def vllm_settings(args, bench: Bench) -> VllmSettings:
+    # Eager engines on the GPU too: the measurement is tau, and each engine's CUDA-graph capture would cost
+    # more than its whole generation on this small target (bench/vllm_gpu.py measures speed-ups with graphs).
+    # On a GPU a fixed KV cache per engine: --jobs engines share it (see GPU_02_FLAGS).
+    return VllmSettings(max_tokens=args.max_tokens, max_model_len=2048, dtype="float32" if bench.cpu else "bfloat16",
+                        enforce_eager=True, kv_cache_gib=2,
+                        extra_engine_args={} if bench.cpu else {"gpu_memory_utilization": 0.15,
+                                                                 "kv_cache_memory_bytes": 4 * 2**30})
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, default=REPO / "work" / "bench-acceptance")
@@ -303,8 +598,32 @@ def main() -> int:
     parser.add_argument("--recipe-ks", type=int, nargs="+", default=[3], help="k measured for the recipes (TTT ones: also 5)")
     parser.add_argument("--jobs", type=int, default=1, help="independent stages run at once (datasets, trainings, engines)")
     parser.add_argument("--output", type=Path, default=None,
-                        help="results JSON (default bench/results/<device>-acceptance-smollm2.json)")
+                        help="results JSON (default bench/results/<device>-acceptance-smollm2.json; with --curves "
+                             "<cpu|h200>-acceptance-curves-smollm2.json, merged with the data sizes already in it)")
+    parser.add_argument("--target", type=Path, default=None, help="a local chat model directory instead of the testbed")
+    curves = parser.add_argument_group("learning curves (--curves): tau in vLLM against training GPU seconds")
+    curves.add_argument("--curves", action="store_true",
+                        help="train each --curve-recipes once per --curve-data size, one at a time, a checkpoint per "
+                             "epoch; measure the checkpoints in vLLM at --ks; results JSON + PNG")
+    curves.add_argument("--curve-data", type=int, nargs="+", default=[1, 2, 4],
+                        help="data sizes, in multiples of --train-conversations (default 1 2 4: chat_data.py's "
+                             "prompts hold 6,313 training prompts on Python 3.11, so 8 x 1,500 needs more)")
+    curves.add_argument("--curve-epochs", nargs="+", default=["1=10", "2=7", "4=5", "8=3"],
+                        help="epochs per data size, SIZE=EPOCHS (or one number for all)")
+    curves.add_argument("--curve-marks", type=int, nargs="*", default=None,
+                        help="epochs (1-based) whose checkpoints vLLM measures (default every epoch; the last always)")
+    curves.add_argument("--curve-recipes", nargs="+", default=["ours-8k", "ours-32k", "ours-32k-lr", "plain"],
+                        choices=["ours-8k", "ours-32k", "ours-32k-lr", "plain"])
+    curves.add_argument("--curve-storage", choices=["dtype", "fp8"], default="dtype",
+                        help="hidden states of every curve dataset: the extraction dtype, or fp8 (half the disk)")
+    curves.add_argument("--extract-cost-ratio", type=float, default=lc.EXTRACT_COST_RATIO,
+                        help="cost of one extracted/regenerated token in draft training tokens (default: Kimi-K2.5's "
+                             "forward / the draft's fwd+bwd, %.2f)" % lc.EXTRACT_COST_RATIO)
+    curves.add_argument("--curves-report", type=Path, default=None, metavar="FILE",
+                        help="print a curves JSON's tables and draw its PNG; runs nothing else")
     args = parser.parse_args()
+    if args.curves_report:
+        return curves_report(args.curves_report)
     output = args.output or REPO / "bench" / "results" / f"{args.device}-acceptance-smollm2.json"
 
     started = time.perf_counter()
@@ -312,6 +631,11 @@ def main() -> int:
     bench = Bench(args)
     log(f"bench-acceptance: work {bench.work}, {args.device}, load average {load_start[0]:.1f} on {os.cpu_count()} CPUs")
     target = bench.build_target()
+    refusal = jobs_refusal(args, bench, ["dataset", "engine"] if args.curves else ["dataset", "engine", "training"])
+    if refusal:
+        raise SystemExit(f"bench-acceptance: {refusal}")
+    if args.curves:
+        return run_curves(args, bench, target, started, load_start)
     data_summary = bench.build_data()
     chat = bench.work / "chat"
     t_data = time.perf_counter() - started
@@ -369,13 +693,7 @@ def main() -> int:
     for name in recipes:
         for k in sorted(set(args.recipe_ks) | ({5} if name.startswith("ttt") else set())):
             drafts_by_k.setdefault(k, {})[name] = runs[name]["draft"]
-    # Eager engines on the GPU too: the measurement is tau, and each engine's CUDA-graph capture would cost
-    # more than its whole generation on this small target (bench/vllm_gpu.py measures speed-ups with graphs).
-    # On a GPU a fixed KV cache per engine: --jobs engines share it (see GPU_02_FLAGS).
-    settings = VllmSettings(max_tokens=args.max_tokens, max_model_len=2048, dtype="float32" if bench.cpu else "bfloat16",
-                            enforce_eager=True, kv_cache_gib=2,
-                            extra_engine_args={} if bench.cpu else {"gpu_memory_utilization": 0.15,
-                                                                     "kv_cache_memory_bytes": 4 * 2**30})
+    settings = vllm_settings(args, bench)
     measured_runs, known = {}, None
     for k, drafts in sorted(drafts_by_k.items()):
         cached = bench.work / f"vllm-k{k}.json"  # one file per k: a rerun skips what was measured

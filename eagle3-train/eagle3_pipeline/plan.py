@@ -222,6 +222,23 @@ def check_plan_lines(target_dir: str, data: str | Path, profile: str | None, *, 
                                  epochs=epochs)).splitlines()
 
 
+# The learning-curves results (bench/acceptance.py --curves on one H200) whose priced data/epochs split the plan
+# quotes; a checkout's file (an installed package without the repo has none, and the line says so).
+CURVES_RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results" / "h200-acceptance-curves-smollm2.json"
+
+
+def data_epochs_line(curves_path: str | Path = CURVES_RESULTS) -> str:
+    """The split between more data and more epochs that the measured learning curves favour once each
+    extracted token is priced at the target's forward (the bench's `run_plan_line`), or which file it needs."""
+    path = Path(curves_path)
+    try:
+        line = json.loads(path.read_text())["run_plan_line"]
+    except (OSError, ValueError, KeyError):
+        return (f"not measured: needs {path} (python bench/acceptance.py --curves --device cuda, bench/README.md); "
+                f"until then data size is the larger lever (NOTES.md, 'Acceptance length')")
+    return str(line)
+
+
 def format_plan(plan: Plan) -> str:
     def size(storage: str) -> str:
         total = plan.total_bytes[storage]
@@ -261,6 +278,7 @@ def format_plan(plan: Plan) -> str:
         f"(extraction + training; regeneration adds {hours(plan.regen_hours())})",
         communication_line(load_target_info(plan.target).text_config, plan.profile, plan.gpus),
         f"  recommendation: {plan.recommendation}",
+        f"  data/epochs:   {data_epochs_line()}",
     ])
 
 
