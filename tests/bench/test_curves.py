@@ -14,7 +14,7 @@ import pytest
 
 from benchlib import curves as lc
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 # --- the timing rule ---------------------------------------------------------------------------
