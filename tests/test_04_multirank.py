@@ -13,6 +13,7 @@ for bit (bound below).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -199,15 +200,24 @@ def test_kill_9_of_one_rank_stops_every_rank_and_the_same_command_resumes(unifor
     assert f"resume from checkpoint {out / '0'}" in log[-1]
     assert [p.name for p in checkpoint_dirs(out)] == ["0"]
 
+    # up to the kill the run was the uninterrupted one, bit for bit
+    before, reference_0 = _model(out, "0"), _model(eight_ranks, "0")
+    assert all(torch.equal(before[name], reference_0[name]) for name in reference_0)
+
     resumed = run_stage("train", *args, timeout=900)
     assert "resuming from checkpoint 0" in resumed.stdout + resumed.stderr
     # epoch 1 trained once more after the kill: every row of it, once, on the last record of each step
     assert sorted(samples_per_epoch(out)[1]) == list(range(TRAIN_ROWS))
-    assert _val_losses(out) == pytest.approx(_val_losses(eight_ranks), rel=1e-3)
+    # speculators 0.9.0 saves weights AND optimizer state in bf16, and the uninterrupted run went on from its
+    # fp32 state: the resumed epoch differs by that rounding (observed 1.1e-3 relative in the val loss, at
+    # most one bf16 ulp of each tensor's largest weight), never by a lost or repeated step (~30% in the loss)
+    assert _val_losses(out) == pytest.approx(_val_losses(eight_ranks), rel=5e-3)
     final, reference = _model(out, "1"), _model(eight_ranks, "1")
     assert final.keys() == reference.keys()
-    for name in final:  # bf16-saved weights: within a few bf16 ulps of the uninterrupted run's
-        assert torch.allclose(final[name].float(), reference[name].float(), rtol=2e-2, atol=2e-3), name
+    for name in final:
+        if final[name].is_floating_point():
+            scale_ulp = torch.finfo(torch.bfloat16).eps * reference[name].float().abs().max()
+            assert (final[name].float() - reference[name].float()).abs().max() <= scale_ulp, name
     assert json.loads((out / "manifest.json").read_text())["complete"]
 
 
@@ -238,7 +248,10 @@ def test_two_nodes_train_together_and_a_lost_node_is_one_line_on_node_0(uniform,
     nodes = [_popen_stage(_node_args(uniform, lost, rank, port), tmp_path / f"lost{rank}.log") for rank in (0, 1)]
     try:
         _wait_for_record(lost, 1, 0, nodes[1])
-        os.killpg(nodes[1].pid, signal.SIGKILL)  # node 1 gone: its stage 04, torchrun and rank
+        # node 1 gone: its stage 04, torchrun and its rank (torchrun starts ranks in their own sessions)
+        for pid in [nodes[1].pid, *_children(nodes[1].pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         killed_at = time.monotonic()
         code = nodes[0].wait(timeout=300)
         assert time.monotonic() - killed_at < STOP_BOUND_S
