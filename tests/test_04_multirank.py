@@ -60,9 +60,9 @@ def uniform(tmp_path_factory, kimi_target) -> dict:
     return {"work": work, "data": data, "vocab": vocab, "target": kimi_target}
 
 
-def train_args(uniform: dict, out: Path, *extra) -> list:
+def train_args(uniform: dict, out: Path, *extra, epochs: int = 2) -> list:
     return ["--profile", "cpu-mini", "--target", uniform["target"], "--data", uniform["data"], "--vocab", uniform["vocab"],
-            "--output", out, "--logger", "", "--epochs", "2", *extra]
+            "--output", out, "--logger", "", "--epochs", str(epochs), *extra]
 
 
 EIGHT = ("--nproc", str(RANKS), "--fsdp", "--total-seq-len", str(ROW_TOKENS))  # 1 row per rank per step
@@ -224,8 +224,8 @@ def test_kill_9_of_one_rank_stops_every_rank_and_the_same_command_resumes(unifor
 # --- two nodes on one machine ----------------------------------------------------------------
 
 def _node_args(uniform: dict, out: Path, rank: int, port: int) -> list:
-    return train_args(uniform, out, "--epochs", "1", "--total-seq-len", str(ROW_TOKENS), "--nnodes", "2",
-                      "--node-rank", str(rank), "--rdzv-endpoint", f"127.0.0.1:{port}")
+    return train_args(uniform, out, "--total-seq-len", str(ROW_TOKENS), "--nnodes", "2", "--node-rank", str(rank),
+                      "--rdzv-endpoint", f"127.0.0.1:{port}", epochs=1)
 
 
 @pytest.mark.slow
@@ -329,7 +329,7 @@ def test_deepspeeds_launcher_trains_with_speculators_ddp_and_its_hostfile_route_
     if env is None:
         pytest.skip(f"deepspeed not importable (pip install --no-deps --target {DEEPSPEED_PATH} deepspeed hjson py-cpuinfo msgpack)")
     out = tmp_path / "ds"
-    args = train_args(uniform, out, "--epochs", "1", "--total-seq-len", str(ROW_TOKENS), "--nproc", "2", "--launcher", "deepspeed")
+    args = train_args(uniform, out, "--total-seq-len", str(ROW_TOKENS), "--nproc", "2", "--launcher", "deepspeed", epochs=1)
     run_stage("train", *args, env=env, timeout=900)
     assert "deepspeed.launcher.runner" in (out / "command.txt").read_text()
     assert sorted({r["rank"] for r in read_records(out)}) == [0, 1]
@@ -342,8 +342,8 @@ def test_deepspeeds_launcher_trains_with_speculators_ddp_and_its_hostfile_route_
         return  # this machine could run the route; the single-node run above already trained
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=2\n")
-    failed = run_stage("train", *train_args(uniform, tmp_path / "ds-hostfile", "--epochs", "1", "--total-seq-len",
-                                            str(ROW_TOKENS), "--nproc", "2", "--launcher", "deepspeed", "--hostfile", hostfile),
+    failed = run_stage("train", *train_args(uniform, tmp_path / "ds-hostfile", "--total-seq-len", str(ROW_TOKENS),
+                                            "--nproc", "2", "--launcher", "deepspeed", "--hostfile", hostfile, epochs=1),
                        env=env, check=False, timeout=600)
     assert failed.returncode == 1
     assert "was not reachable via ssh" in failed.stdout + failed.stderr  # DeepSpeed's own reason, above
