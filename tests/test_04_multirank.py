@@ -13,6 +13,7 @@ for bit (bound below).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -59,9 +60,9 @@ def uniform(tmp_path_factory, kimi_target) -> dict:
     return {"work": work, "data": data, "vocab": vocab, "target": kimi_target}
 
 
-def train_args(uniform: dict, out: Path, *extra) -> list:
+def train_args(uniform: dict, out: Path, *extra, epochs: int = 2) -> list:
     return ["--profile", "cpu-mini", "--target", uniform["target"], "--data", uniform["data"], "--vocab", uniform["vocab"],
-            "--output", out, "--logger", "", "--epochs", "2", *extra]
+            "--output", out, "--logger", "", "--epochs", str(epochs), *extra]
 
 
 EIGHT = ("--nproc", str(RANKS), "--fsdp", "--total-seq-len", str(ROW_TOKENS))  # 1 row per rank per step
@@ -199,23 +200,32 @@ def test_kill_9_of_one_rank_stops_every_rank_and_the_same_command_resumes(unifor
     assert f"resume from checkpoint {out / '0'}" in log[-1]
     assert [p.name for p in checkpoint_dirs(out)] == ["0"]
 
+    # up to the kill the run was the uninterrupted one, bit for bit
+    before, reference_0 = _model(out, "0"), _model(eight_ranks, "0")
+    assert all(torch.equal(before[name], reference_0[name]) for name in reference_0)
+
     resumed = run_stage("train", *args, timeout=900)
     assert "resuming from checkpoint 0" in resumed.stdout + resumed.stderr
     # epoch 1 trained once more after the kill: every row of it, once, on the last record of each step
     assert sorted(samples_per_epoch(out)[1]) == list(range(TRAIN_ROWS))
-    assert _val_losses(out) == pytest.approx(_val_losses(eight_ranks), rel=1e-3)
+    # speculators 0.9.0 saves weights AND optimizer state in bf16, and the uninterrupted run went on from its
+    # fp32 state: the resumed epoch differs by that rounding (observed 1.1e-3 relative in the val loss, at
+    # most one bf16 ulp of each tensor's largest weight), never by a lost or repeated step (~30% in the loss)
+    assert _val_losses(out) == pytest.approx(_val_losses(eight_ranks), rel=5e-3)
     final, reference = _model(out, "1"), _model(eight_ranks, "1")
     assert final.keys() == reference.keys()
-    for name in final:  # bf16-saved weights: within a few bf16 ulps of the uninterrupted run's
-        assert torch.allclose(final[name].float(), reference[name].float(), rtol=2e-2, atol=2e-3), name
+    for name in final:
+        if final[name].is_floating_point():
+            scale_ulp = torch.finfo(torch.bfloat16).eps * reference[name].float().abs().max()
+            assert (final[name].float() - reference[name].float()).abs().max() <= scale_ulp, name
     assert json.loads((out / "manifest.json").read_text())["complete"]
 
 
 # --- two nodes on one machine ----------------------------------------------------------------
 
 def _node_args(uniform: dict, out: Path, rank: int, port: int) -> list:
-    return train_args(uniform, out, "--epochs", "1", "--total-seq-len", str(ROW_TOKENS), "--nnodes", "2",
-                      "--node-rank", str(rank), "--rdzv-endpoint", f"127.0.0.1:{port}")
+    return train_args(uniform, out, "--total-seq-len", str(ROW_TOKENS), "--nnodes", "2", "--node-rank", str(rank),
+                      "--rdzv-endpoint", f"127.0.0.1:{port}", epochs=1)
 
 
 @pytest.mark.slow
@@ -238,7 +248,10 @@ def test_two_nodes_train_together_and_a_lost_node_is_one_line_on_node_0(uniform,
     nodes = [_popen_stage(_node_args(uniform, lost, rank, port), tmp_path / f"lost{rank}.log") for rank in (0, 1)]
     try:
         _wait_for_record(lost, 1, 0, nodes[1])
-        os.killpg(nodes[1].pid, signal.SIGKILL)  # node 1 gone: its stage 04, torchrun and rank
+        # node 1 gone: its stage 04, torchrun and its rank (torchrun starts ranks in their own sessions)
+        for pid in [nodes[1].pid, *_children(nodes[1].pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         killed_at = time.monotonic()
         code = nodes[0].wait(timeout=300)
         assert time.monotonic() - killed_at < STOP_BOUND_S
@@ -316,7 +329,7 @@ def test_deepspeeds_launcher_trains_with_speculators_ddp_and_its_hostfile_route_
     if env is None:
         pytest.skip(f"deepspeed not importable (pip install --no-deps --target {DEEPSPEED_PATH} deepspeed hjson py-cpuinfo msgpack)")
     out = tmp_path / "ds"
-    args = train_args(uniform, out, "--epochs", "1", "--total-seq-len", str(ROW_TOKENS), "--nproc", "2", "--launcher", "deepspeed")
+    args = train_args(uniform, out, "--total-seq-len", str(ROW_TOKENS), "--nproc", "2", "--launcher", "deepspeed", epochs=1)
     run_stage("train", *args, env=env, timeout=900)
     assert "deepspeed.launcher.runner" in (out / "command.txt").read_text()
     assert sorted({r["rank"] for r in read_records(out)}) == [0, 1]
@@ -329,8 +342,8 @@ def test_deepspeeds_launcher_trains_with_speculators_ddp_and_its_hostfile_route_
         return  # this machine could run the route; the single-node run above already trained
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=2\n")
-    failed = run_stage("train", *train_args(uniform, tmp_path / "ds-hostfile", "--epochs", "1", "--total-seq-len",
-                                            str(ROW_TOKENS), "--nproc", "2", "--launcher", "deepspeed", "--hostfile", hostfile),
+    failed = run_stage("train", *train_args(uniform, tmp_path / "ds-hostfile", "--total-seq-len", str(ROW_TOKENS),
+                                            "--nproc", "2", "--launcher", "deepspeed", "--hostfile", hostfile, epochs=1),
                        env=env, check=False, timeout=600)
     assert failed.returncode == 1
     assert "was not reachable via ssh" in failed.stdout + failed.stderr  # DeepSpeed's own reason, above
