@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_reliability_bad_input import manifest, refused, snapshot, succeeded
+from test_reliability_bad_input import manifest, refused, snapshot, stage_module, succeeded
 from test_reliability_rerun import args, lock_holder, logs, ran, work
 
 pytestmark = pytest.mark.reliability
@@ -178,8 +178,7 @@ def test_a_truncated_checkpoint_is_one_line_naming_the_file(capsys, work, kimi_t
 
 
 def test_export_refuses_a_checkpoint_changed_while_it_ran(capsys, work, tmp_path, monkeypatch):
-    import eagle3_pipeline.export as export
-
+    export = stage_module("export")  # the script's own binding of eagle3_pipeline.export.write_draft_dir
     write = export.write_draft_dir
 
     def retrained_meanwhile(checkpoint, staging, *a, **k):  # what `04 --overwrite` elsewhere would do
