@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         bad = validate_all(hs_dir, {i: rows[i] for i in changed if i < len(rows)}, len(layer_ids), target.hidden_size,
                            progress=False, dtype=stored_dtype(cfg))
         for index, reason in bad.items():
-            log.warning("%s: %s; redoing it", hs_file(hs_dir, index), reason)
+            log.warning("%s; redoing it", reason)  # the reason names the file
             hs_file(hs_dir, index).unlink(missing_ok=True)
     plan = plan_extraction(cfg, rows, len(layer_ids), target.hidden_size, hs_dir)
     if plan.counts["stale_removed"]:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_reliability_bad_input import manifest, refused, snapshot, succeeded
+from test_reliability_bad_input import manifest, refused, snapshot, stage_module, succeeded
 from test_reliability_rerun import args, lock_holder, logs, ran, work
 
 pytestmark = pytest.mark.reliability
@@ -115,11 +115,14 @@ def test_a_truncated_hidden_state_file_is_one_line_naming_it(capsys, work, kimi_
 
 
 def test_a_non_finite_loss_stops_before_the_optimizer_step_naming_step_and_rows(capsys, work, kimi_target, tmp_path):
-    rewrite(hs(work), lambda t: t["hidden_states"].mul_(1e37))  # finite states whose loss overflows
+    """Finite, valid inputs and a learning rate that diverges: step 0's update makes step 1's loss NaN."""
+    import re
+
     out = tmp_path / "ckpt"
-    code, line = refused(capsys, *args("train", {**work, "checkpoints": out}, kimi_target))
-    assert code == 4 and line.startswith("non-finite training loss"), line
-    assert f"hs_{ROW}" in line and "at global step" in line and "before its optimizer step" in line
+    code, line = refused(capsys, *args("train", {**work, "checkpoints": out}, kimi_target, "--lr", "1e30"))
+    assert code == 4 and line.startswith("non-finite training loss (nan) at global step 1, epoch 0 (rows hs_"), line
+    assert re.search(r"\(rows (hs_\d+(, )?)+\); stopped before its optimizer step", line), line
+    assert not list(out.glob("[0-9]*/model.safetensors"))  # no NaN checkpoint was saved
 
 
 @pytest.mark.parametrize("name", ["nan", "swapped", "truncated"])
@@ -175,8 +178,7 @@ def test_a_truncated_checkpoint_is_one_line_naming_the_file(capsys, work, kimi_t
 
 
 def test_export_refuses_a_checkpoint_changed_while_it_ran(capsys, work, tmp_path, monkeypatch):
-    import eagle3_pipeline.export as export
-
+    export = stage_module("export")  # the script's own binding of eagle3_pipeline.export.write_draft_dir
     write = export.write_draft_dir
 
     def retrained_meanwhile(checkpoint, staging, *a, **k):  # what `04 --overwrite` elsewhere would do

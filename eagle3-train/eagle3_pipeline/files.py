@@ -265,9 +265,12 @@ def file_fingerprint(path: Path) -> str:
 
 
 def write_fingerprints(directory: Path, names: list[str]) -> dict:
-    """{name: [size, fingerprint]} beside the files; returns the manifest's record of it."""
+    """{name: [size, fingerprint, mtime_ns]} beside the files; returns the manifest's record of it. A file
+    rewritten in place gets a new mtime even where the sampled blocks miss the bytes that changed; a copy
+    that keeps mtimes (mv, cp -p, rsync -a) is unchanged; one that does not is only re-validated."""
     directory = Path(directory)
-    record = {name: [(directory / name).stat().st_size, file_fingerprint(directory / name)] for name in names}
+    record = {name: [(directory / name).stat().st_size, file_fingerprint(directory / name),
+                     (directory / name).stat().st_mtime_ns] for name in names}
     path = directory / FINGERPRINTS_NAME
     atomic_write_json(path, record)
     return {"file": FINGERPRINTS_NAME, "sha256": sha256_file(path), "files": len(record)}
@@ -284,13 +287,15 @@ def changed_fingerprints(directory: Path, names: list[str]) -> dict[str, str] | 
     changed: dict[str, str] = {}
     for name in names:
         path = directory / name
-        size, fingerprint = (recorded.get(name) or (None, None))[:2]
+        size, fingerprint, mtime = (list(recorded.get(name) or ()) + [None, None, None])[:3]
         if not path.is_file():
             changed[name] = "missing"
         elif path.stat().st_size != size:
             changed[name] = f"size {path.stat().st_size:,} B, recorded {'none' if size is None else f'{size:,} B'}"
         elif file_fingerprint(path) != fingerprint:
             changed[name] = "same size, other bytes (fingerprint)"
+        elif mtime is not None and path.stat().st_mtime_ns != mtime:
+            changed[name] = "same size, rewritten since (modification time)"
     return changed
 
 
