@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])
-    parser.add_argument("--work", help="work directory (rows, stage 01/02 outputs, logs)")
+    parser.add_argument("--work", help="work directory (rows, stage 01/02 outputs, logs); required")
     parser.add_argument("--targets", nargs="+", default=["smollm2", "kimi"], help="smollm2, kimi or NAME=PATH")
     parser.add_argument("--results", help="write the results JSON here too")
     parser.add_argument("--cache-dir", default=str(REPO / ".cache"), help="the testbed's and the miniature's cache")

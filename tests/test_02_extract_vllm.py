@@ -521,7 +521,9 @@ try:
     steps = len(backend.queue_depths)
     # A file is written on the engine step after its request finished: in-process nothing steps the engine
     # but us (stage 02's engine core runs in its own process and does), so flush the last ones.
-    while scheduler.has_requests():
+    for _ in range(20):  # a few steps write the last files and free their blocks
+        if not scheduler.has_requests():
+            break
         engine.step()
     for sample in samples_out:
         land_sample(sample, work / "hidden_states", rows[sample.index], len(layer_ids), target.hidden_size, torch.float32)
