@@ -34,13 +34,12 @@ import sys
 import time
 from pathlib import Path
 
+from benchlib import logged
+from benchlib.logged import float_after, log
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "eagle3-train"
 SEED = 29
-
-
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
 def child_env() -> dict[str, str]:
@@ -50,21 +49,7 @@ def child_env() -> dict[str, str]:
 
 
 def run_logged(name: str, cmd: list, logs: Path, timeout: float) -> tuple[str, float]:
-    """One command, its output to logs/NAME.log; returns (output, wall s); fails loudly with the log's tail."""
-    path = logs / f"{name}.log"
-    started = time.monotonic()
-    with open(path, "w") as handle:
-        handle.write("$ " + " ".join(map(str, cmd)) + "\n")
-        handle.flush()
-        proc = subprocess.run(list(map(str, cmd)), stdout=handle, stderr=subprocess.STDOUT, env=child_env(), cwd=REPO,
-                              timeout=timeout)
-    wall = time.monotonic() - started
-    text = path.read_text()
-    if proc.returncode != 0:
-        tail = "\n".join(text.splitlines()[-25:])
-        raise RuntimeError(f"{name} exited {proc.returncode} after {wall:.0f}s (log {path}):\n{tail}")
-    log(f"{name}: ok in {wall:.1f}s")
-    return text, wall
+    return logged.run_logged(name, cmd, logs / f"{name}.log", env=child_env(), cwd=REPO, timeout=timeout)
 
 
 def target_dir(name: str, args, logs: Path) -> Path:
@@ -152,13 +137,6 @@ def prefill_child(request_path: Path, result_path: Path) -> None:
     core = getattr(llm.llm_engine, "engine_core", None)
     if core is not None and hasattr(core, "shutdown"):
         core.shutdown()
-
-
-def float_after(text: str, pattern: str) -> float | None:
-    import re
-
-    match = re.search(pattern, text)
-    return float(match.group(1)) if match else None
 
 
 def measure_target(name: str, args, work: Path, logs: Path, on_cpu: bool) -> dict:

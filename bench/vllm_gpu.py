@@ -40,7 +40,9 @@ import sys
 import time
 from pathlib import Path
 
+from benchlib import logged
 from benchlib.acceptance import counters_delta, spec_decode_counters, summarize_spec_decode
+from benchlib.logged import float_after, log
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "eagle3-train"
@@ -58,10 +60,6 @@ KIMI_02_MEMORY_FLAGS = ["--gpu-memory-utilization", "0.1", "--kv-cache-memory-gi
 # Kimi-K2.5's real text geometry (KNOWLEDGE.md), for the preflight's verdict on this vLLM.
 KIMI_K25_TEXT = {"hidden_size": 7168, "num_hidden_layers": 61, "vocab_size": 163840, "kv_lora_rank": 512,
                  "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128, "num_attention_heads": 64}
-
-
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
 class Bench:
@@ -89,21 +87,8 @@ class Bench:
 
     def sh(self, name: str, cmd: list[str], env: dict | None = None, timeout: float = 900) -> tuple[str, float]:
         """Run one command, its output to logs/NAME.log; returns (output, wall s). Fails loudly."""
-        log_path = self.logs / f"{name}.log"
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        started = time.monotonic()
-        with open(log_path, "w") as handle:
-            handle.write("$ " + " ".join(map(str, cmd)) + "\n")
-            handle.flush()
-            proc = subprocess.run(list(map(str, cmd)), stdout=handle, stderr=subprocess.STDOUT, env=full_env,
-                                  cwd=REPO, timeout=timeout)
-        wall = time.monotonic() - started
-        text = log_path.read_text()
-        if proc.returncode != 0:
-            tail = "\n".join(text.splitlines()[-25:])
-            raise RuntimeError(f"{name} exited {proc.returncode} after {wall:.0f}s (log {log_path}):\n{tail}")
-        log(f"{name}: ok in {wall:.1f}s")
-        return text, wall
+        return logged.run_logged(name, cmd, self.logs / f"{name}.log", env=full_env, cwd=REPO, timeout=timeout)
 
     def stage(self, name: str, number: int, *args, env: dict | None = None) -> tuple[str, float]:
         return self.sh(name, [sys.executable, SCRIPTS / STAGES[number], *args], env=env)
@@ -401,11 +386,6 @@ def last_line(path: Path) -> str | None:
         return Path(path).read_text().strip().splitlines()[-1]
     except (OSError, IndexError):
         return None
-
-
-def float_after(text: str, pattern: str) -> float | None:
-    found = re.findall(pattern, text)
-    return float(found[-1]) if found else None
 
 
 def extraction_stats(hs_dir: Path) -> dict:
