@@ -24,10 +24,10 @@ from pathlib import Path
 
 import pytest
 
+from eagle3_pipeline.checkpoints import checkpoint_dirs
 from eagle3_pipeline.compat.samples_record import read_records, samples_per_epoch
 from eagle3_pipeline.metrics import read_metrics
 from eagle3_pipeline.ranks import RANKS_DIRNAME, stopped_line, write_exit
-from eagle3_pipeline.training import checkpoint_dirs
 
 from conftest import REPO, SCRIPTS, free_port, run_stage
 
