@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_pipeline.checkpoints import checkpoint_dirs
+from eagle3_pipeline.checkpoints import complete as complete_checkpoints
 from eagle3_pipeline.compat.samples_record import read_records, samples_per_epoch
 from eagle3_pipeline.metrics import read_metrics
 from eagle3_pipeline.ranks import RANKS_DIRNAME, stopped_line, write_exit
@@ -113,7 +113,7 @@ def test_eight_ranks_see_each_sample_once_and_learn_what_one_rank_learns(uniform
     assert _val_losses(eight_ranks) == pytest.approx(_val_losses(one), rel=LOSS_RTOL)
 
     # FSDP2's checkpoints (speculators' DistributedCheckpointer gathers the shards) export like any other
-    assert [p.name for p in checkpoint_dirs(eight_ranks)] == ["0", "1"]
+    assert [p.name for p in complete_checkpoints(eight_ranks)] == ["0", "1"]
     run_stage("export", "--checkpoints", eight_ranks, "--output", tmp_path / "draft")
     assert (tmp_path / "draft" / "model.safetensors").is_file()
 
@@ -198,7 +198,7 @@ def test_kill_9_of_one_rank_stops_every_rank_and_the_same_command_resumes(unifor
     log = (tmp_path / "killed.log").read_text().strip().splitlines()
     assert log[-1].startswith("error: training stopped: rank(s) 3 ended without an exit record (killed by a signal")
     assert f"resume from checkpoint {out / '0'}" in log[-1]
-    assert [p.name for p in checkpoint_dirs(out)] == ["0"]
+    assert [p.name for p in complete_checkpoints(out)] == ["0"]
 
     # up to the kill the run was the uninterrupted one, bit for bit
     before, reference_0 = _model(out, "0"), _model(eight_ranks, "0")
@@ -241,7 +241,7 @@ def test_two_nodes_train_together_and_a_lost_node_is_one_line_on_node_0(uniform,
     assert sorted({r["rank"] for r in records}) == [0, 1]  # one rank per node
     assert sorted(samples_per_epoch(out)[0]) == list(range(TRAIN_ROWS))
     assert json.loads((out / "manifest.json").read_text())["complete"]  # node 0 wrote it
-    assert [p.name for p in checkpoint_dirs(out)] == ["0"]
+    assert [p.name for p in complete_checkpoints(out)] == ["0"]
 
     lost = tmp_path / "lost"
     port = free_port()
