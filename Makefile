@@ -1,6 +1,6 @@
 # The two commands a new user runs from a fresh clone:
 #   make smoke   build a CPU venv, build the miniature, run the five stages on it (10 samples)
-#   make test    ruff check (pyproject.toml), then the test suite (CPU; GPU tests skip)
+#   make test    ruff check (pyproject.toml), then the test suite (CPU; GPU and `long` tests left out)
 # Everything is installed from this repo's requirement files into .venv, then the library itself
 # (pyproject.toml, editable: no PYTHONPATH needed).
 
@@ -12,7 +12,7 @@ WORK ?= work/smoke
 BACKEND ?= hf
 PYTEST_ARGS ?=
 
-.PHONY: venv miniature smoke smoke-gpu test test-fast clean testbed-wheel testbed bench-vllm-gpu bench-extract-vs-prefill
+.PHONY: venv miniature smoke smoke-gpu test test-fast test-long clean testbed-wheel testbed bench-vllm-gpu bench-extract-vs-prefill
 
 venv: $(VENV)/.installed
 
@@ -48,7 +48,11 @@ smoke-gpu:
 
 test: venv
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not gpu and not long" $(PYTEST_ARGS)
+
+# Benches' end-to-end runs that take many minutes on a 2-core CPU (marker `long`), left out of `make test`.
+test-long: venv
+	$(PY) -m pytest -m "long and not gpu" $(PYTEST_ARGS)
 
 test-fast: venv
 	$(PY) -m pytest -m "not gpu and not slow and not vllm" $(PYTEST_ARGS)

