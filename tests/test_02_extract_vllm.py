@@ -155,7 +155,7 @@ def kimi_vllm_run(mini, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def llama_run(mini, tmp_path_factory):
+def llama_vllm_run(mini, tmp_path_factory):
     return _run_in_process("llama", mini, tmp_path_factory)
 
 
@@ -192,7 +192,7 @@ def _hf_reference(target, rows, layer_ids) -> dict[int, torch.Tensor]:
 
 @pytest.mark.parametrize("name", ["kimi", "llama"])
 def test_every_row_lands_with_the_final_layer_and_the_rows_token_ids(name, request):
-    run = request.getfixturevalue(f"{name}_run")
+    run = request.getfixturevalue(f"{name}_vllm_run")
     target, rows = run["target"], run["rows"]
     assert run["failed"] == {}
     assert sorted(run["landed"]) == sorted(i for i, _ in rows)
@@ -214,7 +214,7 @@ def test_vllm_states_equal_hf_transformers_states_for_the_same_layer_ids(name, r
     positions carry vLLM's CPU MLA attention difference (~2e-3, HF fp32 equals HF fp64 there),
     which the MoE router occasionally amplifies when it flips an expert for a token: so most
     tokens within 1e-2 and every token within 1e-1."""
-    run = request.getfixturevalue(f"{name}_run")
+    run = request.getfixturevalue(f"{name}_vllm_run")
     from safetensors.torch import load_file
 
     refs = _hf_reference(run["target"], run["rows"], run["layer_ids"])
@@ -254,7 +254,7 @@ def test_kimi_final_slot_is_the_output_before_the_final_norm(kimi_vllm_run):
 
 @pytest.mark.parametrize("name", ["kimi", "llama"])
 def test_staging_and_lock_files_are_cleaned_up(name, request):
-    run = request.getfixturevalue(f"{name}_run")
+    run = request.getfixturevalue(f"{name}_vllm_run")
     # (`.eagle3.lock` is each output directory's writer lock, kept for good: not a staged file's lock)
     staged = [p for p in run_files(run["work"]) if (p.suffix == ".lock" and not p.name.endswith(".eagle3.lock"))
               or ".staging" in p.parts or "staging" in p.parts]
