@@ -210,7 +210,13 @@ def copy_inputs(ref: dict, work: Path, *names: str, skip_hidden_states: bool = F
         shutil.copytree(ref[name], work / ref[name].relative_to(ref["root"]), symlinks=True, ignore=ignore)
 
 
+def fingerprints_without_mtime(hs_dir: Path) -> dict:
+    """02's fingerprints.json ({file: [size, digest, mtime_ns]}) less the mtimes, which differ from run to run."""
+    return {name: entry[:2] for name, entry in json.loads((hs_dir / "fingerprints.json").read_text()).items()}
+
+
 # --- 01 --------------------------------------------------------------------------------------------
+
 
 def test_prepare_killed_early_and_mid_move_reruns_to_identical_dataset(ref, fault_dir, tmp_path):
     work = tmp_path / "w"
@@ -280,7 +286,9 @@ def test_extract_killed_early_mid_write_and_before_manifest_redoes_only_missing_
     assert inodes(sorted(hs.glob("hs_*.safetensors"))) == second
     assert not temp_files(work)
     # Identical tensors: the files are byte-equal to the uninterrupted run's.
-    assert tree_files(hs, skip=("manifest.json",)) == tree_files(ref["data"] / "hidden_states", skip=("manifest.json",))
+    skip = ("manifest.json", "fingerprints.json")  # fingerprints also record each file's mtime: compared without it
+    assert tree_files(hs, skip=skip) == tree_files(ref["data"] / "hidden_states", skip=skip)
+    assert fingerprints_without_mtime(hs) == fingerprints_without_mtime(ref["data"] / "hidden_states")
 
 
 def test_extract_validate_lists_bad_rows_and_a_rerun_redoes_exactly_those(ref, tmp_path):
@@ -313,7 +321,9 @@ def test_extract_validate_lists_bad_rows_and_a_rerun_redoes_exactly_those(ref, t
     assert f"extracting 2 row(s) ({total - 2} already done)" in out
     assert manifest(hs)["counts"]["skipped_done"] == total - 2
     assert inodes(p for p in hs.glob("hs_*.safetensors") if p.name in good) == good
-    assert tree_files(hs, skip=("manifest.json",)) == tree_files(ref["data"] / "hidden_states", skip=("manifest.json",))
+    skip = ("manifest.json", "fingerprints.json")  # fingerprints also record each file's mtime: compared without it
+    assert tree_files(hs, skip=skip) == tree_files(ref["data"] / "hidden_states", skip=skip)
+    assert fingerprints_without_mtime(hs) == fingerprints_without_mtime(ref["data"] / "hidden_states")
 
 
 # --- 03 --------------------------------------------------------------------------------------------
