@@ -79,7 +79,9 @@ def test_profile_reasons_name_values_the_profile_sets(profile):
     data = json.loads((PROFILES_DIR / f"{profile}.json").read_text())
     assert data.get("description"), "a profile says which machine it is for"
     set_keys = {f"{stage}.{key}" for stage, values in load_profile(profile).items() for key in values}
-    reasons = data.get("_why", {})
+    reasons = {key: why for key, why in data.get("_why", {}).items() if not key.startswith("_")}
+    if "_hardware" in data:  # the machine's facts the scaling prediction reads: their source is a reason too
+        assert data["_why"].get("_hardware"), "the _hardware block says where its figures come from"
     assert set(reasons) <= set_keys, f"reasons for values the profile does not set: {set(reasons) - set_keys}"
     if profile in EIGHT_GPU:
         assert set(reasons) == set_keys, f"values without a reason: {set_keys - set(reasons)}"
