@@ -245,7 +245,9 @@ def test_from_reruns_finished_stages_and_print_config_asks_every_stage(tmp_path,
         "## 01_prepare", "## 02_extract", "## 03_vocab", "## 04_train", "## 05_export"]
     assert printed.stdout.count("(profile cpu-mini)") == 5
     status = subprocess.run(["bash", str(RUN_ALL), "--status", "--work", str(work)], capture_output=True, text=True)
-    assert [line.split()[2] for line in status.stdout.splitlines()] == ["finished"] * 5
+    # --status asks the stages' own rule (eagle3_pipeline.status): the stubs' manifests record no inputs, so no
+    # stage counts as finished there (tests/test_reliability_trust_bytes.py checks "finished" on real stages)
+    assert [line.split()[2] for line in status.stdout.splitlines()] == ["started,"] * 5
 
 
 def test_help_shows_an_example_and_the_tmux_pattern():
