@@ -8,6 +8,12 @@ trainer's own `.to(device)` then finds them on the device already (measured on a
 bench/README.md, "Levers, one at a time"). `install` wraps `speculators.train.cli.create_train_val_loaders`
 so the training loader is wrapped; the validation loader is left as it is.
 
+A batch check can ride along (`batch_check`, set by compat/sample_check.py): it is launched on the
+copy stream right after the batch's copy, and the producer thread waits for its small result before
+it hands the batch on. The thread runs ahead of the trainer, so that wait costs the training loop
+nothing while the loader keeps up, and a batch that fails the check never reaches the trainer (the
+check's exception ends the epoch in the training thread, like a loader error).
+
 Gate: only with CUDA (there is no copy to hide on the CPU).
 """
 
@@ -37,6 +43,18 @@ class DevicePrefetchLoader:
         self.loader = loader
         self.device = device
         self.depth = depth
+        # compat/sample_check.DeviceBatchCheck: launch(cpu batch, device batch) -> pending, on the copy
+        # stream; verdict(pending, the batch's dataset indices or None) raises for a bad batch
+        self.batch_check: Any = None
+
+    def planned_batches(self) -> list | None:
+        """The dataset indices of each batch this iter() will yield, in order (speculators' packing
+        sampler; after a mid-epoch resume its cache holds the epoch's remaining batches), or None."""
+        sampler = getattr(self.loader, "batch_sampler", None)
+        try:
+            return list(sampler._generate_batches(sampler.epoch))
+        except Exception:  # another sampler: the check names no rows on a hit that no file explains
+            return None
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -62,19 +80,27 @@ class DevicePrefetchLoader:
                     continue
             return False
 
+        check = self.batch_check
+        planned = self.planned_batches() if check is not None else None  # before the loader's iter()
+
         def produce() -> None:
             torch.cuda.set_device(device)
             stream = torch.cuda.Stream(device)
             try:
-                for batch in self.loader:
+                for position, batch in enumerate(self.loader):
                     with torch.cuda.stream(stream):
                         moved = {k: v.to(device, non_blocking=True)
                                  if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
                         for key in self.DEVICE_SCALARS:
                             if isinstance(moved.get(key), (int, float)):
                                 moved[key] = torch.tensor(moved[key], device=device)
+                        pending = check.launch(batch, moved) if check is not None else None
                         event = torch.cuda.Event()
                         event.record(stream)
+                    if check is not None:
+                        event.synchronize()  # this thread only: the trainer's stream never waits on it
+                        rows = planned[position] if planned is not None and position < len(planned) else None
+                        check.verdict(pending, rows)
                     if not offer((moved, event)):
                         return
                 offer(done)

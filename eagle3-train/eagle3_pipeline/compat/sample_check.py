@@ -15,6 +15,18 @@ generated samples (online/hybrid) come from `get_generated`. `apply` wraps
 (picklable: loader workers are spawned and unpickle the dataset with it). Cost: one min/max pass
 per layer slot in the sample's own dtype, no copy (bench/README.md, "Loader check").
 
+Where the value pass runs: on the CPU (no CUDA: cpu-mini, the tests) the workers check everything.
+With CUDA and the default `--on-bad-sample stop`, the training loader's workers keep the cheap checks
+(readable, storage/dtype, shape, token_ids: no pass over the values) and the value pass (NaN/Inf,
+constant slot; ~70% of a Kimi-sized read on a CPU core) runs on the GPU on the packed batch, in
+compat/device_prefetch.py's copy thread before the batch is handed to the trainer
+(`check_values_on_device`, `DeviceBatchCheck`); a hit re-runs this CPU check on that batch's files,
+so the line still names `hs_{i}.safetensors` and the reason. `--on-bad-sample skip` keeps the whole
+check in the workers: only they can leave a sample out of its batch before it is packed (dropping
+it from a packed batch on the GPU would mean re-packing every tensor of the batch), and skip is an
+explicit choice for damaged data, where loader time is not the concern. Validation and generated
+(online/hybrid) samples keep the whole check in the workers too.
+
 A bad sample stops training with one line naming the file and the reason (stage 04 prints it), or,
 with `--on-bad-sample skip`, is left out of its batch, and listed (`bad_samples.jsonl`, then stage
 04's manifest). Settings come from the environment (`ENV`, JSON written by stage 04), which every
@@ -64,8 +76,11 @@ def apply() -> bool:
     create_loaders = train_cli.create_train_val_loaders
 
     def create_checked(*args: Any, **kwargs: Any):
-        kwargs["transfer"] = CheckedTransfer(kwargs.get("transfer"), kwargs["data_path"], settings())
-        return create_loaders(*args, **kwargs)
+        checked = CheckedTransfer(kwargs.get("transfer"), kwargs["data_path"], settings())
+        kwargs["transfer"] = checked
+        train_loader, val_loader = create_loaders(*args, **kwargs)
+        check_values_on_device(train_loader, checked)
+        return train_loader, val_loader
 
     create_checked.__dict__.update(create_loaders.__dict__)  # markers of other wrappers (device_prefetch)
     create_checked._sample_check = True  # type: ignore[attr-defined]
@@ -100,7 +115,13 @@ def storage_problem(sample: dict, expected: dict) -> str | None:
 
 
 def value_problem(hidden_states, token_ids, expected_ids, num_slots: int, hidden_size: int) -> str | None:
-    """Shape, token ids, NaN/Inf, zero/constant slots: one min/max pass per slot, in the states' own dtype."""
+    """Shape, token ids, NaN/Inf, zero/constant slots (the CPU check: `layout_problem`, then `finite_problem`)."""
+    return (layout_problem(hidden_states, token_ids, expected_ids, num_slots, hidden_size)
+            or finite_problem(hidden_states, num_slots, hidden_size))
+
+
+def layout_problem(hidden_states, token_ids, expected_ids, num_slots: int, hidden_size: int) -> str | None:
+    """Token ids against the row, then the shape: T integers and a shape, no pass over the values."""
     import torch
 
     if token_ids.numel() != len(expected_ids) or not torch.equal(token_ids.reshape(-1).to(torch.long), expected_ids):
@@ -109,6 +130,13 @@ def value_problem(hidden_states, token_ids, expected_ids, num_slots: int, hidden
     shape = (len(expected_ids), num_slots, hidden_size)
     if tuple(hidden_states.shape) != shape:
         return f"hidden_states shape {list(hidden_states.shape)}, expected {list(shape)}"
+    return None
+
+
+def finite_problem(hidden_states, num_slots: int, hidden_size: int) -> str | None:
+    """NaN/Inf, zero/constant slots of one [T, slots, H] sample: one min/max pass, in the states' own dtype."""
+    import torch
+
     # One pass over the sample: per-column max and min over the tokens (contiguous rows: the fastest
     # reduction on a CPU; NaN propagates through both, +Inf shows in the max, -Inf in the min), then per slot.
     flat = hidden_states.reshape(hidden_states.shape[0], -1)
@@ -147,12 +175,15 @@ def read_records(out_dir: str | Path) -> list[dict]:
 class CheckedTransfer:
     """hs_connectors' transfer with every sample checked as it is read (see the module docstring)."""
 
-    def __init__(self, inner, data_path: str, config: dict):
+    def __init__(self, inner, data_path: str, config: dict, values_on_device: bool = False):
         from hs_connectors import FileTransfer
 
         self.inner = inner if inner is not None else FileTransfer(Path(data_path) / "hidden_states")
         self.data_path = str(data_path)
         self.config = config
+        # True: a read file gets the cheap checks only; its values are checked on the GPU, in the
+        # packed batch (`check_values_on_device`). Generated samples always get the whole check.
+        self.values_on_device = values_on_device
         self._rows = None
         self._current: tuple[int, Any] | None = None
 
@@ -173,14 +204,17 @@ class CheckedTransfer:
             self._rows = load_from_disk(self.data_path).select_columns(["input_ids"])
         return torch.as_tensor(self._rows[file_idx]["input_ids"], dtype=torch.long).reshape(-1)
 
-    def _problem(self, sample: dict, file_idx: int, raw: dict | None) -> str | None:
+    def _problem(self, sample: dict, file_idx: int, raw: dict | None, values: bool = True) -> str | None:
         expected = self.config
         if raw is not None:
             problem = storage_problem(raw, expected)
             if problem:
                 return problem
-        return value_problem(sample["hidden_states"], sample["token_ids"], self._row_ids(file_idx),
-                             expected["slots"], expected["hidden"])
+        problem = layout_problem(sample["hidden_states"], sample["token_ids"], self._row_ids(file_idx),
+                                 expected["slots"], expected["hidden"])
+        if problem or not values:
+            return problem
+        return finite_problem(sample["hidden_states"], expected["slots"], expected["hidden"])
 
     def _bad(self, where: str, file_idx: int, problem: str):
         from speculators.train.recovery import SampleUnavailable
@@ -197,7 +231,7 @@ class CheckedTransfer:
         self._current = (file_idx, None)
         if not isinstance(self.inner, FileTransfer):
             sample = self.inner.get_cached(file_idx)
-            problem = sample is not None and self._problem(sample, file_idx, None)
+            problem = sample is not None and self._problem(sample, file_idx, None, values=not self.values_on_device)
             return self._bad(f"row {file_idx}", file_idx, problem) if problem else sample
         path = Path(self.inner.hidden_states_path) / f"hs_{file_idx}.safetensors"
         if not path.is_file():
@@ -213,7 +247,7 @@ class CheckedTransfer:
             return self._bad(str(path), file_idx, problem)
         dequantize = getattr(self.inner, "_dequantize", None)  # FP8Transfer: scales -> dequantize_dtype
         sample = dequantize(raw) if dequantize else raw
-        problem = self._problem(sample, file_idx, None)
+        problem = self._problem(sample, file_idx, None, values=not self.values_on_device)
         return self._bad(str(path), file_idx, problem) if problem else sample
 
     def get_generated(self, hs_transfer_params: dict):
@@ -232,6 +266,119 @@ class CheckedTransfer:
 
     def setup(self) -> None:
         return self.inner.setup()
+
+
+# --- the value half on the GPU (CUDA training: compat/device_prefetch.py's producer thread) -------
+
+OK, NON_FINITE, CONSTANT = 0, 1, 2  # packed_value_codes' codes
+
+
+def packed_value_codes(hidden_states, last_hidden_states, document_ids, num_docs: int):
+    """Per packed document and layer slot of one training batch: OK, NON_FINITE or CONSTANT (int8 [docs, slots]).
+
+    The batch as speculators' CollateFn packs it (after eagle3's shift_batch): `hidden_states`
+    [1, L, (slots-1)*H] (the aux slots side by side), `last_hidden_states` [1, L, H] (the last slot),
+    `document_ids` [1, L] (document k's tokens, -1 for padding). One fused min/max over H per token
+    and slot (no copy of the batch), then per document: any NaN/Inf (NaN propagates through min/max,
+    +Inf shows in the max, -Inf in the min), else max == min over all its tokens (all-zero included),
+    as `finite_problem` decides per sample on the CPU. Runs on any device (the tests run it on the CPU)."""
+    import torch
+
+    hidden = last_hidden_states.shape[-1]
+    length = document_ids.shape[-1]
+    aux_low, aux_high = torch.aminmax(hidden_states.reshape(length, -1, hidden), dim=-1)
+    last_low, last_high = torch.aminmax(last_hidden_states.reshape(length, 1, hidden), dim=-1)
+    low = torch.cat([aux_low, last_low], dim=1).float()  # [L, slots]
+    high = torch.cat([aux_high, last_high], dim=1).float()
+    non_finite = ~(torch.isfinite(low) & torch.isfinite(high))
+    docs = document_ids.reshape(length).long()
+    bucket = torch.where(docs >= 0, docs, torch.full_like(docs, num_docs))  # padding: a bucket of its own
+    shape = (num_docs + 1, low.shape[1])
+    bad = torch.zeros(shape, device=low.device).index_add_(0, bucket, non_finite.float()) > 0
+    index = bucket.unsqueeze(1).expand_as(low)
+    doc_low = torch.full(shape, float("inf"), device=low.device).scatter_reduce_(
+        0, index, torch.where(non_finite, 0.0, low), "amin")
+    doc_high = torch.full(shape, float("-inf"), device=low.device).scatter_reduce_(
+        0, index, torch.where(non_finite, 0.0, high), "amax")
+    codes = torch.where(bad, NON_FINITE, torch.where(doc_high == doc_low, CONSTANT, OK))
+    return codes[:num_docs].to(torch.int8)
+
+
+def check_values_on_device(train_loader, checked: CheckedTransfer) -> bool:
+    """CUDA, stop mode: the training loader's workers keep the cheap checks (readable, storage,
+    token_ids, shape) and the value pass (NaN/Inf, constant slot: ~84 ms per Kimi-sized sample on a
+    CPU core, most of a loader worker's time) runs on the GPU, where the batch lands anyway: in the
+    device-prefetch thread, on its copy stream, ahead of the trainer (`DeviceBatchCheck`).
+
+    Not in skip mode: a skipped sample must be left out of its batch before packing, and only the
+    workers can do that, so `--on-bad-sample skip` keeps the whole check in the workers (its
+    explicit choice costs loader time). Not for validation: the validation loader is not
+    prefetched and keeps the whole check. Returns whether the value pass moved."""
+    from .device_prefetch import DevicePrefetchLoader
+
+    if not isinstance(train_loader, DevicePrefetchLoader) or checked.config.get("on_bad", "stop") != "stop":
+        return False
+    dataset = getattr(train_loader.loader, "dataset", None)
+    if getattr(dataset, "transfer", None) is not checked:
+        return False
+    # train and validation datasets share `checked`: the training one gets its own (workers are
+    # spawned on the first iter(), so they unpickle this one)
+    dataset.transfer = CheckedTransfer(checked.inner, checked.data_path, checked.config, values_on_device=True)
+    train_loader.batch_check = DeviceBatchCheck(checked, getattr(dataset, "_map_to_file_idx", int))
+    return True
+
+
+class DeviceBatchCheck:
+    """`packed_value_codes` on a batch on the GPU; on a hit, the precise CPU check of that batch's files.
+
+    `launch` runs on the producer's copy stream right after the batch's copy and starts the small
+    result's copy back; the producer waits for it (`verdict`) before it hands the batch on, so no
+    batch with a bad value reaches the trainer. On a hit (failure path only) the batch's rows (the
+    batch sampler's) are re-read and checked on the CPU one by one, flagged documents first: the
+    first bad file stops training with the same one line as the worker-side check, naming
+    `hs_{i}.safetensors` and the reason. What the GPU sees is what the trainer reads: the tokens
+    packed into the batch (a sample cut at the batch's end is checked up to the cut; eagle3's shift
+    drops each sample's last aux token and first last-slot token, never read) in the training dtype.
+    A hit no file explains (the file changed back, or a difference only in what is trained on) still
+    stops, naming the batch's rows and the packed document."""
+
+    def __init__(self, transfer: CheckedTransfer, file_idx):
+        self.transfer = transfer  # the whole check (stop mode), for the failure path
+        self.file_idx = file_idx  # dataset index -> hs_{i} index
+
+    def launch(self, batch: dict, moved: dict):
+        import torch
+
+        docs = batch.get("document_ids")
+        if not isinstance(docs, torch.Tensor) or "verifier_last_hidden_states" not in moved or not docs.numel():
+            return None
+        num_docs = int(docs.max()) + 1
+        if num_docs <= 0:  # an empty batch (every sample unavailable)
+            return None
+        codes = packed_value_codes(moved["hidden_states"], moved["verifier_last_hidden_states"],
+                                   moved["document_ids"], num_docs)
+        host = torch.empty(codes.shape, dtype=codes.dtype, pin_memory=codes.is_cuda)
+        host.copy_(codes, non_blocking=True)
+        return host
+
+    def verdict(self, codes, rows) -> None:
+        """After the copy stream's event: raise BadSample (one line) when any document is bad."""
+        if codes is None or not bool(codes.any()):
+            return
+        files = [self.file_idx(int(row)) for row in rows] if rows is not None else []
+        flagged = [doc for doc in range(codes.shape[0]) if codes[doc].any()]
+        first = [files[doc] for doc in flagged if len(files) == codes.shape[0]]
+        for file_idx in dict.fromkeys(first + files):
+            self.transfer.get_cached(file_idx)  # a bad file raises BadSample naming it (and records it)
+        doc = flagged[0]
+        code = NON_FINITE if bool((codes[doc] == NON_FINITE).any()) else CONSTANT
+        slots = (codes[doc] == code).nonzero().flatten().tolist()
+        what = "NaN/Inf" if code == NON_FINITE else "one constant value"
+        names = ", ".join(f"hs_{i}" for i in files[:8]) + (" ..." if len(files) > 8 else "") if files else "unknown"
+        problem = (f"training batch (rows {names}): packed document {doc} of {codes.shape[0]} holds {what} in layer "
+                   f"slot(s) {slots} as read for training, though each file passes the CPU check now")
+        record(self.transfer.config.get("record"), {"file": None, "rows": files, "reason": problem, "action": "stop"})
+        raise BadSample(f"{BAD_SAMPLE_TAG}{problem}")
 
 
 def generated_bad(reason: str, file_idx: int):
