@@ -285,10 +285,16 @@ def main() -> None:
                         "speculators train with OURS_FLAGS + device prefetch")
     parser.add_argument("--ours-profile", default="h200-8x",
                         help="04_train profile for ours (--nproc is set per run)")
-    parser.add_argument("--loader-check", choices=("on", "off", "both", "both-off-first"), default="on",
+    parser.add_argument("--loader-check", choices=("on", "off", "both", "both-off-first", "alternate",
+                                                   "alternate-off-first"), default="on",
                         help="stage 04's input checks (every sample as the loader reads it, and the non-finite "
                              "loss check) in the 04_train runs: both = each such run also without them (its "
-                             "name + '-no-input-checks'), so one invocation measures their cost in tokens/s")
+                             "name + '-no-input-checks'), so one invocation measures their cost in tokens/s; "
+                             "alternate = on, off, on, off (--loader-check-pairs pairs; alternate-off-first: "
+                             "off, on, ...), the cost reported per adjacent pair and as means, so an order "
+                             "effect shows")
+    parser.add_argument("--loader-check-pairs", type=int, default=2,
+                        help="--loader-check alternate: on/off pairs per 04_train run (default 2)")
     parser.add_argument("--skip-disk", action="store_true")
     parser.add_argument("--trace", action="store_true",
                         help="also run ours once under torch.profiler (not measured): GPU time per "
@@ -434,9 +440,12 @@ def main() -> None:
     if "tokens_per_s" in runs.get("plain", {}) and "tokens_per_s" in runs.get("ours", {}):
         report["ratio"] = runs["ours"]["tokens_per_s"] / runs["plain"]["tokens_per_s"]
         report["mfu"] = runs["ours"]["mfu"]
+    for name, pairs in input_check_pairs(plan, runs).items():  # --loader-check alternate
+        report.setdefault("input_checks_pairs", {})[name] = pairs
+        _print_pairs(name, pairs)
     for name, run in runs.items():  # --loader-check both: tokens/s lost to the input checks
         without = runs.get(f"{name}-no-input-checks", {})
-        if "tokens_per_s" in run and "tokens_per_s" in without:
+        if "tokens_per_s" in run and "tokens_per_s" in without and "alternate" not in plan.get(name, {}):
             cost = 1 - run["tokens_per_s"] / without["tokens_per_s"]
             report.setdefault("input_checks_cost", {})[name] = cost
             print(f"[{name}] input checks cost {100 * cost:.2f}% of tokens/s ({run['tokens_per_s']:,.0f} with, "
@@ -578,6 +587,13 @@ def _plan_runs(args: argparse.Namespace) -> dict[str, dict]:
             specs = {(f"{n}-no-input-checks" if n == name else n): ({**spec, "input_checks": False} if n == name else spec)
                      for n, spec in specs.items()}
             specs[name] = {**specs[f"{name}-no-input-checks"], "input_checks": True}
+        elif checks in ("alternate", "alternate-off-first"):  # on, off, on, off (or off, on, ...) back to back
+            sequence = alternate_run_names(name, getattr(args, "loader_check_pairs", 2),
+                                           off_first=checks == "alternate-off-first")
+            base = specs[name]
+            specs = {n: spec for n, spec in specs.items() if n != name}  # the sequence goes last, in its order
+            for run_name, on in sequence:
+                specs[run_name] = {**base, "input_checks": on, "alternate": {"of": name, "sequence": sequence}}
     if getattr(args, "trace", False):
         specs["trace"] = {"via_04": True, "flags": [], "prefetch": True, "gpus": 1, "trace": True}
     resolved = _resolved_04_config(args) if any(spec.get("via_04") for spec in specs.values()) else {}
@@ -597,6 +613,68 @@ def _plan_runs(args: argparse.Namespace) -> dict[str, dict]:
         spec.update(warmup=warmup, stop=stop, log_freq=log_freq,
                     rows=int((stop + 3) * max(seq // ROW_TOKENS, 1) * spec["gpus"] / 0.9) + 2)
     return specs
+
+
+def alternate_run_names(name: str, pairs: int, *, off_first: bool = False) -> list[tuple[str, bool]]:
+    """--loader-check alternate: (run name, checks on) in run order; pair k (from 1) is named
+    `name[-k]` (on) and `name-no-input-checks[-k]` (off), as `both` names its single pair."""
+    if pairs < 1:
+        raise SystemExit(f"--loader-check-pairs {pairs}: at least 1")
+    out = []
+    for k in range(1, pairs + 1):
+        suffix = "" if k == 1 else f"-{k}"
+        pair = [(f"{name}{suffix}", True), (f"{name}-no-input-checks{suffix}", False)]
+        out.extend(reversed(pair) if off_first else pair)
+    return out
+
+
+def input_check_pairs(plan: dict[str, dict], runs: dict[str, dict]) -> dict[str, dict]:
+    """--loader-check alternate: the checks' cost (1 - tokens/s with / without) of each adjacent on/off
+    pair in run order (on, off, on, off gives on-first, off-first, on-first pairs), the mean over the
+    disjoint pairs (runs 1+2, 3+4, ...), and the means by order: when the on-first and off-first means
+    differ, a run's place in the invocation moves tokens/s (warm caches, clocks, the page cache) and
+    the mean over both orders is the fairer figure."""
+    out: dict[str, dict] = {}
+    for spec in plan.values():
+        info = spec.get("alternate")
+        if not info or info["of"] in out:
+            continue
+        sequence = info["sequence"]
+        rate = {run_name: runs.get(run_name, {}).get("tokens_per_s") for run_name, _ in sequence}
+        pairs = []
+        for (first, first_on), (second, _) in zip(sequence, sequence[1:]):
+            on, off = (first, second) if first_on else (second, first)
+            pair = {"runs": [first, second], "order": "on-first" if first_on else "off-first",
+                    "tokens_per_s_on": rate[on], "tokens_per_s_off": rate[off]}
+            if rate[on] and rate[off]:
+                pair["cost"] = 1 - rate[on] / rate[off]
+            pairs.append(pair)
+
+        def mean(costs: list) -> float | None:
+            costs = [c for c in costs if c is not None]
+            return sum(costs) / len(costs) if costs else None
+
+        disjoint = [pair.get("cost") for pair in pairs[::2]]
+        out[info["of"]] = {
+            "sequence": [run_name for run_name, _ in sequence], "pairs": pairs,
+            "mean_cost": mean(disjoint) if None not in disjoint else None,
+            "mean_cost_on_first": mean([p.get("cost") for p in pairs if p["order"] == "on-first"]),
+            "mean_cost_off_first": mean([p.get("cost") for p in pairs if p["order"] == "off-first"]),
+            "mean_cost_adjacent": mean([p.get("cost") for p in pairs]),
+        }
+    return out
+
+
+def _print_pairs(name: str, pairs: dict) -> None:
+    for pair in pairs["pairs"]:
+        cost = pair.get("cost")
+        print(f"[{name}] input checks, {pair['order']} pair {' + '.join(pair['runs'])}: "
+              + (f"cost {100 * cost:.2f}% ({pair['tokens_per_s_on']:,.0f} with, {pair['tokens_per_s_off']:,.0f} without)"
+                 if cost is not None else "a run failed"), flush=True)
+    figures = {key: pairs[key] for key in ("mean_cost", "mean_cost_on_first", "mean_cost_off_first",
+                                           "mean_cost_adjacent") if pairs[key] is not None}
+    print(f"[{name}] input checks cost: " + ", ".join(f"{key} {100 * value:.2f}%" for key, value in figures.items()),
+          flush=True)
 
 
 def kimi_run_seq_len(profile: str) -> int:

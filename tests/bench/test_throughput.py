@@ -288,6 +288,44 @@ def test_bench_plans_each_run_from_its_own_flags(monkeypatch):
     assert plan["ours-2gpu"]["gpus"] == 2 and plan["ours-2gpu"]["rows"] == int(23 * 16 * 2 / 0.9) + 2
 
 
+def test_bench_alternates_the_input_checks_and_reports_each_pair_and_the_means(monkeypatch):
+    """--loader-check alternate: on, off, on, off in one invocation; the cost per adjacent pair (both
+    orders) and as means, so a run's place in the invocation shows as on-first vs off-first."""
+    import argparse
+
+    bench = _bench_module()
+    monkeypatch.setattr(bench, "_resolved_04_config", lambda args: {"log_freq": "10", "total_seq_len": "32768"})
+    args = argparse.Namespace(runs=["plain", "ours"], variant=[], ddp=0, ours_via="04_train", ours_profile="h200-8x",
+                              ours_variant=[], warmup_steps=2, steps=8, loader_check="alternate", loader_check_pairs=2)
+    plan = bench._plan_runs(args)
+    assert list(plan) == ["plain", "ours", "ours-no-input-checks", "ours-2", "ours-no-input-checks-2"]
+    assert [plan[n]["input_checks"] for n in list(plan)[1:]] == [True, False, True, False]
+    assert all(plan[n]["flags"] == ["--total-seq-len", "32768"] and plan[n]["via_04"] for n in list(plan)[1:])
+    args.loader_check = "alternate-off-first"
+    assert list(bench._plan_runs(args))[1:] == ["ours-no-input-checks", "ours", "ours-no-input-checks-2", "ours-2"]
+
+    # tokens/s with a drift: every later run is 1% slower; the checks cost 3%
+    rates = {"ours": 97.0, "ours-no-input-checks": 99.0, "ours-2": 95.06, "ours-no-input-checks-2": 97.0}
+    runs = {name: {"tokens_per_s": rate} for name, rate in rates.items()}
+    args.loader_check = "alternate"
+    (name, pairs), = bench.input_check_pairs(bench._plan_runs(args), runs).items()
+    assert name == "ours" and pairs["sequence"] == list(rates)
+    assert [p["order"] for p in pairs["pairs"]] == ["on-first", "off-first", "on-first"]
+    assert [p["runs"] for p in pairs["pairs"]] == [["ours", "ours-no-input-checks"],
+                                                   ["ours-no-input-checks", "ours-2"],
+                                                   ["ours-2", "ours-no-input-checks-2"]]
+    costs = [p["cost"] for p in pairs["pairs"]]
+    assert costs == pytest.approx([1 - 97 / 99, 1 - 95.06 / 99, 1 - 95.06 / 97])
+    assert pairs["mean_cost"] == pytest.approx((costs[0] + costs[2]) / 2)
+    assert pairs["mean_cost_on_first"] == pytest.approx((costs[0] + costs[2]) / 2)
+    assert pairs["mean_cost_off_first"] == pytest.approx(costs[1]) and costs[1] > costs[0]  # the order shows
+    assert pairs["mean_cost_adjacent"] == pytest.approx(sum(costs) / 3)
+    runs.pop("ours-2")  # a failed run: its pairs have no cost, the disjoint mean none
+    pairs = bench.input_check_pairs(bench._plan_runs(args), runs)["ours"]
+    assert [("cost" in p) for p in pairs["pairs"]] == [True, False, False] and pairs["mean_cost"] is None
+    assert pairs["mean_cost_adjacent"] == pytest.approx(costs[0])
+
+
 def test_bench_trace_run_profiles_ours_after_the_warm_up(monkeypatch):
     import argparse
 
