@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -325,6 +326,9 @@ def check_values_on_device(train_loader, checked: CheckedTransfer) -> bool:
     # spawned on the first iter(), so they unpickle this one)
     dataset.transfer = CheckedTransfer(checked.inner, checked.data_path, checked.config, values_on_device=True)
     train_loader.batch_check = DeviceBatchCheck(checked, getattr(dataset, "_map_to_file_idx", int))
+    if os.environ.get("RANK", "0") == "0":  # the run's log says where the value pass ran
+        print("[eagle3] sample check: loader workers check storage, shape and token_ids; NaN/Inf and constant "
+              "slots are checked on the GPU in each packed training batch", file=sys.stderr, flush=True)
     return True
 
 
