@@ -208,3 +208,31 @@ def test_device_prefetch_runs_the_value_check_on_the_gpu_and_stops_naming_the_fi
             pass
     assert sample_check.stop_line(str(error.value)) == \
         f"{bad / 'hidden_states' / 'hs_5.safetensors'}: hidden_states contain NaN/Inf (layer slot(s) [2])"
+
+
+def test_the_installed_wrappers_move_only_the_training_loaders_value_pass(tmp_path, monkeypatch):
+    """compat's order (device_prefetch, then sample_check) around speculators' real create_train_val_loaders,
+    as on a CUDA machine: the training loader's workers keep the cheap checks and its batches get the device
+    check; the validation loader (not prefetched) keeps the whole check."""
+    import speculators.train.cli as train_cli
+    from speculators.train import dataloader
+
+    data = write_data(tmp_path / "data")
+    monkeypatch.setenv(sample_check.ENV, json.dumps(config(tmp_path)))
+    monkeypatch.delenv(sample_check.OFF_ENV, raising=False)
+    # speculators' own function (an in-process stage 04 of another test may have wrapped cli's); restored after
+    monkeypatch.setattr(train_cli, "create_train_val_loaders", dataloader.create_train_val_loaders)
+    monkeypatch.setattr(sample_check, "_applied", False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # device_prefetch's gate; nothing is copied here
+    assert device_prefetch.apply() and sample_check.apply()
+    train_loader, val_loader = train_cli.create_train_val_loaders(
+        data_path=str(data), total_seq_len=64, hidden_states_dtype=torch.bfloat16, vllm_endpoint="", on_missing="raise",
+        verifier_name_or_path="", request_timeout=None, max_retries=0, generation_validation_retries=0,
+        max_consecutive_generation_failures=1, hidden_size=HIDDEN, num_target_layers=SLOTS - 1, num_workers=0,
+        prefetch_factor=None, preprocess=None, train_data_ratio=0.75)
+    assert isinstance(train_loader, device_prefetch.DevicePrefetchLoader)
+    assert isinstance(train_loader.batch_check, sample_check.DeviceBatchCheck)
+    assert train_loader.loader.dataset.transfer.values_on_device
+    assert train_loader.batch_check.transfer is val_loader.dataset.transfer  # the whole check, for both
+    assert not val_loader.dataset.transfer.values_on_device
+    assert train_loader.batch_check.file_idx(0) == 0 and val_loader.dataset._map_to_file_idx(0) == 6
