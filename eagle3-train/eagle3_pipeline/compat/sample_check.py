@@ -3,8 +3,8 @@
 Why: stage 02's manifest says what it wrote, not what is on disk now. A file changed after 02
 finished (a NaN; a constant slot; a bf16 file in an fp32 run; an fp8 file read as raw e4m3 without
 its scales; another row's file) was trained on (loss nan) or dropped by speculators after a
-multi-line tensor dump that nobody counted. So the loader refuses, before the sample reaches a
-batch: an unreadable/truncated file; hidden_states of another shape than [T, n_slots, H]; another
+multi-line tensor dump that nobody counted. So the loader refuses, before the sample is trained
+on: an unreadable/truncated file; hidden_states of another shape than [T, n_slots, H]; another
 storage than stage 02's (dtype, or fp8 + per-token scales); NaN/Inf; an all-zero or constant layer
 slot; `token_ids` that are not the row's `input_ids` (a swapped file).
 
@@ -18,7 +18,7 @@ per layer slot in the sample's own dtype, no copy (bench/README.md, "Loader chec
 Where the value pass runs: on the CPU (no CUDA: cpu-mini, the tests) the workers check everything.
 With CUDA and the default `--on-bad-sample stop`, the training loader's workers keep the cheap checks
 (readable, storage/dtype, shape, token_ids: no pass over the values) and the value pass (NaN/Inf,
-constant slot; ~70% of a Kimi-sized read on a CPU core) runs on the GPU on the packed batch, in
+constant slot: most of a worker's CPU time per sample) runs on the GPU on the packed batch, in
 compat/device_prefetch.py's copy thread before the batch is handed to the trainer
 (`check_values_on_device`, `DeviceBatchCheck`); a hit re-runs this CPU check on that batch's files,
 so the line still names `hs_{i}.safetensors` and the reason. `--on-bad-sample skip` keeps the whole
@@ -307,8 +307,8 @@ def packed_value_codes(hidden_states, last_hidden_states, document_ids, num_docs
 
 def check_values_on_device(train_loader, checked: CheckedTransfer) -> bool:
     """CUDA, stop mode: the training loader's workers keep the cheap checks (readable, storage,
-    token_ids, shape) and the value pass (NaN/Inf, constant slot: ~84 ms per Kimi-sized sample on a
-    CPU core, most of a loader worker's time) runs on the GPU, where the batch lands anyway: in the
+    token_ids, shape) and the value pass (NaN/Inf, constant slot: most of a loader worker's CPU time
+    per sample, bench/README.md "Loader check") runs on the GPU, where the batch lands anyway: in the
     device-prefetch thread, on its copy stream, ahead of the trainer (`DeviceBatchCheck`).
 
     Not in skip mode: a skipped sample must be left out of its batch before packing, and only the
