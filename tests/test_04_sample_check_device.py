@@ -15,7 +15,7 @@ import re
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from eagle3_pipeline.compat import device_prefetch, sample_check
 
@@ -95,7 +95,6 @@ DAMAGE = {1: _set(2, 0, float("nan")), 2: _set(5, 3, float("inf")), 3: _set(1, 1
 
 def test_packed_codes_per_document_equal_the_cpu_check_on_the_same_samples(tmp_path):
     data = write_data(tmp_path / "data", DAMAGE)
-    cpu = sample_check.CheckedTransfer(None, str(data), config(tmp_path))
     loader = training_loader(data, sample_check.CheckedTransfer(None, str(data), config(tmp_path), values_on_device=True))
     (rows,) = loader.batch_sampler._generate_batches(0)  # one packed batch holds every training row
     (batch,) = list(loader)  # the workers' cheap checks pass every file: the values are left to the batch check
@@ -105,14 +104,12 @@ def test_packed_codes_per_document_equal_the_cpu_check_on_the_same_samples(tmp_p
                                             batch["document_ids"], num_docs)
     assert codes.shape == (ROWS, SLOTS) and codes.dtype == torch.int8
     for doc, row in enumerate(rows):
-        from safetensors.torch import load_file
-
         states = load_file(str(data / "hidden_states" / f"hs_{row}.safetensors"))["hidden_states"]
         expected = cpu_codes(sample_check.finite_problem(states, SLOTS, HIDDEN))
         got = {slot: int(code) for slot, code in enumerate(codes[doc].tolist()) if code}
         if expected and next(iter(expected.values())) == sample_check.NON_FINITE:  # the CPU names the NaN slots first
             got = {slot: code for slot, code in got.items() if code == sample_check.NON_FINITE}
-        assert got == expected, (row, cpu._problem({"hidden_states": states, "token_ids": torch.tensor([])}, row, None))
+        assert got == expected, (row, got, expected)
     assert {row for doc, row in enumerate(rows) if codes[doc].any()} == set(DAMAGE)
 
 
