@@ -24,7 +24,7 @@ from typing import Callable, Iterable, Iterator, Protocol
 import torch
 
 from ..errors import InputError
-from ..files import atomic_path, atomic_save_safetensors, remove_path
+from ..files import atomic_path, atomic_save_safetensors, remove_path, temp_path_for
 
 HS_DIRNAME = "hidden_states"
 FP8 = torch.float8_e4m3fn
@@ -198,19 +198,26 @@ def land_sample(sample: ExtractedSample, hs_dir: Path, expected_ids: list[int], 
 
 
 def _rename_into_place(src: Path, final: Path) -> None:
-    """A validated, complete staged file becomes `final` by one rename: atomic on one filesystem, and no fsync
-    per file (on a virtual disk each fsync costs milliseconds, and with many writer threads they queue up:
-    the largest per-row cost of stage 02, bench/README.md). The landed files are made durable together by
-    `sync_filesystem` before stage 02's manifest says they are there; a crash (not a power loss) loses
-    nothing a rename already did. Staging on another disk: copied into a temp and renamed (`atomic_path`)."""
+    """A validated, complete staged file becomes `final` by renames only: into the temp name every writer here
+    uses (a kill before the last rename leaves a temp the rerun removes), then onto `final`. No fsync per file
+    (on a virtual disk each costs milliseconds, and from many landing threads they queue: the largest per-row
+    cost stage 02 had, bench/README.md): `sync_filesystem` makes all landed files durable with one call before
+    stage 02's manifest says they are there; a crash (not a power loss) loses nothing a rename already did.
+    Staging on another disk: copied into the temp (`atomic_path`, which flushes that copy)."""
+    tmp = temp_path_for(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
     try:
-        os.replace(src, final)
-        return
+        os.replace(src, tmp)  # same filesystem: a rename
     except OSError:
-        pass
-    with atomic_path(final) as tmp:
-        shutil.copyfile(src, tmp)
-    src.unlink(missing_ok=True)
+        with atomic_path(final) as copy:
+            shutil.copyfile(src, copy)
+        src.unlink(missing_ok=True)
+        return
+    try:
+        os.replace(tmp, final)
+    except BaseException:
+        remove_path(tmp)
+        raise
 
 
 def sync_filesystem(directory: Path) -> None:
