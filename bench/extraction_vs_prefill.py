@@ -234,9 +234,12 @@ def machine() -> dict:
     from eagle3_pipeline.extract.vllm_backend import vllm_installed_version
 
     info["vllm"] = vllm_installed_version()
-    from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
-    info["safetensors"] = version("safetensors")  # < 0.8.0 holds the GIL in the connector's writer threads
+    try:
+        info["safetensors"] = version("safetensors")  # < 0.8.0 holds the GIL in the connector's writer threads
+    except PackageNotFoundError:
+        info["safetensors"] = None
     info["cpu_count"] = os.cpu_count()
     return info
 
