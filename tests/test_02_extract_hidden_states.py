@@ -66,3 +66,22 @@ def test_index_partitions_are_disjoint_and_complete():
     indices = list(range(103))
     parts = [partition_indices(indices, 4, rank) for rank in range(4)]
     assert sorted(sum(parts, [])) == indices and max(map(len, parts)) - min(map(len, parts)) <= 1
+
+
+def test_a_staged_file_lands_by_renames_with_no_fsync(tmp_path, monkeypatch):
+    """The vLLM backend's files land by renames alone (an fsync per row was stage 02's largest per-row cost,
+    bench/README.md); one filesystem flush before the manifest makes them durable (test_02_extract_vllm.py)."""
+    from safetensors.torch import save_file
+
+    ids = torch.arange(6)
+    staged = tmp_path / "staging" / "row0-1.safetensors"
+    staged.parent.mkdir()
+    save_file({"hidden_states": torch.randn(6, 4, 8), "token_ids": ids}, str(staged))
+    (tmp_path / "staging" / "row0-1.safetensors.lock").touch()
+    original = staged.read_bytes()
+    fsyncs = []
+    monkeypatch.setattr("os.fsync", lambda fd: fsyncs.append(fd))
+    final = land_sample(ExtractedSample(0, staged_file=staged), tmp_path / "hs", ids.tolist(), 4, 8, torch.float32)
+    assert final == tmp_path / "hs" / "hs_0.safetensors" and final.read_bytes() == original
+    assert fsyncs == [] and list((tmp_path / "hs").iterdir()) == [final]  # no temp left
+    assert list((tmp_path / "staging").iterdir()) == []  # the staged file and its lock are gone

@@ -269,6 +269,13 @@ def test_stage_02_manifest_records_the_vllm_backend(kimi_vllm_run):
     assert manifest["shapes"]["hidden_states"] == ["T", 4, kimi_vllm_run["target"].hidden_size]
 
 
+def test_stage_02_flushes_the_landed_files_once_and_records_how_long(kimi_vllm_run):
+    """Files land by renames without an fsync each; one flush of the filesystem precedes the manifest."""
+    counts = json.loads((kimi_vllm_run["hs_dir"] / "manifest.json").read_text())["counts"]
+    assert isinstance(counts["sync_s"], float) and 0 <= counts["sync_s"] < counts["extract_s"] + 60
+    assert counts["extract_tokens_per_s"] > 0 and counts["extracted_tokens"] > 0
+
+
 def run_files(root: Path) -> list[Path]:
     return [p for p in Path(root).rglob("*") if p.is_file()]
 

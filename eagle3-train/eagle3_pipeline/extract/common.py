@@ -24,7 +24,7 @@ from typing import Callable, Iterable, Iterator, Protocol
 import torch
 
 from ..errors import InputError
-from ..files import atomic_path, atomic_save_safetensors, remove_path
+from ..files import atomic_path, atomic_save_safetensors, remove_path, temp_path_for
 
 HS_DIRNAME = "hidden_states"
 FP8 = torch.float8_e4m3fn
@@ -102,22 +102,29 @@ def check_hidden_states(
     elif scales is not None:
         raise BadHiddenStates(f"{where}: {SCALES_KEY} beside {str(hidden_states.dtype).removeprefix('torch.')} states "
                               f"(only fp8 files carry scales)")
-    if not torch.isfinite(hidden_states).all():
-        raise BadHiddenStates(f"{where}: hidden_states contain NaN/Inf")
+    # Every value check below comes from each slot's max and min (two passes over the file's values in its own
+    # dtype; max/min of floats are exact, and NaN/Inf show in them) plus one comparison with the first token:
+    # stage 02 lands every row through here, so its cost per row is kept to a few whole-tensor ops.
     flat = hidden_states.reshape(hidden_states.shape[0], num_slots, -1)
-    zero_slots = [s for s in range(num_slots) if not flat[:, s].any()]
+    highs, lows = flat.amax(dim=(0, 2)).float(), flat.amin(dim=(0, 2)).float()
+    if not (torch.isfinite(highs).all() and torch.isfinite(lows).all()):
+        raise BadHiddenStates(f"{where}: hidden_states contain NaN/Inf")
+    highs_list, lows_list = highs.tolist(), lows.tolist()
+    zero_slots = [s for s in range(num_slots) if highs_list[s] == 0 and lows_list[s] == 0]
     if zero_slots:
         raise BadHiddenStates(f"{where}: hidden_states layer slot(s) {zero_slots} are all zero")
-    values = flat.float()
-    spread = values.amax(dim=(0, 2)) - values.amin(dim=(0, 2))
-    scale = values.abs().amax(dim=(0, 2)).clamp(min=1.0)
-    constant = [s for s in range(num_slots) if spread[s] <= rtol * scale[s]]
+    spread = highs - lows
+    scale = torch.maximum(highs.abs(), lows.abs()).clamp(min=1.0)
+    constant = (spread <= rtol * scale).nonzero().flatten().tolist()
     if constant:
         raise BadHiddenStates(f"{where}: hidden_states layer slot(s) {constant} hold one constant value "
-                              f"({values[0, constant[0], 0].item():.6g}); not a model's states")
+                              f"({flat[0, constant[0], 0].float().item():.6g}); not a model's states")
     if len(set(expected_ids)) > 1:  # different tokens never share one state in every layer
-        same = [s for s in range(num_slots)
-                if (values[:, s] - values[:1, s]).abs().max() <= repeat_rtol * scale[s]]
+        if repeat_rtol == 0:  # exactly one vector repeated
+            repeated = (flat == flat[:1]).all(dim=2).all(dim=0)
+        else:
+            repeated = (flat - flat[:1]).abs().amax(dim=(0, 2)).float() <= repeat_rtol * scale
+        same = repeated.nonzero().flatten().tolist()
         if same:
             raise BadHiddenStates(f"{where}: hidden_states layer slot(s) {same} are the same for every token "
                                   f"(one vector repeated); not a model's states")
@@ -172,8 +179,7 @@ def land_sample(sample: ExtractedSample, hs_dir: Path, expected_ids: list[int], 
         raise BadHiddenStates(problem)
     if sample.staged_file is not None and dtype != FP8:
         validate_file(sample.staged_file, expected_ids, num_slots, hidden_size, dtype)
-        with atomic_path(final) as tmp:
-            _move_or_copy(sample.staged_file, tmp)
+        _rename_into_place(sample.staged_file, final)
         remove_path(sample.staged_file.with_name(sample.staged_file.name + ".lock"))
         return final
     if sample.staged_file is not None:  # fp8: the backend's file is checked as written, then quantized here
@@ -191,12 +197,41 @@ def land_sample(sample: ExtractedSample, hs_dir: Path, expected_ids: list[int], 
     return final
 
 
-def _move_or_copy(src: Path, dst: Path) -> None:
+def _rename_into_place(src: Path, final: Path) -> None:
+    """A validated, complete staged file becomes `final` by renames only: into the temp name every writer here
+    uses (a kill before the last rename leaves a temp the rerun removes), then onto `final`. No fsync per file
+    (on a virtual disk each costs milliseconds, and from many landing threads they queue: the largest per-row
+    cost stage 02 had, bench/README.md): `sync_filesystem` makes all landed files durable with one call before
+    stage 02's manifest says they are there; a crash (not a power loss) loses nothing a rename already did.
+    Staging on another disk: copied into the temp (`atomic_path`, which flushes that copy)."""
+    tmp = temp_path_for(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
     try:
-        os.replace(src, dst)  # same filesystem: a rename
+        os.replace(src, tmp)  # same filesystem: a rename
     except OSError:
-        shutil.copyfile(src, dst)  # staging on another disk: copy into the temp, then rename
+        with atomic_path(final) as copy:
+            shutil.copyfile(src, copy)
         src.unlink(missing_ok=True)
+        return
+    try:
+        os.replace(tmp, final)
+    except BaseException:
+        remove_path(tmp)
+        raise
+
+
+def sync_filesystem(directory: Path) -> None:
+    """Flush every write to the filesystem holding `directory` (Linux syncfs(2), else sync(2)): one call makes
+    all the files stage 02 renamed into place durable, where an fsync per file would cost one flush per row."""
+    import ctypes
+
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        syncfs = getattr(ctypes.CDLL(None, use_errno=True), "syncfs", None)
+        if syncfs is None or syncfs(fd) != 0:
+            os.sync()
+    finally:
+        os.close(fd)
 
 
 def validate_all(hs_dir: Path, rows: dict[int, list[int]], num_slots: int, hidden_size: int,

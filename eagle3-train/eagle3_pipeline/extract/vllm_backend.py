@@ -92,6 +92,10 @@ HTTP_MAX_CLIENT_THREADS = 256  # --endpoint: one blocking request per thread
 LANDING_THREADS = 8
 REQUEST_TIMEOUT_S = 1800.0  # one /v1/completions call (long prompts behind a full batch)
 WRITE_TIMEOUT_S = 600.0  # the connector's writer thread finishing a file after the response
+# Polling the connector's lock: a file is usually done within a millisecond of the response, so the first
+# looks are quick (a fixed 5 ms pause held each landing thread ~5 ms per row); a slow disk backs off to 20 ms.
+LOCK_POLL_FIRST_S = 0.0002
+LOCK_POLL_MAX_S = 0.02
 
 
 def vllm_installed_version() -> str | None:
@@ -355,6 +359,7 @@ def wait_until_written(path: Path, timeout: float = WRITE_TIMEOUT_S) -> str | No
     if lock.exists():
         try:
             with open(lock) as handle:
+                pause = LOCK_POLL_FIRST_S
                 while True:
                     try:
                         fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -363,7 +368,8 @@ def wait_until_written(path: Path, timeout: float = WRITE_TIMEOUT_S) -> str | No
                     except BlockingIOError:
                         if time.monotonic() > deadline:
                             return f"vLLM did not finish writing {path} within {timeout:.0f}s"
-                        time.sleep(0.005)
+                        time.sleep(pause)
+                        pause = min(2 * pause, LOCK_POLL_MAX_S)
         except FileNotFoundError:
             pass  # lock removed: the writer is done
     while not path.is_file():  # no lock protocol (use_synchronization_lock off): poll
