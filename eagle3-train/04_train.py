@@ -22,6 +22,7 @@ from eagle3_pipeline.config import TrainConfig, load_draft_config, resolve_stage
 from eagle3_pipeline.contract import MANIFEST_NAME, input_record, write_manifest
 from eagle3_pipeline.errors import Interrupted, StageError
 from eagle3_pipeline.files import check_writable_dir, held_lock_fds, remove_stale_temps
+from eagle3_pipeline.hidden_states import StateFormat
 from eagle3_pipeline.metrics import METRICS_FILE, compat_applied
 from eagle3_pipeline.plan import check_plan_lines
 from eagle3_pipeline.plots import PLOTS_DIRNAME, write_plots
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     spec_argv = speculators_argv(
         cfg, draft, target.path, aux_layer_ids, vocab["draft_vocab_size"], prepared["train_data_ratio"],
         mask_token_id=target.text_config.get("pad_token_id") or 0,
-        hidden_states_storage=(extracted or {}).get("storage", "dtype"),
+        hidden_states_storage=StateFormat.from_manifest(extracted or {}).storage,
     )
     launch = launch_command(cfg, spec_argv)
     # First of this run's writes: what it may write is listed (a later --overwrite deletes only those).
@@ -145,9 +146,10 @@ def main(argv: list[str] | None = None) -> int:
              "from stage 02's files" if server is None else f"{cfg.hidden_states} from {server['endpoint']}",
              out_dir / "command.txt")
     # Every sample is checked as the loader reads it (compat/sample_check.py): stage 02's storage, or vLLM's states.
+    stored = StateFormat.from_manifest(extracted) if extracted else None
     sample_spec = {"slots": len(layer_ids), "hidden": target.hidden_size,
-                   "dtype": extracted["dtype"] if extracted and extracted.get("storage", "dtype") != "fp8" else None,
-                   "storage": (extracted or {}).get("storage", "dtype") if extracted else "any"}
+                   "dtype": stored.dtype if stored and not stored.is_fp8 else None,
+                   "storage": stored.storage if stored else "any"}
     export_compat_settings(cfg, sample_spec)
     if launch is None:
         run_in_process(spec_argv, out_dir / METRICS_FILE, checkpoint_bytes(cfg, draft, target, vocab["draft_vocab_size"]))

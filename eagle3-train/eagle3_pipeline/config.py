@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .compat.flex_forward_config import parse_setting as parse_flex_forward_config
 from .errors import ConfigError
+from .hidden_states import FILE_PATTERN, HS_DIRNAME
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 SCRIPTS_DIR = PACKAGE_DIR.parent
@@ -110,7 +111,7 @@ class ExtractConfig(StageConfig):
     STAGE: ClassVar[str] = "extract"
     DESCRIPTION: ClassVar[str] = (
         "Stage 02: run the target and save aux-layer + final (pre-norm) hidden states per row as "
-        "hidden_states/hs_{i}.safetensors (speculators' layout), validated as they land."
+        f"{HS_DIRNAME}/{FILE_PATTERN} (speculators' layout), validated as they land."
     )
     EXAMPLE: ClassVar[str] = (
         "python eagle3-train/02_extract_hidden_states.py --profile rtx-pro-6000-8x \\\n"

@@ -39,8 +39,8 @@ from importlib import metadata
 from pathlib import Path
 
 from .errors import PreflightError
+from .hidden_states import DTYPES, HS_DIRNAME, NUM_SLOTS, StateFormat, hs_files
 
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 # Dataset rows on disk: input_ids + loss_mask as int64 (+ arrow offsets, seq_len: small).
 PREPARED_BYTES_PER_TOKEN = 16
 # A prepared dataset is at most this many times its raw text (int64 ids, ~4 bytes of text per token).
@@ -111,18 +111,6 @@ def refuse(line: str, why: str = "") -> PreflightError:
 
 # --- disk ---------------------------------------------------------------------------------------
 
-# speculators' fp8 files: one byte a value plus one float32 scale per token.
-FP8_SCALE_BYTES = 4
-
-
-def hidden_state_bytes_per_token(num_slots: int, hidden_size: int, dtype: str) -> int:
-    """Bytes of one token's hidden states on disk: 4 x 7168 x 2 = 57,344 for Kimi-K2.5 in bf16,
-    4 x 7168 + 4 = 28,676 in fp8 (`dtype` "fp8": 02 --storage fp8)."""
-    if dtype == "fp8":
-        return num_slots * hidden_size + FP8_SCALE_BYTES
-    return num_slots * hidden_size * DTYPE_BYTES[dtype]
-
-
 def check_disk(what: str, need: int, detail: str, where: Path) -> str:
     """`disk: ~NEED for DETAIL; FREE free at WHERE`; refused when NEED > FREE."""
     free = disk_free(where)
@@ -136,9 +124,11 @@ def check_disk(what: str, need: int, detail: str, where: Path) -> str:
 
 def check_hidden_states_disk(num_samples: int, num_tokens: int, num_slots: int, hidden_size: int,
                              dtype: str, hs_dir: Path) -> str:
-    per_token = hidden_state_bytes_per_token(num_slots, hidden_size, dtype)
+    """`dtype`: what the files hold ("fp8", or the values' dtype: StateFormat.name)."""
+    state_format = StateFormat.from_stored(dtype)
+    per_token = state_format.bytes_per_token(hidden_size, num_slots)
     avg = num_tokens / max(num_samples, 1)
-    value = "1 B + a 4 B scale per token, fp8" if dtype == "fp8" else f"{DTYPE_BYTES[dtype]} B"
+    value = state_format.value_text()
     detail = (f"{num_samples:,} samples x {avg:,.0f} tokens "
               f"({per_token:,} B/token = {num_slots} layers x {hidden_size:,} x {value})")
     return check_disk("", num_tokens * per_token, detail, hs_dir)
@@ -177,7 +167,7 @@ def check_hidden_state_reads(hs_dir: Path, total_tokens: int, nproc: int, *,
 def read_probe_sample(hs_dir: str | Path, probe_bytes: int = READ_PROBE_BYTES) -> tuple[list[Path], int]:
     """(a spread of the hidden-state files of ~probe_bytes in all, the bytes of all of them): what the read
     probes (this module's and the run plan's) read."""
-    files = sorted(Path(hs_dir).glob("hs_*.safetensors"))
+    files = hs_files(hs_dir)
     total = sum(f.stat().st_size for f in files)
     count = max(1, min(len(files), round(probe_bytes * len(files) / max(total, 1))))
     return [files[round(i * len(files) / count)] for i in range(count)] if files else [], total
@@ -398,7 +388,7 @@ def preflight_prepare(data: str, max_samples: int | None, max_seq_len: int, targ
             with open(path, "rb") as handle:
                 records = sum(1 for line in handle if line.strip())
             samples = records if max_samples is None else min(records, max_samples)
-            per_token = hidden_state_bytes_per_token(4, target.hidden_size, "bfloat16")
+            per_token = StateFormat().bytes_per_token(target.hidden_size)
             lines.append(f"hidden states (stage 02, bf16): at most ~{human_bytes(samples * max_seq_len * per_token)} "
                          f"for {samples:,} conversations x <= {max_seq_len:,} tokens ({per_token:,} B/token); "
                          f"the exact figure is printed when stage 01 finishes")
@@ -409,7 +399,7 @@ def preflight_prepare(data: str, max_samples: int | None, max_seq_len: int, targ
 
 def hidden_states_estimate_line(num_rows: int, num_tokens: int, hidden_size: int, dtype: str = "bfloat16") -> str:
     """Printed by stage 01 when it finishes: what stage 02 will write for these rows."""
-    per_token = hidden_state_bytes_per_token(4, hidden_size, dtype)
+    per_token = StateFormat.from_stored(dtype).bytes_per_token(hidden_size, NUM_SLOTS)
     return (f"stage 02 will write ~{human_bytes(num_tokens * per_token)} of hidden states for {num_rows:,} rows x "
             f"{num_tokens / max(num_rows, 1):,.0f} tokens avg ({per_token:,} B/token in {dtype})")
 
@@ -417,7 +407,7 @@ def hidden_states_estimate_line(num_rows: int, num_tokens: int, hidden_size: int
 def preflight_extract(cfg, target, num_slots: int, todo_rows: int, todo_tokens: int, hs_dir: Path) -> list[str]:
     """Stage 02: disk for the rows still to do, GPUs vs tensor parallel, memory vs weights, vLLM version."""
     lines = [check_hidden_states_disk(todo_rows, todo_tokens, num_slots, target.hidden_size,
-                                      "fp8" if cfg.storage == "fp8" else cfg.dtype, hs_dir)]
+                                      StateFormat.from_config(cfg).name, hs_dir)]
     if cfg.backend == "vllm" and cfg.endpoint is not None:
         lines.append(f"gpus: the server at {cfg.endpoint} runs the target")
         return lines
@@ -436,9 +426,9 @@ def preflight_extract(cfg, target, num_slots: int, todo_rows: int, todo_tokens: 
         on_gpu = bool(gpus) and cfg.device != "cpu"
         if on_gpu:
             lines.append(f"gpus: {len(gpus)} visible; the HF backend uses one")
-            lines.append(check_memory("target weights", weights * DTYPE_BYTES[cfg.dtype] // 2, min(gpus), 1, "gpu"))
+            lines.append(check_memory("target weights", weights * DTYPES[cfg.dtype].value_bytes // 2, min(gpus), 1, "gpu"))
         else:
-            lines.append(check_memory("target weights", weights * DTYPE_BYTES[cfg.dtype] // 2, host_memory(), 1, "host"))
+            lines.append(check_memory("target weights", weights * DTYPES[cfg.dtype].value_bytes // 2, host_memory(), 1, "host"))
     return lines
 
 
@@ -532,8 +522,6 @@ def preflight_train(cfg, draft: dict, target, draft_vocab: int, out_dir: Path, t
         lines.append(check_gpu_count(len(gpus), cfg.nproc, "--nproc"))
         lines.append(check_memory("draft + frozen verifier head", need, int(min(gpus) * TRAIN_MEMORY_HEADROOM), 1, "gpu"))
         if total_tokens and cfg.hidden_states == "files":  # online: no files to read
-            from .extract.common import HS_DIRNAME
-
             lines.append(check_hidden_state_reads(Path(cfg.data) / HS_DIRNAME, total_tokens, cfg.nproc))
     else:
         lines.append("gpus: none visible; training runs on the CPU (miniature/testing only)")

@@ -5,7 +5,7 @@
       token_freq.pt                                  {token_id: count} over loss-masked tokens of the train rows
       rejected.jsonl                                 --on-bad-row skip: each refused input row, where and why
       manifest.json                                  stage 01's contract (written last)
-      hidden_states/hs_{i}.safetensors + manifest.json   stage 02
+      hidden_states/ (one file per row, hidden_states.py) + manifest.json   stage 02
 
 Rows are ordered train first, then validation: speculators takes the last
 (1 - train_data_ratio) of rows as its val split, so the manifest records the ratio that

@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 from .contract import MANIFEST_NAME, SCHEMA_VERSION
+from .hidden_states import hs_name
 
 STAGES = (("01", "prepare", "data"), ("02", "extract", "data/hidden_states"), ("03", "vocab", "vocab"),
           ("04", "train", "checkpoints"), ("05", "export", "draft"))
@@ -39,7 +40,7 @@ def _extra_problem(stage: str, directory: Path, manifest: dict) -> str | None:
         from .files import changed_fingerprints  # no torch here: run_all's python may have none
 
         rows = (manifest.get("counts") or {}).get("rows", 0)
-        changed = changed_fingerprints(directory, [f"hs_{i}.safetensors" for i in range(rows)])
+        changed = changed_fingerprints(directory, [hs_name(i) for i in range(rows)])
         if changed:
             name, how = next(iter(changed.items()))
             return f"{len(changed)} file(s) changed since written ({name}: {how})"

@@ -54,7 +54,7 @@ def read_upstream(cfg: TrainConfig, target, draft: dict) -> tuple[dict, dict | N
     """Stages 01-03's manifests, checked against one another, the target and the draft config.
     Online/hybrid: no stage 02 (`extracted` is None); stage 01's tokenizer is checked here instead."""
     from .contract import read_manifest, require_equal, require_upstream
-    from .extract.common import HS_DIRNAME
+    from .hidden_states import HS_DIRNAME
 
     prepared = read_manifest(cfg.data, "prepare", "--data")
     online = cfg.hidden_states != "files"

@@ -14,7 +14,7 @@ The change, for stage 04's --hidden-states online/hybrid only:
   before its optimizer step; the coordinator synchronises every step (not every 50), so DDP ranks
   stop at the same step. A sample that fails while the server answers keeps speculators' behaviour;
 - hybrid: a sample generated (not read from the cache) and validated by speculators is written to
-  `OUTPUT/hidden_states_cache/hs_{i}.safetensors` (atomically: temp + rename), the name speculators'
+  its row file in `OUTPUT/hidden_states_cache/` (hidden_states.py; atomically: temp + rename), the name speculators'
   `get_cached` reads first (`--hidden-states-path`), as [T, n, H] + token_ids, exactly the file vLLM wrote.
 
 It swaps `speculators.train.dataloader.ArrowDataset` for a subclass defined here: loader workers are
@@ -29,6 +29,8 @@ from __future__ import annotations
 import os
 from importlib import metadata
 from pathlib import Path
+
+from ..hidden_states import hs_file
 
 SUPPORTED_SPECULATORS = ("0.9.0",)
 _applied = False
@@ -87,7 +89,7 @@ class OnlineArrowDataset(_base_class()):
         if self.eagle3_down:
             return SampleUnavailable(reason=self.eagle3_down, counts_as_failure=True, fatal=True)
         file_idx = self._map_to_file_idx(index)
-        cache_file = self.eagle3_cache / f"hs_{file_idx}.safetensors" if self.eagle3_cache else None
+        cache_file = hs_file(self.eagle3_cache, file_idx) if self.eagle3_cache else None
         was_cached = cache_file is not None and cache_file.is_file()
         data = super()._get_raw_data(index)
         if isinstance(data, SampleUnavailable):

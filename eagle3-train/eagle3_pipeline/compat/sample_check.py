@@ -8,7 +8,7 @@ batch: an unreadable/truncated file; hidden_states of another shape than [T, n_s
 storage than stage 02's (dtype, or fp8 + per-token scales); NaN/Inf; an all-zero or constant layer
 slot; `token_ids` that are not the row's `input_ids` (a swapped file).
 
-Where: speculators 0.9.0 reads `hs_{i}.safetensors` in hs_connectors' `FileTransfer.get_cached`
+Where: speculators 0.9.0 reads each row's file (hidden_states.py) in hs_connectors' `FileTransfer.get_cached`
 (and `FP8Transfer` dequantizes there), called by `train/data.py ArrowDataset._get_raw_data`;
 generated samples (online/hybrid) come from `get_generated`. `apply` wraps
 `speculators.train.cli.create_train_val_loaders` so the transfer it is given is a `CheckedTransfer`
@@ -29,6 +29,8 @@ import os
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from ..hidden_states import HS_DIRNAME, hs_file
 
 SUPPORTED_SPECULATORS = ("0.9.0",)
 ENV = "EAGLE3_SAMPLE_CHECK"
@@ -150,7 +152,7 @@ class CheckedTransfer:
     def __init__(self, inner, data_path: str, config: dict):
         from hs_connectors import FileTransfer
 
-        self.inner = inner if inner is not None else FileTransfer(Path(data_path) / "hidden_states")
+        self.inner = inner if inner is not None else FileTransfer(Path(data_path) / HS_DIRNAME)
         self.data_path = str(data_path)
         self.config = config
         self._rows = None
@@ -199,7 +201,7 @@ class CheckedTransfer:
             sample = self.inner.get_cached(file_idx)
             problem = sample is not None and self._problem(sample, file_idx, None)
             return self._bad(f"row {file_idx}", file_idx, problem) if problem else sample
-        path = Path(self.inner.hidden_states_path) / f"hs_{file_idx}.safetensors"
+        path = hs_file(self.inner.hidden_states_path, file_idx)
         if not path.is_file():
             return self.inner.get_cached(file_idx)  # None: --on-missing decides (raise, or generate)
         try:

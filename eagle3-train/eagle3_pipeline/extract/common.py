@@ -1,6 +1,6 @@
 """One output format and one validator for every extraction backend.
 
-Per dataset row i, `hidden_states/hs_{i}.safetensors` holds (speculators' layout):
+Per dataset row i, the row's file (hidden_states.py: its name and storage) holds (speculators' layout):
 - `hidden_states` [T, n_aux + 1, H]: the residual stream after each aux layer, then the
   final decoder layer's output *before* the final norm (speculators applies the frozen
   verifier norm + lm_head to that last slot to get target logits);
@@ -25,14 +25,10 @@ import torch
 
 from ..errors import InputError
 from ..files import atomic_path, atomic_save_safetensors, remove_path
+from ..hidden_states import hs_file
 
-HS_DIRNAME = "hidden_states"
 FP8 = torch.float8_e4m3fn
 SCALES_KEY = "hidden_states_scales"  # hs_connectors.fp8_utils.SCALES_KEY
-
-
-def hs_file(hs_dir: Path, index: int) -> Path:
-    return Path(hs_dir) / f"hs_{index}.safetensors"
 
 
 @dataclass
@@ -166,7 +162,7 @@ def validate_file(path: Path, expected_ids: list[int], num_slots: int, hidden_si
 
 def land_sample(sample: ExtractedSample, hs_dir: Path, expected_ids: list[int], num_slots: int,
                 hidden_size: int, dtype: torch.dtype) -> Path:
-    """Validate one backend result and move it to `hs_{i}.safetensors` atomically."""
+    """Validate one backend result and move it to its row's file (`hs_file`) atomically."""
     final = hs_file(hs_dir, sample.index)
     if sample.ready is not None and (problem := sample.ready()):
         raise BadHiddenStates(problem)

@@ -15,14 +15,13 @@ from tqdm import tqdm
 
 from ..config import ExtractConfig
 from ..errors import StageError
+from ..hidden_states import DTYPES, StateFormat, dtype_name, hs_file
 from ..stage import lock_output
 from ..target import TargetInfo
-from .common import BadHiddenStates, ExtractionBackend, hs_file, land_sample, partition_indices, validate_file
+from .common import BadHiddenStates, ExtractionBackend, land_sample, partition_indices, validate_file
 
 log = logging.getLogger("eagle3")
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-FP8 = torch.float8_e4m3fn  # --storage fp8: what the files hold (the backend still computes in --dtype)
 # Rows landed or waiting to land, at most: the backend's loop waits beyond it (a disk slower than the
 # engine) instead of holding every row's states in memory (the HF backend yields tensors).
 MAX_UNLANDED = 64
@@ -40,14 +39,6 @@ class ExtractPlan:
     compute_dtype: torch.dtype = torch.bfloat16  # of the backend's forward pass (--dtype)
 
 
-SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", FP8: "F8_E4M3"}
-
-
-def stored_dtype(cfg: ExtractConfig) -> torch.dtype:
-    """The dtype every file in the directory holds: --dtype, or fp8 with --storage fp8 (never mixed)."""
-    return FP8 if cfg.storage == "fp8" else DTYPES[cfg.dtype]
-
-
 def quick_file_ok(path: Path, expected_ids: list[int], num_slots: int, hidden_size: int,
                   dtype: torch.dtype | None = None) -> bool:
     """Cheap resume check: header readable, token ids equal, shape and dtype right (reads no hidden states)."""
@@ -58,7 +49,7 @@ def quick_file_ok(path: Path, expected_ids: list[int], num_slots: int, hidden_si
             states = handle.get_slice("hidden_states")
             if states.get_shape() != [len(expected_ids), num_slots, hidden_size]:
                 return False
-            if dtype is not None and states.get_dtype() != SAFETENSORS_DTYPES[dtype]:
+            if dtype is not None and states.get_dtype() != DTYPES[dtype_name(str(dtype))].safetensors:
                 return False
             return handle.get_tensor("token_ids").tolist() == expected_ids
     except Exception:
@@ -69,7 +60,7 @@ def plan_extraction(cfg: ExtractConfig, rows: list[list[int]], num_slots: int, h
     all_indices = list(range(len(rows)))
     mine = partition_indices(all_indices, cfg.world_size, cfg.rank)
     by_index = {i: rows[i] for i in mine}
-    dtype = stored_dtype(cfg)
+    dtype = StateFormat.from_config(cfg).torch_dtype  # every file the directory holds (never mixed)
     done = [i for i in mine if hs_file(hs_dir, i).is_file()
             and quick_file_ok(hs_file(hs_dir, i), rows[i], num_slots, hidden_size, dtype)]
     stale = [i for i in mine if hs_file(hs_dir, i).is_file() and i not in set(done)]
@@ -78,7 +69,7 @@ def plan_extraction(cfg: ExtractConfig, rows: list[list[int]], num_slots: int, h
     todo = [i for i in mine if i not in set(done)]
     return ExtractPlan(by_index, all_indices, todo, num_slots, hidden_size, dtype,
                        {"rows_this_rank": len(mine), "skipped_done": len(done), "stale_removed": len(stale)},
-                       compute_dtype=DTYPES[cfg.dtype])
+                       compute_dtype=StateFormat.from_config(cfg).compute_torch_dtype)
 
 
 def preflight(cfg: ExtractConfig, plan: ExtractPlan, target: TargetInfo, hs_dir: Path) -> list[str]:
@@ -201,12 +192,6 @@ def lock_extraction(hs_dir: Path, world_size: int, rank: int) -> None:
         return
     lock_output(hs_dir, exclusive=False)
     lock_output(hs_dir, lock_file=hs_dir / f".eagle3.rank{rank}-of-{world_size}.lock")
-
-
-def row_of(file_name: str) -> int | None:
-    """`hs_5.safetensors` -> 5 (None for any other name)."""
-    stem = file_name.removeprefix("hs_").removesuffix(".safetensors")
-    return int(stem) if file_name.startswith("hs_") and stem.isdigit() else None
 
 
 def make_backend(cfg: ExtractConfig, target, layer_ids, hs_dir: Path, max_model_len: int, dtype):
