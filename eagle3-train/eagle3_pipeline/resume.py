@@ -30,6 +30,7 @@ import os
 from pathlib import Path
 
 from .checkpoints import INTERRUPTED, STATE_NAME, incomplete, incomplete_reason, latest_progress, own_outputs, read_state
+from .compat.gate import speculators_supported
 from .files import TEMP_MARKER, remove_path
 
 log = logging.getLogger("eagle3")
@@ -92,7 +93,7 @@ def install_interrupt_progress() -> bool:
     """Make speculators' SIGTERM/Ctrl-C checkpoint resumable and visible; False if not applicable."""
     from importlib import metadata
 
-    if metadata.version("speculators") not in SUPPORTED_SPECULATORS:
+    if not speculators_supported(SUPPORTED_SPECULATORS):
         log.warning("speculators %s: interrupted/ checkpoints are not made resumable (written for %s)",
                     metadata.version("speculators"), ", ".join(SUPPORTED_SPECULATORS))
         return False

@@ -27,6 +27,7 @@ installed (stage 04 logs them and records them in its manifest, via metrics.json
 
 Not applied here: `cpu_hidden_states_connector`, a vLLM KV connector class that vLLM's workers
 load by module path (stage 02 with vLLM's CPU build). This package's import stays light for them.
+`gate` holds the speculators-version check the fixes share (`require_speculators`).
 """
 
 from __future__ import annotations

@@ -15,10 +15,10 @@ speculators is 0.9.0 (private names: `_optimizers_step`, the sampler's `_generat
 
 from __future__ import annotations
 
-from importlib import metadata
 from pathlib import Path
 
 from ..hidden_states import hs_name
+from .gate import require_speculators
 
 SUPPORTED_SPECULATORS = ("0.9.0",)
 _applied = False
@@ -32,10 +32,7 @@ def apply() -> bool:
         return False
     if _applied:
         return True
-    version = metadata.version("speculators")
-    if version not in SUPPORTED_SPECULATORS:
-        raise RuntimeError(f"compat/finite_loss.py was written for speculators {SUPPORTED_SPECULATORS}, found {version}; "
-                           f"re-check it against speculators/train/trainer.py")
+    require_speculators("finite_loss", SUPPORTED_SPECULATORS, "speculators/train/trainer.py")
     import speculators.train.cli as cli
 
     cli.Trainer = finite_loss_trainer(cli.Trainer)  # after cpu_trainer, which may have replaced it

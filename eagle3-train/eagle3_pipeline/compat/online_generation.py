@@ -27,10 +27,10 @@ speculators is 0.9.0 (the private method names); another speculators version rai
 from __future__ import annotations
 
 import os
-from importlib import metadata
 from pathlib import Path
 
 from ..hidden_states import hs_file
+from .gate import require_speculators
 
 SUPPORTED_SPECULATORS = ("0.9.0",)
 _applied = False
@@ -49,10 +49,7 @@ def apply() -> bool:
         return False
     if _applied:
         return True
-    version = metadata.version("speculators")
-    if version not in SUPPORTED_SPECULATORS:
-        raise RuntimeError(f"compat/online_generation.py was written for speculators {SUPPORTED_SPECULATORS}, found "
-                           f"{version}; re-check it against speculators/train/data.py before training online")
+    require_speculators("online_generation", SUPPORTED_SPECULATORS, "speculators/train/data.py before training online")
     import speculators.train.dataloader as dataloader
     import speculators.train.trainer as trainer
 

@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import json
 import os
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from ..hidden_states import HS_DIRNAME, hs_file
+from .gate import require_speculators
 
 SUPPORTED_SPECULATORS = ("0.9.0",)
 ENV = "EAGLE3_SAMPLE_CHECK"
@@ -57,10 +57,8 @@ def apply() -> bool:
         return False
     if _applied:
         return True
-    version = metadata.version("speculators")
-    if version not in SUPPORTED_SPECULATORS:
-        raise RuntimeError(f"compat/sample_check.py was written for speculators {SUPPORTED_SPECULATORS}, found "
-                           f"{version}; re-check it against speculators/train/data.py and hs_connectors/transfer.py")
+    require_speculators("sample_check", SUPPORTED_SPECULATORS,
+                        "speculators/train/data.py and hs_connectors/transfer.py")
     import speculators.train.cli as train_cli
 
     create_loaders = train_cli.create_train_val_loaders
