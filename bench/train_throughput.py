@@ -38,9 +38,9 @@ from pathlib import Path
 
 from benchlib import throughput
 from eagle3_pipeline.compat.sample_check import OFF_ENV as INPUT_CHECKS_ENV
+from eagle3_pipeline.disk_reads import measure_cold_read_bandwidth
 from eagle3_pipeline.hidden_states import HS_DIRNAME, StateFormat, hs_file, hs_files
 from eagle3_pipeline.metrics import read_metrics
-from eagle3_pipeline.preflight import measure_cold_read_bandwidth
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -37,8 +37,8 @@ from eagle3_pipeline.extract.run import (
 from eagle3_pipeline.files import DiskFull, check_writable_dir, remove_stale_temps
 from eagle3_pipeline.hidden_states import HS_DIRNAME, StateFormat, hs_file, hs_files, row_of
 from eagle3_pipeline.plan import check_plan_lines
-from eagle3_pipeline.preflight import human_bytes
 from eagle3_pipeline.prepared import load_rows
+from eagle3_pipeline.sizing import human_bytes
 from eagle3_pipeline.stage import config_fingerprint, finished, log, stage_identity, stage_main
 from eagle3_pipeline.target import extraction_layer_ids, load_target_info
 

@@ -26,9 +26,10 @@ from eagle3_pipeline.hidden_states import StateFormat
 from eagle3_pipeline.metrics import METRICS_FILE, compat_applied
 from eagle3_pipeline.plan import check_plan_lines
 from eagle3_pipeline.plots import PLOTS_DIRNAME, write_plots
-from eagle3_pipeline.preflight import checkpoint_bytes, fit_seq_len_to_run, preflight_train
+from eagle3_pipeline.preflight import fit_seq_len_to_run, preflight_train
 from eagle3_pipeline.ranks import clear_own, stopped_line
 from eagle3_pipeline.resume import INTERRUPTED, prepare_resume
+from eagle3_pipeline.sizing import checkpoint_bytes
 from eagle3_pipeline.stage import (
     config_fingerprint,
     finished,

@@ -13,7 +13,7 @@ GPU"; nothing here changes training (the levers under test are stage 04's own: i
 - `write_synthetic_prepared_dataset` (+ `write_synthetic_stage_manifests` for 04_train): a
   prepared dataset in speculators' on-disk layout with random hidden states, for speed only
   (random data says nothing about learning).
-- `measure_bf16_matmul_peak` (and `eagle3_pipeline.preflight.measure_cold_read_bandwidth`):
+- `measure_bf16_matmul_peak` (and `eagle3_pipeline.disk_reads.measure_cold_read_bandwidth`):
   the two ceilings.
 - `run_speculators_train` + `summarize_train_metrics`: plain speculators with per-step timing
   out of its own trainer (its `_StepTimer` profile) as JSON lines, and the summary the bench prints.
@@ -32,9 +32,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eagle3_pipeline.disk_reads import evict_from_page_cache, page_cache_resident_fraction
 from eagle3_pipeline.hidden_states import HS_DIRNAME, NUM_SLOTS, StateFormat, hs_file
 from eagle3_pipeline.miniature import KIMI_K25_ROUTING_AND_MLA_HEADS
-from eagle3_pipeline.preflight import evict_from_page_cache, page_cache_resident_fraction
 
 # --------------------------------------------------------------------------------------
 # Kimi-K2.5's config (the real dims; ../shared/KNOWLEDGE.md). Only what the draft reads
@@ -410,7 +410,7 @@ def kimi_draft_geometry(
 
 
 # --------------------------------------------------------------------------------------
-# Ceilings: bf16 matmul peak (the disk's: eagle3_pipeline.preflight.measure_cold_read_bandwidth)
+# Ceilings: bf16 matmul peak (the disk's: eagle3_pipeline.disk_reads.measure_cold_read_bandwidth)
 # --------------------------------------------------------------------------------------
 
 # Square and draft-shaped products (32K tokens x the draft's q/k/v and MLP widths).

@@ -18,6 +18,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Iterator
 
+from . import machine
 from .errors import StageError
 
 TEMP_MARKER = ".tmp-"
@@ -52,10 +53,8 @@ def is_disk_full(exc: BaseException) -> bool:
 
 
 def _free_bytes(where: Path) -> int:
-    from .preflight import disk_free  # the one free-space probe (tests stand in for it there)
-
     try:
-        return disk_free(where)
+        return machine.disk_free(where)  # the one free-space probe (tests stand in for it there)
     except OSError:
         return 0
 

@@ -26,17 +26,12 @@ from pathlib import Path
 
 from .config import TrainConfig, load_profile
 from .contract import manifest_path
+from .disk_reads import READ_PROBE_MIN_TOTAL_BYTES, measure_cold_read_bandwidth, read_probe_sample
 from .errors import StageError
 from .hidden_states import HS_DIRNAME, NUM_SLOTS, StateFormat
-from .preflight import (
-    READ_PROBE_MIN_TOTAL_BYTES,
-    TRAIN_TOKENS_PER_S_PER_GPU,
-    disk_free,
-    human_bytes,
-    measure_cold_read_bandwidth,
-    read_probe_sample,
-)
+from .machine import disk_free
 from .scaling import communication_line
+from .sizing import TRAIN_TOKENS_PER_S_PER_GPU, human_bytes
 from .target import load_target_info
 
 # The plan's labels -> stage 02's formats (--storage dtype with --dtype bfloat16, --storage fp8).

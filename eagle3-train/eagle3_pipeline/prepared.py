@@ -18,7 +18,7 @@ import os
 import random
 from pathlib import Path
 
-from .conversations import BadRow, Row
+from .chat_rows import BadRow, Row
 from .files import remove_path, temp_path_for
 
 DATASET_FILES_GLOB = ("data-*.arrow", "dataset_info.json", "state.json")
