@@ -48,6 +48,7 @@ from eagle3_pipeline.training import (
     launch_command,
     launch_env,
     read_upstream,
+    resolved_for_print_config,
     run_in_process,
     skipped_samples,
     speculators_argv,
@@ -59,7 +60,7 @@ from eagle3_pipeline.training import (
 @stage_main
 def main(argv: list[str] | None = None) -> int:
     # 1. Config.
-    cfg, sources = resolve_stage_config(TrainConfig, argv)
+    cfg, sources = resolve_stage_config(TrainConfig, argv, run_time_notes=resolved_for_print_config)
     out_dir = Path(cfg.output)
     draft = load_draft_config(cfg.draft_config)
     target = load_target_info(cfg.target)

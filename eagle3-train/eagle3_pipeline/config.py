@@ -371,12 +371,15 @@ def build_parser(cls: type[StageConfig]) -> argparse.ArgumentParser:
     return parser
 
 
-def resolve_stage_config(cls: type[StageConfig], argv: list[str] | None = None):
-    """Parse argv for one stage; returns (config, sources). Exits 0 after --print-config."""
-    return resolve_parsed(cls, vars(build_parser(cls).parse_args(argv)))
+def resolve_stage_config(cls: type[StageConfig], argv: list[str] | None = None, run_time_notes=None):
+    """Parse argv for one stage; returns (config, sources). Exits 0 after --print-config.
+
+    `run_time_notes(cfg) -> {field: text}`: what --print-config adds for fields the stage decides at run
+    time, from the stage's own module (04: training.resolved_for_print_config; config imports no stage logic)."""
+    return resolve_parsed(cls, vars(build_parser(cls).parse_args(argv)), run_time_notes)
 
 
-def resolve_parsed(cls: type[StageConfig], args: dict):
+def resolve_parsed(cls: type[StageConfig], args: dict, run_time_notes=None):
     """`resolve_stage_config` after parsing (a caller with flags of its own pops them first)."""
     profile_name = args.pop("profile", None)
     print_config = args.pop("print_config", False)
@@ -387,7 +390,7 @@ def resolve_parsed(cls: type[StageConfig], args: dict):
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     if print_config:
-        print(format_config(cfg, sources, profile_name, resolved_at_run_time(cfg)))
+        print(format_config(cfg, sources, profile_name, resolved_at_run_time(cfg, run_time_notes)))
         raise SystemExit(0)
     return cfg, sources
 
@@ -452,13 +455,12 @@ def format_config(cfg: StageConfig, sources: dict[str, str], profile_name: str |
     return "\n".join(lines)
 
 
-def resolved_at_run_time(cfg: StageConfig) -> dict[str, str]:
+def resolved_at_run_time(cfg: StageConfig, run_time_notes=None) -> dict[str, str]:
     """For --print-config: what the `auto`/unset fields become in a run on this machine, where that is
-    cheap to know without the run's inputs (train: what speculators receives; vocab/export: draft defaults)."""
-    if isinstance(cfg, TrainConfig):
-        from .training import resolved_for_print_config
-
-        return resolved_for_print_config(cfg)
+    cheap to know without the run's inputs (train: what speculators receives, from `run_time_notes`;
+    vocab/export: draft defaults)."""
+    if run_time_notes is not None:
+        return run_time_notes(cfg)
     if isinstance(cfg, ExtractConfig):
         return _extract_resolved(cfg)
     if isinstance(cfg, VocabConfig) and cfg.draft_vocab_size is None:
