@@ -33,6 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+import jinja2
+from jinja2 import nodes
+
 from .conversations import (
     REASONING_FIELDS,
     THINK_CLOSE,
@@ -46,6 +49,8 @@ from .conversations import (
     tools_of,
 )
 from .errors import InputError
+
+# Local imports: transformers: imported where the tokenizer is loaded (heavy; reading and normalising need none).
 
 
 @dataclass
@@ -124,9 +129,6 @@ def content_format(chat_template: str) -> str:
     """'openai' when the template loops over a message's content (it takes a list of parts), else
     'string': the rule vLLM's chat path uses to decide how it passes content (simplified: any
     `for x in <name>.content` / `<name>['content']` / `content` loop)."""
-    import jinja2
-    from jinja2 import nodes
-
     try:
         tree = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(chat_template)
     except jinja2.TemplateError:

@@ -18,11 +18,15 @@ import typing
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
 from .compat.flex_forward_config import parse_setting as parse_flex_forward_config
-from .errors import ConfigError
+from .contract import read_manifest
+from .errors import ConfigError, ContractError, InputError
 from .hidden_states import FILE_PATTERN, HS_DIRNAME
+from .target import extraction_layer_ids, load_target_info
+
+# Local imports: torch: imported only to tell --print-config whether CUDA is there (heavy; configs load without it).
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 SCRIPTS_DIR = PACKAGE_DIR.parent
@@ -313,8 +317,6 @@ def load_profile(name: str) -> dict[str, dict[str, Any]]:
 
 
 def _check_profile_value(path: Path, section: str, cls: type[StageConfig], field: str, value: Any) -> None:
-    from pydantic import TypeAdapter, ValidationError
-
     info = cls.model_fields[field]
     try:
         TypeAdapter(info.annotation).validate_python(value, strict=not isinstance(value, (int, float, str)))
@@ -470,9 +472,6 @@ def resolved_at_run_time(cfg: StageConfig, run_time_notes=None) -> dict[str, str
             return {"draft_vocab_size": f"? ({exc})"}
         return {"draft_vocab_size": f"{value} ({cfg.draft_config}; clipped to the target's vocabulary size)"}
     if isinstance(cfg, ExportConfig) and cfg.num_speculative_tokens is None:
-        from .contract import read_manifest
-        from .errors import ContractError
-
         try:
             trained = read_manifest(cfg.checkpoints, "train", "--checkpoints")
         except (ContractError, OSError):
@@ -514,9 +513,6 @@ class DraftConfig(BaseModel):
 
 
 def _extract_resolved(cfg: ExtractConfig) -> dict[str, str]:
-    from .errors import InputError
-    from .target import extraction_layer_ids, load_target_info
-
     notes: dict[str, str] = {}
     try:
         target = load_target_info(cfg.target)

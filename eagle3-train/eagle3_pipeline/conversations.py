@@ -19,6 +19,8 @@ from typing import Any, Iterator
 
 from .errors import InputError
 
+# Local imports: datasets, pyarrow: imported by the readers of those formats only (heavy; JSONL input needs neither).
+
 ROLE_ALIASES = {
     "system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
     "chatgpt": "assistant", "bot": "assistant", "model": "assistant", "tool": "tool", "ipython": "tool",

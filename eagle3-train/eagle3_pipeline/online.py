@@ -35,9 +35,17 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from safetensors import safe_open
+
 from .errors import ConfigError, InputError, StageError
 from .files import atomic_write_json, remove_path
 from .hidden_states import StateFormat, hs_files
+from .preflight import check_disk
+from .prepared import load_prepared
+from .target import load_target_info
+
+# Local imports: extract.common, extract.vllm_backend: imported where the probe file is read (they load
+# torch; this module's names are torch-free).
 
 log = logging.getLogger("eagle3")
 
@@ -206,7 +214,6 @@ def check_server(endpoint: str, target, layer_ids: list[int], layer_ids_stated: 
         except BadHiddenStates as exc:
             raise InputError(f"--vllm-endpoint {url} extracts other hidden states than this run needs ({exc}); "
                              f"expected {len(layer_ids)} layers {layer_ids} of hidden size {target.hidden_size}") from None
-        from safetensors import safe_open
 
         with safe_open(str(path), framework="pt") as handle:
             dtype = str(handle.get_slice("hidden_states").get_dtype())
@@ -243,7 +250,6 @@ def check_server(endpoint: str, target, layer_ids: list[int], layer_ids_stated: 
                           f"with the server's eagle_aux_hidden_state_layer_ids minus the final layer "
                           f"(this run's default: {' '.join(map(str, layer_ids[:-1]))})")
     if card is None and root and Path(root, "config.json").is_file():  # the server's own copy, readable here
-        from .target import load_target_info
 
         served = load_target_info(root)
         if served.config_sha256 != target.config_sha256:
@@ -256,8 +262,6 @@ def check_server(endpoint: str, target, layer_ids: list[int], layer_ids_stated: 
 
 def preflight(cfg, target, prepared: dict, layer_ids: list[int], layer_ids_stated: bool) -> dict:
     """Stage 04's online/hybrid preflight: the server check (logged), and disk for hybrid's cache."""
-    from .preflight import check_disk
-
     probe_ids, longest = probe_row(cfg.data)
     server = check_server(cfg.vllm_endpoint, target, layer_ids, layer_ids_stated, probe_ids, longest)
     server["mode"] = cfg.hidden_states
@@ -280,8 +284,6 @@ def command_note(cfg) -> str:
 
 def probe_row(data_dir: str | Path) -> tuple[list[int], int]:
     """The shortest prepared row's input_ids (the probe request) and the longest row's length."""
-    from .prepared import load_prepared
-
     dataset = load_prepared(Path(data_dir)).with_format(None)
     lengths = [int(n) for n in dataset["seq_len"]]
     shortest = min(range(len(lengths)), key=lengths.__getitem__)

@@ -21,6 +21,8 @@ from pathlib import Path
 from .chat_rows import BadRow, Row
 from .files import remove_path, temp_path_for
 
+# Local imports: datasets, speculators: imported where the dataset is read or written (heavy; importers that only name paths need none).
+
 DATASET_FILES_GLOB = ("data-*.arrow", "dataset_info.json", "state.json")
 TOKEN_FREQ_NAME = "token_freq.pt"
 REJECTED_NAME = "rejected.jsonl"

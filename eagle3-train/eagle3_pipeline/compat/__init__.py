@@ -34,6 +34,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+# Local imports: each fix imports torch/speculators/vLLM inside its functions (its gate checks speculators'
+# version first; vLLM's workers import cpu_hidden_states_connector light); apply() imports the fixes.
+
 FIXES = ("cpu_trainer", "fused_loss", "flex_forward_config", "interrupt_progress", "samples_record", "metrics_jsonl",
          "device_prefetch", "sample_check", "finite_loss", "online_generation")
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..hidden_states import hs_name
+from . import sample_check
 from .gate import require_speculators
 
 SUPPORTED_SPECULATORS = ("0.9.0",)
@@ -26,7 +27,6 @@ _applied = False
 
 def apply() -> bool:
     global _applied
-    from . import sample_check
 
     if sample_check.settings() is None:
         return False
@@ -76,8 +76,6 @@ def finite_loss_trainer(base: type) -> type:
                 return None
 
         def _eagle3_stop(self, loss):
-            from . import sample_check
-
             rows = self._eagle3_rows()
             names = ("rows " + ", ".join(Path(hs_name(i)).stem for i in rows[:8]) + (" ..." if len(rows) > 8 else "")) if rows \
                 else "rows unknown"

@@ -29,16 +29,17 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ..files import atomic_save_safetensors
 from ..hidden_states import hs_file
+from ..online import CACHE_ENV, ENDPOINT_DOWN_TAG, MODE_ENV, endpoint_problem
 from .gate import require_speculators
+from .sample_check import BAD_SAMPLE_TAG, generated_bad
 
 SUPPORTED_SPECULATORS = ("0.9.0",)
 _applied = False
 
 
 def enabled() -> str | None:
-    from ..online import MODE_ENV
-
     mode = os.environ.get(MODE_ENV)
     return mode if mode in ("online", "hybrid") else None
 
@@ -69,8 +70,6 @@ class OnlineArrowDataset(_base_class()):
     """ArrowDataset that stops on a dead endpoint and (hybrid) keeps what it generated."""
 
     def __init__(self, *args, **kwargs):
-        from ..online import CACHE_ENV
-
         super().__init__(*args, **kwargs)
         self.eagle3_mode = enabled()
         cache = os.environ.get(CACHE_ENV)
@@ -79,9 +78,6 @@ class OnlineArrowDataset(_base_class()):
 
     def _get_raw_data(self, index):
         from speculators.train.recovery import SampleUnavailable
-
-        from ..online import ENDPOINT_DOWN_TAG, endpoint_problem
-        from .sample_check import BAD_SAMPLE_TAG, generated_bad
 
         if self.eagle3_down:
             return SampleUnavailable(reason=self.eagle3_down, counts_as_failure=True, fatal=True)
@@ -107,8 +103,6 @@ class OnlineArrowDataset(_base_class()):
 def _keep(data: dict, path: Path) -> None:
     """The generated sample as the file vLLM wrote: hidden_states [T, n_aux + 1, H], token_ids [T]."""
     import torch
-
-    from ..files import atomic_save_safetensors
 
     last = data["verifier_last_hidden_states"]  # [T, H]
     aux = data["hidden_states"]  # [T, n_aux * H]

@@ -22,10 +22,15 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator, Protocol
 
 import torch
+from safetensors.torch import load_file
+from tqdm import tqdm
 
 from ..errors import InputError
-from ..files import atomic_path, atomic_save_safetensors, remove_path
+from ..files import atomic_path, atomic_save_safetensors, changed_fingerprints, remove_path
+from ..files import write_fingerprints as write
 from ..hidden_states import hs_file
+
+# Local imports: hs_connectors: imported for fp8 storage only.
 
 FP8 = torch.float8_e4m3fn
 SCALES_KEY = "hidden_states_scales"  # hs_connectors.fp8_utils.SCALES_KEY
@@ -141,8 +146,6 @@ def dequantize_fp8(fp8: torch.Tensor, scales: torch.Tensor | None, where: str) -
 
 
 def load_hidden_states_file(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     try:
         data = load_file(str(path))
     except Exception as exc:  # safetensors raises several types for truncated/garbled files
@@ -198,8 +201,6 @@ def _move_or_copy(src: Path, dst: Path) -> None:
 def validate_all(hs_dir: Path, rows: dict[int, list[int]], num_slots: int, hidden_size: int,
                  progress: bool = True, dtype: torch.dtype | None = None) -> dict[int, str]:
     """Check every file; returns {row index: reason} for files to redo (missing ones too)."""
-    from tqdm import tqdm
-
     bad: dict[int, str] = {}
     for index, ids in tqdm(sorted(rows.items()), desc="validate hidden states", disable=not progress, unit="file"):
         path = hs_file(hs_dir, index)
@@ -226,15 +227,11 @@ def partition_indices(indices: list[int], world_size: int, rank: int) -> list[in
 # --- what stage 02 wrote, by size and a cheap fingerprint (files.py; a rerun compares them with the disk) ---
 
 def write_fingerprints(hs_dir: Path, indices: Iterable[int]) -> dict:
-    from ..files import write_fingerprints as write
-
     return write(hs_dir, [hs_file(hs_dir, i).name for i in indices])
 
 
 def changed_files(hs_dir: Path, indices: Iterable[int]) -> dict[int, str] | None:
     """Rows whose file differs from what stage 02 recorded (size, then fingerprint), with how; None: no record."""
-    from ..files import changed_fingerprints
-
     by_name = {hs_file(hs_dir, i).name: i for i in indices}
     changed = changed_fingerprints(hs_dir, list(by_name))
     return None if changed is None else {by_name[name]: how for name, how in changed.items()}

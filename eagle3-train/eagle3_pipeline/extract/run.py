@@ -4,21 +4,28 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
+import shutil
 import time
 from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from tqdm import tqdm
 
 from ..config import ExtractConfig
 from ..errors import StageError
+from ..files import atomic_write_json
 from ..hidden_states import DTYPES, StateFormat, dtype_name, hs_file
+from ..preflight import preflight_extract
 from ..stage import lock_output
 from ..target import TargetInfo
 from .common import BadHiddenStates, ExtractionBackend, land_sample, partition_indices, validate_file
+from .hf import HfBackend
+from .vllm_backend import VllmBackend
 
 log = logging.getLogger("eagle3")
 
@@ -42,8 +49,6 @@ class ExtractPlan:
 def quick_file_ok(path: Path, expected_ids: list[int], num_slots: int, hidden_size: int,
                   dtype: torch.dtype | None = None) -> bool:
     """Cheap resume check: header readable, token ids equal, shape and dtype right (reads no hidden states)."""
-    from safetensors import safe_open
-
     try:
         with safe_open(str(path), framework="pt") as handle:
             states = handle.get_slice("hidden_states")
@@ -74,8 +79,6 @@ def plan_extraction(cfg: ExtractConfig, rows: list[list[int]], num_slots: int, h
 
 def preflight(cfg: ExtractConfig, plan: ExtractPlan, target: TargetInfo, hs_dir: Path) -> list[str]:
     """Estimate what the rows still to do need (disk, GPUs, memory, vLLM version); see preflight.py."""
-    from ..preflight import preflight_extract
-
     tokens = sum(len(plan.rows[i]) for i in plan.todo)
     return preflight_extract(cfg, target, plan.num_slots, len(plan.todo), tokens, hs_dir)
 
@@ -157,8 +160,6 @@ def validate_sample_of_files(plan: ExtractPlan, hs_dir: Path, count: int, seed: 
 
 
 def write_redo_list(hs_dir: Path, bad: dict[int, str]) -> Path:
-    from ..files import atomic_write_json
-
     path = hs_dir / "redo.json"
     atomic_write_json(path, {"rows": sorted(bad), "reasons": {str(k): v for k, v in sorted(bad.items())}})
     return path
@@ -196,10 +197,7 @@ def lock_extraction(hs_dir: Path, world_size: int, rank: int) -> None:
 
 def make_backend(cfg: ExtractConfig, target, layer_ids, hs_dir: Path, max_model_len: int, dtype):
     if cfg.backend == "hf":
-        from .hf import HfBackend
-
         return HfBackend(target, layer_ids, dtype, cfg.device, cfg.trust_remote_code)
-    from .vllm_backend import VllmBackend
 
     staging = staging_dir(cfg, hs_dir)
     staging.mkdir(parents=True, exist_ok=True)
@@ -212,9 +210,6 @@ def remove_dead_engines_staging(staging: Path) -> list[Path]:
     """`vllm-<pid>/` folders an in-process engine killed with -9 left behind (every request's states, never
     landed): removed when that pid is gone. Only with one rank (this process holds the directory's exclusive
     lock; ranks on other nodes could share a staging folder whose pids mean nothing here)."""
-    import os
-    import shutil
-
     removed = []
     for folder in staging.glob("vllm-*"):
         pid = folder.name.removeprefix("vllm-")
