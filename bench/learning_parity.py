@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from eagle3_pipeline.hidden_states import HS_DIRNAME, hs_file
+
 REPO = Path(__file__).resolve().parents[1]
 
 # name -> (tokens per step as a multiple of --plain-tokens-per-step, speculators flags)
@@ -54,7 +56,7 @@ def build_data(organism: Path, conversations: Path, out: Path, rows: int, max_le
     captured = {}
     layers[-1].register_forward_hook(lambda _m, _i, output: captured.__setitem__(
         "last", output[0] if isinstance(output, tuple) else output))
-    hs_dir = out / "hidden_states"
+    hs_dir = out / HS_DIRNAME
     hs_dir.mkdir(parents=True, exist_ok=True)
     table: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}
     with open(conversations) as handle:
@@ -70,7 +72,7 @@ def build_data(organism: Path, conversations: Path, out: Path, rows: int, max_le
             if len(ids) - prompt_len < 16:
                 continue
             i = len(table["seq_len"])
-            path = hs_dir / f"hs_{i}.safetensors"
+            path = hs_file(hs_dir, i)
             if not path.is_file():  # a rerun keeps the rows already extracted
                 with torch.no_grad():
                     result = model(torch.tensor([ids]), output_hidden_states=True)

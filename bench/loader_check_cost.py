@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """CPU time of stage 04's per-sample loader check (compat/sample_check.py) at Kimi-K2.5 geometry.
 
-One sample as the loader holds it after reading `hs_{i}.safetensors`: hidden_states [2048, 4, 7168]
+One sample as the loader holds it after reading a row's file (eagle3_pipeline/hidden_states.py): hidden_states [2048, 4, 7168]
 bf16 (the 4 extracted layers, 117 MB) + token_ids [2048]; the checks a loader worker runs on it, timed
 with the process CPU clock in one thread (speculators limits each loader worker to one):
 - `worker_cpu_ms`: what a worker runs when training on CUDA with the default `--on-bad-sample stop`

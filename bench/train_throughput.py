@@ -38,8 +38,9 @@ from pathlib import Path
 
 from benchlib import throughput
 from eagle3_pipeline.compat.sample_check import OFF_ENV as INPUT_CHECKS_ENV
+from eagle3_pipeline.disk_reads import measure_cold_read_bandwidth
+from eagle3_pipeline.hidden_states import HS_DIRNAME, StateFormat, hs_file, hs_files
 from eagle3_pipeline.metrics import read_metrics
-from eagle3_pipeline.preflight import measure_cold_read_bandwidth
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -358,7 +359,7 @@ def main() -> None:
             vocab_size=throughput.KIMI_K25_TEXT_CONFIG["vocab_size"],
             distinct_files=args.distinct_files, device="cuda")
         report["data"] = info
-    bytes_per_token = throughput.HIDDEN_STATE_SLOTS * geometry.hidden_size * 2
+    bytes_per_token = StateFormat().bytes_per_token(geometry.hidden_size, throughput.HIDDEN_STATE_SLOTS)
     # The trainer shifts each row by one token: documents of ROW_TOKENS - 1.
     mean_keys = throughput.mean_attended_keys([ROW_TOKENS - 1], 2048)
     flops = throughput.train_flops_per_token(geometry, mean_keys)
@@ -367,7 +368,7 @@ def main() -> None:
     report["muon_flops_per_step"] = throughput.muon_step_flops(geometry.muon_matrix_shapes())
     _print_flops(flops)
 
-    distinct = sorted((data / "hidden_states").glob("hs_*.safetensors"))[: args.distinct_files]
+    distinct = hs_files(data / HS_DIRNAME)[: args.distinct_files]
     if not args.skip_disk:
         report["disk_direct"] = [measure_cold_read_bandwidth(distinct, threads=t, how="direct")
                                  for t in (1, 8)]
@@ -494,7 +495,7 @@ def cold_warm(args: argparse.Namespace, work: Path, verifier: Path, geometry, re
         throughput.write_synthetic_stage_manifests(
             verifier, data, vocab, aux_layer_ids=default_aux_layer_ids(geometry_layers(verifier)),
             draft_vocab_size=DRAFT_VOCAB, storage=storage)
-        files = [data / "hidden_states" / f"hs_{i}.safetensors" for i in range(info["distinct_files"])]
+        files = [hs_file(data / HS_DIRNAME, i) for i in range(info["distinct_files"])]
         result: dict = {"data": info, "bytes": sum(f.stat().st_size for f in files)}
         if storage == "dtype" and not args.skip_disk:  # the disk's own cold read rate, on the same files
             report["disk_direct"] = [measure_cold_read_bandwidth(files, threads=t, how="direct") for t in (1, 8)]

@@ -43,6 +43,7 @@ from pathlib import Path
 from benchlib import logged
 from benchlib.acceptance import counters_delta, spec_decode_counters, summarize_spec_decode
 from benchlib.logged import float_after, log
+from eagle3_pipeline.hidden_states import HS_DIRNAME, hs_file, hs_files, row_of
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "eagle3-train"
@@ -119,7 +120,7 @@ class Bench:
         for variant in ("hf-bf16", "hf-fp32"):
             copy = data.with_name(data.name + "-" + variant)
             if not copy.exists():
-                shutil.copytree(data, copy, ignore=shutil.ignore_patterns("hidden_states"))
+                shutil.copytree(data, copy, ignore=shutil.ignore_patterns(HS_DIRNAME))
             copies[variant] = copy
         vllm_flags = ["--target", target, "--data", data, "--backend", "vllm", *memory_flags, *extra]
         try:
@@ -132,7 +133,7 @@ class Bench:
             vllm_flags += ["--attention-backend", "TRITON_MLA"]
             text, wall = self.stage(f"{tag}-02-vllm-triton-mla", 2, *vllm_flags)
         result["vllm_flags"] = [str(f) for f in vllm_flags]
-        result["vllm"] = {**extraction_stats(data / "hidden_states"), "stage_wall_s": wall,
+        result["vllm"] = {**extraction_stats(data / HS_DIRNAME), "stage_wall_s": wall,
                           "engine_start_s": float_after(text, r"vLLM engine ready in ([\d.]+)s"),
                           "preflight": [line.split("preflight ", 1)[1] for line in text.splitlines() if "preflight " in line],
                           "connector": re.findall(r"connector (\w+)\)", text)}
@@ -140,11 +141,11 @@ class Bench:
         for variant, dtype in (("hf-bf16", "bfloat16"), ("hf-fp32", "float32")):
             text, wall = self.stage(f"{tag}-02-{variant}", 2, "--target", target, "--data", copies[variant],
                                     "--backend", "hf", "--dtype", dtype, *limit, *extra)
-            result[variant] = {**extraction_stats(copies[variant] / "hidden_states"), "stage_wall_s": wall}
+            result[variant] = {**extraction_stats(copies[variant] / HS_DIRNAME), "stage_wall_s": wall}
         _, wall = self.stage(f"{tag}-02-validate", 2, "--target", target, "--data", data, "--backend", "vllm", "--validate")
         result["vllm_validate_all"] = "all good"
-        result["differences"] = compare_hidden_states(data / "hidden_states", copies["hf-bf16"] / "hidden_states",
-                                                      copies["hf-fp32"] / "hidden_states")
+        result["differences"] = compare_hidden_states(data / HS_DIRNAME, copies["hf-bf16"] / HS_DIRNAME,
+                                                      copies["hf-fp32"] / HS_DIRNAME)
         return result
 
     def step_kimi(self) -> dict:
@@ -393,7 +394,7 @@ def extraction_stats(hs_dir: Path) -> dict:
     (excludes engine start and model load; each file is written when its row is done)."""
     from safetensors import safe_open
 
-    files = sorted(hs_dir.glob("hs_*.safetensors"))
+    files = hs_files(hs_dir)
     tokens, times = 0, []
     for path in files:
         with safe_open(str(path), framework="pt") as handle:
@@ -412,16 +413,16 @@ def compare_hidden_states(vllm_dir: Path, hf_dir: Path, ref_dir: Path) -> dict:
     import torch
     from safetensors.torch import load_file
 
-    rows = sorted(int(p.stem.split("_")[1]) for p in hf_dir.glob("hs_*.safetensors"))
+    rows = sorted(row_of(p.name) for p in hs_files(hf_dir))
     stats: dict = {}
     diffs: dict = {}
     for i in rows:
-        ref = load_file(str(ref_dir / f"hs_{i}.safetensors"))
+        ref = load_file(str(hs_file(ref_dir, i)))
         ref_h = ref["hidden_states"].float()
         for name, folder in (("vllm_bf16", vllm_dir), ("hf_bf16", hf_dir)):
-            other = load_file(str(folder / f"hs_{i}.safetensors"))
+            other = load_file(str(hs_file(folder, i)))
             if other["token_ids"].tolist() != ref["token_ids"].tolist() or other["hidden_states"].shape != ref_h.shape:
-                raise RuntimeError(f"{folder}/hs_{i}.safetensors: token ids or shape differ from {ref_dir}")
+                raise RuntimeError(f"{hs_file(folder, i)}: token ids or shape differ from {ref_dir}")
             d = (other["hidden_states"].float() - ref_h).abs()
             for s in range(ref_h.shape[1]):
                 acc = diffs.setdefault((name, s), {"max": 0.0, "sq": 0.0, "ref_sq": 0.0, "ref_max": 0.0, "samples": [],

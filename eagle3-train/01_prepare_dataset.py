@@ -15,9 +15,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from eagle3_pipeline.chat_rows import ChatTokenizer, build_rows, refuse_too_many_bad, report_check
 from eagle3_pipeline.config import PrepareConfig, resolve_stage_config
 from eagle3_pipeline.contract import write_manifest
-from eagle3_pipeline.conversations import ChatTokenizer, build_rows, read_records, refuse_too_many_bad, report_check
+from eagle3_pipeline.conversations import read_records
 from eagle3_pipeline.errors import InputError
 from eagle3_pipeline.files import check_writable_dir, remove_stale_temps
 from eagle3_pipeline.preflight import hidden_states_estimate_line, preflight_prepare

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Stage 02: run the target and save aux-layer + final hidden states per row.
 
-Writes DATA/hidden_states/hs_{i}.safetensors (`hidden_states` [T, 4, H] = residual stream
+Writes one file per row into DATA/hidden_states/ (eagle3_pipeline/hidden_states.py; `hidden_states` [T, 4, H] = residual stream
 after the 3 aux layers and the final layer before the final norm; `token_ids` [T]) in
 speculators' layout (or its fp8 format with --storage fp8), each validated (token ids,
 shape, finite, non-constant) before it is renamed into place. Backends: vLLM (real targets, tensor parallel) and HF transformers
@@ -18,9 +18,7 @@ from eagle3_pipeline.config import ExtractConfig, resolve_stage_config
 from eagle3_pipeline.contract import input_record, manifest_path, read_manifest, require_equal, write_manifest
 from eagle3_pipeline.errors import StageError
 from eagle3_pipeline.extract.common import (
-    HS_DIRNAME,
     changed_files,
-    hs_file,
     partition_indices,
     validate_all,
     write_fingerprints,
@@ -32,16 +30,15 @@ from eagle3_pipeline.extract.run import (
     make_backend,
     plan_extraction,
     preflight,
-    row_of,
     run_extraction,
     staging_dir,
-    stored_dtype,
     validate_sample_of_files,
 )
 from eagle3_pipeline.files import DiskFull, check_writable_dir, remove_stale_temps
+from eagle3_pipeline.hidden_states import HS_DIRNAME, StateFormat, hs_file, hs_files, row_of
 from eagle3_pipeline.plan import check_plan_lines
-from eagle3_pipeline.preflight import hidden_state_bytes_per_token, human_bytes
 from eagle3_pipeline.prepared import load_rows
+from eagle3_pipeline.sizing import human_bytes
 from eagle3_pipeline.stage import config_fingerprint, finished, log, stage_identity, stage_main
 from eagle3_pipeline.target import extraction_layer_ids, load_target_info
 
@@ -77,10 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = load_rows(data_dir, cfg.max_samples)
     if cfg.validate_only:  # before planning: the plan would drop bad files without saying why
         mine = {i: rows[i] for i in partition_indices(list(range(len(rows))), cfg.world_size, cfg.rank)}
-        bad = validate_all(hs_dir, mine, len(layer_ids), target.hidden_size, dtype=stored_dtype(cfg))
+        bad = validate_all(hs_dir, mine, len(layer_ids), target.hidden_size, dtype=StateFormat.from_config(cfg).torch_dtype)
         if bad:
             for index in bad:  # a rerun redoes exactly these
-                (hs_dir / f"hs_{index}.safetensors").unlink(missing_ok=True)
+                hs_file(hs_dir, index).unlink(missing_ok=True)
             manifest_path(hs_dir).unlink(missing_ok=True)
             raise fail_rows(bad, hs_dir, "validation")
         log.info("validated %d file(s): all good", len(mine))
@@ -98,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("%d file(s) changed since stage 02 wrote them (first: %s: %s); re-checking them, bad ones are redone",
                     len(changed), hs_file(hs_dir, first[0]), first[1])
         bad = validate_all(hs_dir, {i: rows[i] for i in changed if i < len(rows)}, len(layer_ids), target.hidden_size,
-                           progress=False, dtype=stored_dtype(cfg))
+                           progress=False, dtype=StateFormat.from_config(cfg).torch_dtype)
         for index, reason in bad.items():
             log.warning("%s; redoing it", reason)  # the reason names the file
             hs_file(hs_dir, index).unlink(missing_ok=True)
@@ -115,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             log.info("%s", line)
         return 0
     remove_stale_temps(hs_dir, owned=None if cfg.world_size == 1 else lambda name: row_of(name) in plan.rows)
-    for extra in hs_dir.glob("hs_*.safetensors"):  # rows stage 01 no longer has (it was redone on other data)
+    for extra in hs_files(hs_dir):  # rows stage 01 no longer has (it was redone on other data)
         if (row := row_of(extra.name)) is not None and row >= total_rows:
             extra.unlink(missing_ok=True)
     # An unfinished manifest records the identity from the first file on (a rerun with another dtype
@@ -132,8 +129,8 @@ def main(argv: list[str] | None = None) -> int:
             failures = run_extraction(backend, plan, hs_dir, cfg.retries)
         except DiskFull as exc:
             left = [i for i in plan.todo if not hs_file(hs_dir, i).is_file()]
-            need = sum(len(plan.rows[i]) for i in left) * hidden_state_bytes_per_token(
-                len(layer_ids), target.hidden_size, "fp8" if cfg.storage == "fp8" else cfg.dtype)
+            need = sum(len(plan.rows[i]) for i in left) * StateFormat.from_config(cfg).bytes_per_token(
+                target.hidden_size, len(layer_ids))
             raise StageError(f"{exc}; the {len(left)} row(s) left need ~{human_bytes(need)} ({need:,} B); free space, "
                              f"then rerun (finished files are kept)") from None
         finally:
@@ -143,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = validate_sample_of_files(plan, hs_dir, cfg.validate_sample, seed=cfg.rank)
     if bad:
         for index in bad:
-            (hs_dir / f"hs_{index}.safetensors").unlink(missing_ok=True)
+            hs_file(hs_dir, index).unlink(missing_ok=True)
         raise fail_rows(bad, hs_dir, "re-validation")
 
     # 5. Contract last, once every rank's rows are in (with --world-size > 1 the last rank to finish writes it).

@@ -22,12 +22,14 @@ from eagle3_pipeline.config import TrainConfig, load_draft_config, resolve_stage
 from eagle3_pipeline.contract import MANIFEST_NAME, input_record, write_manifest
 from eagle3_pipeline.errors import Interrupted, StageError
 from eagle3_pipeline.files import check_writable_dir, held_lock_fds, remove_stale_temps
+from eagle3_pipeline.hidden_states import StateFormat
 from eagle3_pipeline.metrics import METRICS_FILE, compat_applied
 from eagle3_pipeline.plan import check_plan_lines
 from eagle3_pipeline.plots import PLOTS_DIRNAME, write_plots
-from eagle3_pipeline.preflight import checkpoint_bytes, fit_seq_len_to_run, preflight_train
+from eagle3_pipeline.preflight import fit_seq_len_to_run, preflight_train
 from eagle3_pipeline.ranks import clear_own, stopped_line
 from eagle3_pipeline.resume import INTERRUPTED, prepare_resume
+from eagle3_pipeline.sizing import checkpoint_bytes
 from eagle3_pipeline.stage import (
     config_fingerprint,
     finished,
@@ -46,6 +48,7 @@ from eagle3_pipeline.training import (
     launch_command,
     launch_env,
     read_upstream,
+    resolved_for_print_config,
     run_in_process,
     skipped_samples,
     speculators_argv,
@@ -57,7 +60,7 @@ from eagle3_pipeline.training import (
 @stage_main
 def main(argv: list[str] | None = None) -> int:
     # 1. Config.
-    cfg, sources = resolve_stage_config(TrainConfig, argv)
+    cfg, sources = resolve_stage_config(TrainConfig, argv, run_time_notes=resolved_for_print_config)
     out_dir = Path(cfg.output)
     draft = load_draft_config(cfg.draft_config)
     target = load_target_info(cfg.target)
@@ -133,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     spec_argv = speculators_argv(
         cfg, draft, target.path, aux_layer_ids, vocab["draft_vocab_size"], prepared["train_data_ratio"],
         mask_token_id=target.text_config.get("pad_token_id") or 0,
-        hidden_states_storage=(extracted or {}).get("storage", "dtype"),
+        hidden_states_storage=StateFormat.from_manifest(extracted or {}).storage,
     )
     launch = launch_command(cfg, spec_argv)
     # First of this run's writes: what it may write is listed (a later --overwrite deletes only those).
@@ -145,9 +148,10 @@ def main(argv: list[str] | None = None) -> int:
              "from stage 02's files" if server is None else f"{cfg.hidden_states} from {server['endpoint']}",
              out_dir / "command.txt")
     # Every sample is checked as the loader reads it (compat/sample_check.py): stage 02's storage, or vLLM's states.
+    stored = StateFormat.from_manifest(extracted) if extracted else None
     sample_spec = {"slots": len(layer_ids), "hidden": target.hidden_size,
-                   "dtype": extracted["dtype"] if extracted and extracted.get("storage", "dtype") != "fp8" else None,
-                   "storage": (extracted or {}).get("storage", "dtype") if extracted else "any"}
+                   "dtype": stored.dtype if stored and not stored.is_fp8 else None,
+                   "storage": stored.storage if stored else "any"}
     export_compat_settings(cfg, sample_spec)
     if launch is None:
         run_in_process(spec_argv, out_dir / METRICS_FILE, checkpoint_bytes(cfg, draft, target, vocab["draft_vocab_size"]))

@@ -9,7 +9,8 @@ import json
 
 import pytest
 
-from eagle3_pipeline.conversations import ChatTokenizer, rows_for_record, to_messages
+from eagle3_pipeline.chat_rows import ChatTokenizer, rows_for_record
+from eagle3_pipeline.conversations import to_messages
 from eagle3_pipeline.errors import InputError
 
 from conftest import run_stage
@@ -226,7 +227,7 @@ def test_any_exception_a_real_template_raises_is_one_line_naming_the_turn(family
 def test_a_template_that_reads_thinking_gets_the_turns_reasoning_under_that_name(family_dir):
     """gpt-oss reads an assistant turn's reasoning only as `thinking` (its analysis channel); the trained
     turn carries it under that name too, whichever name the data used."""
-    from eagle3_pipeline.conversations import content_format
+    from eagle3_pipeline.chat_rows import content_format
 
     chat = ChatTokenizer(str(family_dir("qwen3")))
     chat.tokenizer.chat_template = (  # gpt-oss's layout for the last assistant turn, reduced

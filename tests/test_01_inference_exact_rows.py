@@ -15,7 +15,8 @@ import json
 
 import pytest
 
-from eagle3_pipeline.conversations import ChatTokenizer, rows_for_record, to_messages, tools_of
+from eagle3_pipeline.chat_rows import ChatTokenizer, rows_for_record
+from eagle3_pipeline.conversations import to_messages, tools_of
 from eagle3_pipeline.errors import InputError
 
 from conftest import run_stage

@@ -6,7 +6,8 @@ import subprocess
 import pytest
 import torch
 
-from eagle3_pipeline.conversations import ChatTokenizer, rows_for_conversation, to_messages
+from eagle3_pipeline.chat_rows import ChatTokenizer, rows_for_conversation
+from eagle3_pipeline.conversations import to_messages
 from eagle3_pipeline.errors import InputError
 
 from conftest import SAMPLES, free_port, http_server, run_stage

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_pipeline.conversations import ChatTokenizer, Row, to_messages, turn_row
+from eagle3_pipeline.chat_rows import ChatTokenizer, Row, turn_row
+from eagle3_pipeline.conversations import to_messages
 from eagle3_pipeline.errors import InputError
 
 from conftest import REPO

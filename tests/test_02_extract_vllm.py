@@ -36,10 +36,10 @@ from eagle3_pipeline.extract import vllm_backend as vb  # noqa: E402
 from eagle3_pipeline.extract.common import (  # noqa: E402
     BadHiddenStates,
     ExtractedSample,
-    hs_file,
     land_sample,
     validate_file,
 )
+from eagle3_pipeline.hidden_states import hs_file  # noqa: E402
 from eagle3_pipeline.miniature import build_miniature  # noqa: E402
 from eagle3_pipeline.target import extraction_layer_ids, load_target_info  # noqa: E402
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3_pipeline.extract.common import SCALES_KEY, BadHiddenStates, check_hidden_states, hs_file, quantize_fp8
-from eagle3_pipeline.preflight import hidden_state_bytes_per_token
+from eagle3_pipeline.extract.common import SCALES_KEY, BadHiddenStates, check_hidden_states, quantize_fp8
+from eagle3_pipeline.hidden_states import StateFormat, hs_file
 
 from conftest import SAMPLES, run_stage
 
@@ -74,8 +74,8 @@ def test_a_rerun_with_the_other_storage_is_refused_never_mixed(fp8_run, kimi_tar
 
 
 def test_fp8_bytes_per_token_are_half_of_bf16_plus_the_scale():
-    assert hidden_state_bytes_per_token(4, 7168, "fp8") == 28_676
-    assert hidden_state_bytes_per_token(4, 7168, "bfloat16") == 57_344
+    assert StateFormat("fp8").bytes_per_token(7168, 4) == 28_676
+    assert StateFormat("dtype", "bfloat16").bytes_per_token(7168, 4) == 57_344
 
 
 @pytest.mark.reliability

@@ -399,3 +399,17 @@ def test_flex_forward_config_reaches_the_kernel_and_keeps_outputs_and_grads():
     result = _run_script(_COMPILED_FLEX)
     assert result.returncode == 0, result.stderr[-3000:]
     print(result.stdout)
+
+
+def test_the_version_gate_refuses_another_speculators_with_one_line_naming_the_fix():
+    from importlib import metadata
+
+    from eagle3_pipeline.compat.gate import require_speculators, speculators_supported
+
+    installed = metadata.version("speculators")
+    require_speculators("sample_check", (installed,), "speculators/train/data.py")  # this version: no error
+    assert speculators_supported((installed,)) and not speculators_supported(("0.0.1",))
+    with pytest.raises(RuntimeError) as refused:
+        require_speculators("sample_check", ("0.0.1",), "speculators/train/data.py")
+    assert str(refused.value) == (f"compat/sample_check.py was written for speculators ('0.0.1',), found {installed}; "
+                                  f"re-check it against speculators/train/data.py")

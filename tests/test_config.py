@@ -167,8 +167,11 @@ def test_every_stage_help_shows_an_example_and_the_profile_flag(stage):
 # --- --print-config without paths, with what the stage resolves ----------------------------------
 
 def _printed(capsys, cls, argv) -> list[str]:
+    from eagle3_pipeline.training import resolved_for_print_config  # what 04_train.py passes
+
+    notes = resolved_for_print_config if cls is TrainConfig else None
     with pytest.raises(SystemExit) as stop:
-        resolve_stage_config(cls, argv + ["--print-config"])
+        resolve_stage_config(cls, argv + ["--print-config"], run_time_notes=notes)
     assert stop.value.code == 0
     return capsys.readouterr().out.splitlines()
 

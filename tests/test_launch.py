@@ -17,8 +17,9 @@ from safetensors.torch import save_file
 
 from eagle3_pipeline.config import ExtractConfig, TrainConfig
 from eagle3_pipeline.errors import ConfigError, InputError
-from eagle3_pipeline.extract.common import hs_file, partition_indices
+from eagle3_pipeline.extract.common import partition_indices
 from eagle3_pipeline.extract.run import all_rows_landed, plan_extraction
+from eagle3_pipeline.hidden_states import hs_file
 from eagle3_pipeline.training import launch_command
 
 SPEC_ARGV = ["--verifier-name-or-path", "/models/K", "--save-path", "/shared/ckpt", "--total-seq-len", "32768",

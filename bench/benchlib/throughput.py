@@ -13,7 +13,7 @@ GPU"; nothing here changes training (the levers under test are stage 04's own: i
 - `write_synthetic_prepared_dataset` (+ `write_synthetic_stage_manifests` for 04_train): a
   prepared dataset in speculators' on-disk layout with random hidden states, for speed only
   (random data says nothing about learning).
-- `measure_bf16_matmul_peak` (and `eagle3_pipeline.preflight.measure_cold_read_bandwidth`):
+- `measure_bf16_matmul_peak` (and `eagle3_pipeline.disk_reads.measure_cold_read_bandwidth`):
   the two ceilings.
 - `run_speculators_train` + `summarize_train_metrics`: plain speculators with per-step timing
   out of its own trainer (its `_StepTimer` profile) as JSON lines, and the summary the bench prints.
@@ -32,8 +32,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eagle3_pipeline.disk_reads import evict_from_page_cache, page_cache_resident_fraction
+from eagle3_pipeline.hidden_states import HS_DIRNAME, NUM_SLOTS, StateFormat, hs_file
 from eagle3_pipeline.miniature import KIMI_K25_ROUTING_AND_MLA_HEADS
-from eagle3_pipeline.preflight import evict_from_page_cache, page_cache_resident_fraction
 
 # --------------------------------------------------------------------------------------
 # Kimi-K2.5's config (the real dims; ../shared/KNOWLEDGE.md). Only what the draft reads
@@ -87,7 +88,7 @@ HEAD_ONLY_TENSORS = (
 )
 
 # Hidden-state slots on disk: 3 aux layers + the final layer (pre-norm).
-HIDDEN_STATE_SLOTS = 4
+HIDDEN_STATE_SLOTS = NUM_SLOTS
 
 
 def kimi_k25_config(text_overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -174,7 +175,7 @@ def write_synthetic_prepared_dataset(
     `--hidden-states-backend fp8`.
 
     `out_dir` gets the `datasets.save_to_disk` table (input_ids, loss_mask int64, seq_len;
-    torch format, as speculators' prepare-data saves it), `hidden_states/hs_{i}.safetensors`
+    torch format, as speculators' prepare-data saves it), stage 02's row files in `hidden_states/`
     ({"hidden_states": [T, 4, H] bf16, "token_ids": [T] int64}) and `token_freq.pt`
     (counted by speculators' own function). With `distinct_files=K`, row i's file is a
     hard link to file i % K (and row i has that file's tokens): a long benchmark run needs
@@ -191,7 +192,7 @@ def write_synthetic_prepared_dataset(
     if storage not in ("dtype", "fp8"):
         raise ValueError(f"storage {storage!r}: 'dtype' (bf16) or 'fp8'")
     out = Path(out_dir)
-    hs_dir = out / "hidden_states"
+    hs_dir = out / HS_DIRNAME
     hs_dir.mkdir(parents=True, exist_ok=True)
     distinct = min(distinct_files or num_rows, num_rows)
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -205,12 +206,12 @@ def write_synthetic_prepared_dataset(
         tokens = tokens.to(torch.int64).cpu()
         states = quantize_fp8(hidden) if storage == "fp8" else {"hidden_states": hidden}
         save_file({**{k: v.cpu().contiguous() for k, v in states.items()}, "token_ids": tokens},
-                  str(hs_dir / f"hs_{i}.safetensors"))
+                  str(hs_file(hs_dir, i)))
         token_rows.append(tokens)
     for i in range(distinct, num_rows):
-        target = hs_dir / f"hs_{i}.safetensors"
+        target = hs_file(hs_dir, i)
         target.unlink(missing_ok=True)
-        source = hs_dir / f"hs_{i % distinct}.safetensors"
+        source = hs_file(hs_dir, i % distinct)
         try:
             os.link(source, target)
         except OSError:  # a filesystem without hard links: copy instead
@@ -228,15 +229,14 @@ def write_synthetic_prepared_dataset(
     freq_path = out / "token_freq.pt"
     freq_path.unlink(missing_ok=True)
     save_token_frequency_distribution(table, output_path=freq_path)
-    file_bytes = (hs_dir / "hs_0.safetensors").stat().st_size
+    file_bytes = hs_file(hs_dir, 0).stat().st_size
     return {
         "rows": num_rows,
         "distinct_files": distinct,
         "seq_len": seq_len,
         "storage": storage,
         "hidden_state_file_bytes": file_bytes,
-        "hidden_state_bytes_per_token": (HIDDEN_STATE_SLOTS * hidden_size + 4 if storage == "fp8"
-                                         else HIDDEN_STATE_SLOTS * hidden_size * 2),
+        "hidden_state_bytes_per_token": StateFormat(storage).bytes_per_token(hidden_size, HIDDEN_STATE_SLOTS),
     }
 
 
@@ -410,7 +410,7 @@ def kimi_draft_geometry(
 
 
 # --------------------------------------------------------------------------------------
-# Ceilings: bf16 matmul peak (the disk's: eagle3_pipeline.preflight.measure_cold_read_bandwidth)
+# Ceilings: bf16 matmul peak (the disk's: eagle3_pipeline.disk_reads.measure_cold_read_bandwidth)
 # --------------------------------------------------------------------------------------
 
 # Square and draft-shaped products (32K tokens x the draft's q/k/v and MLP widths).

@@ -24,7 +24,8 @@ from pathlib import Path
 
 from .contract import MANIFEST_NAME
 from .errors import ContractError
-from .files import remove_path, sha256_file
+from .files import remove_path, safetensors_problem, sha256_file
+from .stage import first_difference, read_own_manifest
 
 INTERRUPTED = "interrupted"
 BEST_LINK = "checkpoint_best"
@@ -101,8 +102,6 @@ def incomplete_reason(folder: Path) -> str | None:
 
 def unreadable_weights(path: Path) -> str | None:
     """Why a checkpoint's safetensors file cannot be read (truncated, garbled header), or None."""
-    from .files import safetensors_problem
-
     return safetensors_problem(path)
 
 
@@ -115,8 +114,6 @@ def best_gone_message(out_dir: Path, best: str) -> str:
 
 def require_recorded_best(out_dir: Path) -> bool:
     """A finished run's recorded best checkpoint must still be there, whole (else stage 05 would export another)."""
-    from .stage import read_own_manifest
-
     best = (read_own_manifest(out_dir) or {}).get("best_checkpoint")
     if not best:
         return True
@@ -166,8 +163,6 @@ def own_outputs(out_dir: Path) -> list[Path]:
     """Everything in out_dir that stage 04 or speculators' trainer wrote (what --overwrite may delete): only
     where a stage 04 manifest (finished or not) is, and of the run files only those it lists, never by name alone
     (a work directory's `logs/` is not this stage's because the trainer also writes a `logs/`)."""
-    from .stage import read_own_manifest
-
     out_dir = Path(out_dir)
     manifest = read_own_manifest(out_dir) if out_dir.is_dir() else None
     if manifest is None or manifest.get("stage") != "train":
@@ -206,8 +201,6 @@ def refuse_foreign_folders(out_dir: Path) -> None:
 
 def replaces_other_run(out_dir: Path, identity: dict) -> bool:
     """True when out_dir holds this stage's outputs of another run (identity differs, or no manifest)."""
-    from .stage import first_difference, read_own_manifest  # stage imports nothing of this module's
-
     manifest = read_own_manifest(out_dir)
     if manifest is None:
         return bool(own_outputs(out_dir))

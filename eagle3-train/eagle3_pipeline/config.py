@@ -18,10 +18,15 @@ import typing
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
 from .compat.flex_forward_config import parse_setting as parse_flex_forward_config
-from .errors import ConfigError
+from .contract import read_manifest
+from .errors import ConfigError, ContractError, InputError
+from .hidden_states import FILE_PATTERN, HS_DIRNAME
+from .target import extraction_layer_ids, load_target_info
+
+# Local imports: torch: imported only to tell --print-config whether CUDA is there (heavy; configs load without it).
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 SCRIPTS_DIR = PACKAGE_DIR.parent
@@ -110,7 +115,7 @@ class ExtractConfig(StageConfig):
     STAGE: ClassVar[str] = "extract"
     DESCRIPTION: ClassVar[str] = (
         "Stage 02: run the target and save aux-layer + final (pre-norm) hidden states per row as "
-        "hidden_states/hs_{i}.safetensors (speculators' layout), validated as they land."
+        f"{HS_DIRNAME}/{FILE_PATTERN} (speculators' layout), validated as they land."
     )
     EXAMPLE: ClassVar[str] = (
         "python eagle3-train/02_extract_hidden_states.py --profile rtx-pro-6000-8x \\\n"
@@ -312,8 +317,6 @@ def load_profile(name: str) -> dict[str, dict[str, Any]]:
 
 
 def _check_profile_value(path: Path, section: str, cls: type[StageConfig], field: str, value: Any) -> None:
-    from pydantic import TypeAdapter, ValidationError
-
     info = cls.model_fields[field]
     try:
         TypeAdapter(info.annotation).validate_python(value, strict=not isinstance(value, (int, float, str)))
@@ -370,12 +373,15 @@ def build_parser(cls: type[StageConfig]) -> argparse.ArgumentParser:
     return parser
 
 
-def resolve_stage_config(cls: type[StageConfig], argv: list[str] | None = None):
-    """Parse argv for one stage; returns (config, sources). Exits 0 after --print-config."""
-    return resolve_parsed(cls, vars(build_parser(cls).parse_args(argv)))
+def resolve_stage_config(cls: type[StageConfig], argv: list[str] | None = None, run_time_notes=None):
+    """Parse argv for one stage; returns (config, sources). Exits 0 after --print-config.
+
+    `run_time_notes(cfg) -> {field: text}`: what --print-config adds for fields the stage decides at run
+    time, from the stage's own module (04: training.resolved_for_print_config; config imports no stage logic)."""
+    return resolve_parsed(cls, vars(build_parser(cls).parse_args(argv)), run_time_notes)
 
 
-def resolve_parsed(cls: type[StageConfig], args: dict):
+def resolve_parsed(cls: type[StageConfig], args: dict, run_time_notes=None):
     """`resolve_stage_config` after parsing (a caller with flags of its own pops them first)."""
     profile_name = args.pop("profile", None)
     print_config = args.pop("print_config", False)
@@ -386,7 +392,7 @@ def resolve_parsed(cls: type[StageConfig], args: dict):
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     if print_config:
-        print(format_config(cfg, sources, profile_name, resolved_at_run_time(cfg)))
+        print(format_config(cfg, sources, profile_name, resolved_at_run_time(cfg, run_time_notes)))
         raise SystemExit(0)
     return cfg, sources
 
@@ -451,13 +457,12 @@ def format_config(cfg: StageConfig, sources: dict[str, str], profile_name: str |
     return "\n".join(lines)
 
 
-def resolved_at_run_time(cfg: StageConfig) -> dict[str, str]:
+def resolved_at_run_time(cfg: StageConfig, run_time_notes=None) -> dict[str, str]:
     """For --print-config: what the `auto`/unset fields become in a run on this machine, where that is
-    cheap to know without the run's inputs (train: what speculators receives; vocab/export: draft defaults)."""
-    if isinstance(cfg, TrainConfig):
-        from .training import resolved_for_print_config
-
-        return resolved_for_print_config(cfg)
+    cheap to know without the run's inputs (train: what speculators receives, from `run_time_notes`;
+    vocab/export: draft defaults)."""
+    if run_time_notes is not None:
+        return run_time_notes(cfg)
     if isinstance(cfg, ExtractConfig):
         return _extract_resolved(cfg)
     if isinstance(cfg, VocabConfig) and cfg.draft_vocab_size is None:
@@ -467,9 +472,6 @@ def resolved_at_run_time(cfg: StageConfig) -> dict[str, str]:
             return {"draft_vocab_size": f"? ({exc})"}
         return {"draft_vocab_size": f"{value} ({cfg.draft_config}; clipped to the target's vocabulary size)"}
     if isinstance(cfg, ExportConfig) and cfg.num_speculative_tokens is None:
-        from .contract import read_manifest
-        from .errors import ContractError
-
         try:
             trained = read_manifest(cfg.checkpoints, "train", "--checkpoints")
         except (ContractError, OSError):
@@ -511,9 +513,6 @@ class DraftConfig(BaseModel):
 
 
 def _extract_resolved(cfg: ExtractConfig) -> dict[str, str]:
-    from .errors import InputError
-    from .target import extraction_layer_ids, load_target_info
-
     notes: dict[str, str] = {}
     try:
         target = load_target_info(cfg.target)

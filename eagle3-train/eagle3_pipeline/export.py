@@ -18,6 +18,9 @@ import numpy as np
 
 from . import checkpoints
 from .errors import ContractError, InputError
+from .files import sha256_file
+
+# Local imports: torch, safetensors, speculators: imported where the draft is loaded (heavy; 05's --help/--check need none).
 
 SERVING_FILES = ("config.json", "model.safetensors", "config.py", "val_metrics.json")
 
@@ -58,8 +61,6 @@ def require_finite_weights(weights: Path, name: Path | None = None) -> None:
 
 def require_unchanged(weights: Path, copied: Path, expected_sha256: str) -> None:
     """The checkpoint's weights are still the ones this export started from (04 --overwrite may retrain the folder)."""
-    from .files import sha256_file
-
     if sha256_file(copied) != expected_sha256:
         raise ContractError(f"{weights}: changed while this export ran (sha256 is no longer the {expected_sha256[:12]}... "
                             f"it started from: training rewrote it?); nothing was exported; rerun once training is done")

@@ -11,14 +11,20 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import json
 import os
 import shutil
+import struct
 from pathlib import Path
 from typing import Any, Iterator
 
+from . import machine
 from .errors import StageError
+
+# Local imports: safetensors.torch, numpy: imported by the writers that need them (this module stays
+# torch-free: run_all's python may have no torch).
 
 TEMP_MARKER = ".tmp-"
 
@@ -52,10 +58,8 @@ def is_disk_full(exc: BaseException) -> bool:
 
 
 def _free_bytes(where: Path) -> int:
-    from .preflight import disk_free  # the one free-space probe (tests stand in for it there)
-
     try:
-        return disk_free(where)
+        return machine.disk_free(where)  # the one free-space probe (tests stand in for it there)
     except OSError:
         return 0
 
@@ -174,8 +178,6 @@ def hold_lock(lock_file: Path, exclusive: bool = True) -> int:
     files). The fd is inheritable, so training processes started by stage 04 keep the lock while
     they live: a stage killed with -9 whose children still write is not "gone" yet.
     """
-    import fcntl
-
     lock_file = Path(lock_file)
     key = str(lock_file.resolve())
     if key in _held_locks:
@@ -248,8 +250,6 @@ def file_fingerprint(path: Path) -> str:
     """sha256 of the size, the safetensors header and 8 blocks spread evenly over the file: cheap enough for
     every file on every rerun; a truncation, a swap, or a rewrite with another header or other bytes in those
     blocks shows. Not every byte: the training loader checks each sample's values as it reads them."""
-    import struct
-
     path = Path(path)
     size = path.stat().st_size
     digest = hashlib.sha256(str(size).encode())

@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+# Local imports: torch, where a record gets GPU memory (train_report reads metrics without torch).
+
 METRICS_FILE = "metrics.jsonl"
 COMPAT_KEY = "compat_applied"
 

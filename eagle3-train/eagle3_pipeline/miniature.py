@@ -18,10 +18,14 @@ Weights are random (seeded): the miniature tests plumbing and shapes, not qualit
 
 from __future__ import annotations
 
+import argparse
 import json
+import tempfile
 from pathlib import Path
 
 from .files import atomic_path, sha256_json
+
+# Local imports: torch, transformers, tokenizers, safetensors: imported where the miniature is built (`--print` of a cached one needs none).
 
 SAMPLES_DIR = Path(__file__).resolve().parent.parent / "samples"
 SAMPLE_CONVERSATIONS = SAMPLES_DIR / "conversations.jsonl"
@@ -281,7 +285,6 @@ def _random_model_state(model_type: str, config: dict, seed: int) -> dict:
     # `experts.gate_up_proj` tensors in memory, while real checkpoints (Kimi-K2.5, DeepSeek-V3)
     # store `experts.{e}.{gate,up,down}_proj.weight`, the only layout vLLM loads. save_pretrained
     # writes the checkpoint layout (and from_pretrained reads it back to the same model).
-    import tempfile
 
     from safetensors.torch import load_file
 
@@ -351,8 +354,6 @@ def _write_generation_config(directory: Path, special_ids: dict[str, int]) -> No
 
 
 def main() -> None:
-    import argparse
-
     parser = argparse.ArgumentParser(description="Build the miniature targets (tiny Kimi-K2.5-shaped + tiny Llama).")
     parser.add_argument("--cache-dir", default=".cache", help="where to build (reused when unchanged)")
     parser.add_argument("--print", choices=["kimi", "llama", "conversations", "sharegpt"],

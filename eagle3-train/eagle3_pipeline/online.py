@@ -3,7 +3,7 @@
 speculators 0.9.0's contract, read from its code (train/data.py `ArrowDataset`, data_generation/
 vllm_client.py `generate_hidden_states`, hs_connectors/transfer.py `FileTransfer`):
 - `speculators train --on-missing generate --vllm-endpoint BASE/v1`: for each sample with no
-  `hs_{i}.safetensors` under `--hidden-states-path`, the data loader sends POST /v1/completions
+  row file (hidden_states.py) under `--hidden-states-path`, the data loader sends POST /v1/completions
   {model, prompt: the row's input_ids, max_tokens: 1, return_token_ids: true}. `model` is
   `--verifier-name-or-path`, and the first model /v1/models lists must have exactly that id (else
   it raises): the server is started with `--served-model-name` = the trainer's --target path.
@@ -15,7 +15,7 @@ vllm_client.py `generate_hidden_states`, hs_connectors/transfer.py `FileTransfer
   `--generation-validation-retries` + 1 round trips), then dropped from its batch; 20 drops in a row
   in one loader worker stop the run. `--on-generate cache` no longer exists in 0.9.0 (deprecated:
   states are always deleted): hybrid is ours (compat/online_generation.py keeps each generated sample
-  as `OUTPUT/hidden_states_cache/hs_{i}.safetensors`, where speculators' `get_cached` finds it).
+  as its row file in `OUTPUT/hidden_states_cache/`, where speculators' `get_cached` finds it).
 - vLLM cannot tell which layers it extracts (/v1/models reports id, root and max_model_len only):
   `serve_target` writes a card (`eagle3-server.json`) into the staging directory, which the trainer
   finds beside the probe's file; without one, the user states `--layer-ids` and the manifest says so.
@@ -35,13 +35,22 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from safetensors import safe_open
+
 from .errors import ConfigError, InputError, StageError
 from .files import atomic_write_json, remove_path
+from .hidden_states import StateFormat, hs_files
+from .preflight import check_disk
+from .prepared import load_prepared
+from .target import load_target_info
+
+# Local imports: extract.common, extract.vllm_backend: imported where the probe file is read (they load
+# torch; this module's names are torch-free).
 
 log = logging.getLogger("eagle3")
 
 CARD_NAME = "eagle3-server.json"
-CACHE_DIRNAME = "hidden_states_cache"  # hybrid: OUTPUT/hidden_states_cache/hs_{i}.safetensors
+CACHE_DIRNAME = "hidden_states_cache"  # hybrid: OUTPUT/hidden_states_cache/, one row file each (hidden_states.py)
 STAGING_DIRNAME = "vllm_online_staging"  # serve_target's default staging dir, inside --data
 SERVE_MODULE = "eagle3_pipeline.serve_target"
 # What the compat fix (in every training process and loader worker) reads; set by training.export_compat_settings.
@@ -205,7 +214,6 @@ def check_server(endpoint: str, target, layer_ids: list[int], layer_ids_stated: 
         except BadHiddenStates as exc:
             raise InputError(f"--vllm-endpoint {url} extracts other hidden states than this run needs ({exc}); "
                              f"expected {len(layer_ids)} layers {layer_ids} of hidden size {target.hidden_size}") from None
-        from safetensors import safe_open
 
         with safe_open(str(path), framework="pt") as handle:
             dtype = str(handle.get_slice("hidden_states").get_dtype())
@@ -242,7 +250,6 @@ def check_server(endpoint: str, target, layer_ids: list[int], layer_ids_stated: 
                           f"with the server's eagle_aux_hidden_state_layer_ids minus the final layer "
                           f"(this run's default: {' '.join(map(str, layer_ids[:-1]))})")
     if card is None and root and Path(root, "config.json").is_file():  # the server's own copy, readable here
-        from .target import load_target_info
 
         served = load_target_info(root)
         if served.config_sha256 != target.config_sha256:
@@ -255,8 +262,6 @@ def check_server(endpoint: str, target, layer_ids: list[int], layer_ids_stated: 
 
 def preflight(cfg, target, prepared: dict, layer_ids: list[int], layer_ids_stated: bool) -> dict:
     """Stage 04's online/hybrid preflight: the server check (logged), and disk for hybrid's cache."""
-    from .preflight import check_disk
-
     probe_ids, longest = probe_row(cfg.data)
     server = check_server(cfg.vllm_endpoint, target, layer_ids, layer_ids_stated, probe_ids, longest)
     server["mode"] = cfg.hidden_states
@@ -279,8 +284,6 @@ def command_note(cfg) -> str:
 
 def probe_row(data_dir: str | Path) -> tuple[list[int], int]:
     """The shortest prepared row's input_ids (the probe request) and the longest row's length."""
-    from .prepared import load_prepared
-
     dataset = load_prepared(Path(data_dir)).with_format(None)
     lengths = [int(n) for n in dataset["seq_len"]]
     shortest = min(range(len(lengths)), key=lengths.__getitem__)
@@ -288,11 +291,7 @@ def probe_row(data_dir: str | Path) -> tuple[list[int], int]:
 
 
 def cache_bytes_needed(total_tokens: int, slots: int, hidden_size: int, dtype: str, out_dir: Path) -> int:
-    """Hybrid: bytes the cache still needs (what is already cached is subtracted)."""
-    from .preflight import hidden_state_bytes_per_token
-
-    name = dtype.replace("torch.", "").lower()
-    name = {"bf16": "bfloat16", "f32": "float32", "f16": "float16"}.get(name, name)
-    need = total_tokens * hidden_state_bytes_per_token(slots, hidden_size, name)
-    have = sum(p.stat().st_size for p in cache_dir(out_dir).glob("hs_*.safetensors"))
+    """Hybrid: bytes the cache still needs (what is already cached is subtracted). `dtype`: the probe file's."""
+    need = total_tokens * StateFormat.from_stored(dtype).bytes_per_token(hidden_size, slots)
+    have = sum(p.stat().st_size for p in hs_files(cache_dir(out_dir)))
     return max(need - have, 0)

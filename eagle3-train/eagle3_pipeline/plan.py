@@ -26,26 +26,20 @@ from pathlib import Path
 
 from .config import TrainConfig, load_profile
 from .contract import manifest_path
+from .disk_reads import READ_PROBE_MIN_TOTAL_BYTES, measure_cold_read_bandwidth, read_probe_sample
 from .errors import StageError
-from .preflight import (
-    READ_PROBE_MIN_TOTAL_BYTES,
-    TRAIN_TOKENS_PER_S_PER_GPU,
-    disk_free,
-    hidden_state_bytes_per_token,
-    human_bytes,
-    measure_cold_read_bandwidth,
-    read_probe_sample,
-)
+from .hidden_states import HS_DIRNAME, NUM_SLOTS, StateFormat
+from .machine import disk_free
 from .scaling import communication_line
+from .sizing import TRAIN_TOKENS_PER_S_PER_GPU, human_bytes
 from .target import load_target_info
 
-# What a token's hidden states hold: 3 aux layers + the final layer (stage 02's default).
-NUM_SLOTS = 4
-FORMATS = {"bf16": "bfloat16", "fp8": "fp8"}  # the plan's names -> stage 02's saved formats
+# The plan's labels -> stage 02's formats (--storage dtype with --dtype bfloat16, --storage fp8).
+FORMATS = {"bf16": StateFormat("dtype", "bfloat16"), "fp8": StateFormat("fp8")}
 
 
 def bytes_per_token(hidden_size: int, storage: str, num_slots: int = NUM_SLOTS) -> int:
-    return hidden_state_bytes_per_token(num_slots, hidden_size, FORMATS[storage])
+    return FORMATS[storage].bytes_per_token(hidden_size, num_slots)
 
 
 @dataclass
@@ -106,7 +100,7 @@ class Plan:
 
 def measured_extract_rate(data: Path) -> tuple[float | None, str]:
     """Stage 02's own rate, from its manifest in DATA/hidden_states (a 10-sample run records it)."""
-    manifest = manifest_path(data / "hidden_states")
+    manifest = manifest_path(data / HS_DIRNAME)
     try:
         counts = json.loads(manifest.read_text()).get("counts", {})
     except (OSError, json.JSONDecodeError):
@@ -146,7 +140,7 @@ def data_tokens(data: Path, rows: int | None, tokens_per_row: int | None) -> tup
 def cold_read(data: Path, given: float | None) -> tuple[float | None, str]:
     if given is not None:
         return given, "--disk-read-gb-s"
-    files, total = read_probe_sample(data / "hidden_states")  # stage 02's HS_DIRNAME (torch-free here)
+    files, total = read_probe_sample(data / HS_DIRNAME)
     if total < READ_PROBE_MIN_TOTAL_BYTES:  # smaller: the page cache holds them
         return None, (f"not measured (under {READ_PROBE_MIN_TOTAL_BYTES / 1e9:.0f} GB of hidden states in {data} to "
                       f"read; the plan's --disk-read-gb-s gives it, or rerun after a 10-sample stage 02)")

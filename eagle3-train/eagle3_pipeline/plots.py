@@ -29,6 +29,8 @@ from pathlib import Path
 
 from .metrics import read_metrics
 
+# Local imports: matplotlib: imported where a plot is drawn (heavy, optional).
+
 PLOTS_DIRNAME = "plots"
 _STEP_KEY = re.compile(r"^(loss|full_acc|cond_acc)_(\d+)(?:_epoch)?$")
 _SMOOTH_FROM = 30  # draw a moving mean over the faint raw train curve from this many points on

@@ -20,107 +20,36 @@ What is checked (the numbers come from the target's config and the run's setting
   (a warning, not a refusal: a slow disk slows the run, it does not break it);
 - package versions known to be broken for this target (a vLLM that drops the final layer of
   DeepSeek-style backbones, a transformers without the kimi_k25 config, ...).
-Units are decimal (1 TB = 10^12 B), as disks are sold. The probes (`disk_free`, `probe_gpus`,
-`host_memory`) are module functions so tests can stand in for a machine they are not.
+The probes live in machine.py, the cold-read measurement in disk_reads.py, the size model in
+sizing.py; the checks here call them by the names imported below, which tests replace.
 """
 
 from __future__ import annotations
 
-import ctypes
-import errno
-import mmap
-import os
-import queue
-import shutil
-import threading
-import time
-from collections.abc import Sequence
-from importlib import metadata
 from pathlib import Path
 
+from .disk_reads import READ_PROBE_BYTES, READ_PROBE_MIN_TOTAL_BYTES, measure_cold_read_bandwidth, read_probe_sample
 from .errors import PreflightError
+from .hidden_states import DTYPES, HS_DIRNAME, NUM_SLOTS, StateFormat
+from .machine import disk_free, host_memory, installed_version, probe_gpus, transformers_knows
+from .sizing import (
+    OPTIMIZER_STATES,
+    PREPARED_BYTES_PER_INPUT_BYTE,
+    TRAIN_TOKENS_PER_S_PER_GPU,
+    checkpoint_bytes,
+    draft_parameters,
+    human_bytes,
+    optimizer_steps,
+    target_weights_bytes,
+)
 
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-# Dataset rows on disk: input_ids + loss_mask as int64 (+ arrow offsets, seq_len: small).
-PREPARED_BYTES_PER_TOKEN = 16
-# A prepared dataset is at most this many times its raw text (int64 ids, ~4 bytes of text per token).
-PREPARED_BYTES_PER_INPUT_BYTE = 4
-# Speculators saves checkpoints in bf16: the model, and the optimizer state per trainable parameter
-# (Muon: one momentum buffer; AdamW: two moments).
-CHECKPOINT_BYTES = 2
-OPTIMIZER_STATES = {"muon": 1, "adamw": 2}
-# Training tokens/s per GPU that 04_train's defaults reach at Kimi-K2.5 geometry on an H200, one GPU and
-# two under DDP (bench/README.md, "Training throughput"), rounded down: the rate the hidden-state reads
-# must keep up with.
-TRAIN_TOKENS_PER_S_PER_GPU = 35_000
-# The read probe: at most this much (a few seconds on the H200 machine's disk), and none
-# below the floor (hidden states that small live in the page cache).
-READ_PROBE_BYTES = 2 * 10**9
-READ_PROBE_MIN_TOTAL_BYTES = 10**9
 # The trainer's activations/caches beyond weights, as a fraction of GPU memory kept free.
 TRAIN_MEMORY_HEADROOM = 0.5
 SPECULATORS_TESTED = ("0.9.0",)
 
 
-# --- probes (monkeypatched by tests) ------------------------------------------------------------
-
-def existing_parent(path: Path) -> Path:
-    """The nearest directory that exists at or above `path` (its filesystem is where files will go)."""
-    path = Path(path).resolve()
-    while not path.exists():
-        path = path.parent
-    return path
-
-
-def disk_free(path: Path) -> int:
-    return shutil.disk_usage(existing_parent(path)).free
-
-
-def probe_gpus() -> list[int]:
-    """Total memory (bytes) of each visible CUDA GPU; [] on a machine without one."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return []
-    return [torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())]
-
-
-def host_memory() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
-
-
-# --- formatting ---------------------------------------------------------------------------------
-
-def human_bytes(num_bytes: float) -> str:
-    """Decimal units, one decimal: 11,744,051,200,000 -> '11.7 TB'."""
-    if abs(num_bytes) < 1000:
-        return f"{num_bytes:,.0f} B"
-    for unit in ("KB", "MB", "GB", "TB"):
-        num_bytes /= 1000
-        if abs(num_bytes) < 1000 or unit == "TB":
-            break
-    return f"{num_bytes:,.1f} {unit}"
-
-
 def refuse(line: str, why: str = "") -> PreflightError:
     return PreflightError(f"{line}: refusing{f' ({why})' if why else ''}")
-
-
-# --- disk ---------------------------------------------------------------------------------------
-
-# speculators' fp8 files: one byte a value plus one float32 scale per token.
-FP8_SCALE_BYTES = 4
-
-
-def hidden_state_bytes_per_token(num_slots: int, hidden_size: int, dtype: str) -> int:
-    """Bytes of one token's hidden states on disk: 4 x 7168 x 2 = 57,344 for Kimi-K2.5 in bf16,
-    4 x 7168 + 4 = 28,676 in fp8 (`dtype` "fp8": 02 --storage fp8)."""
-    if dtype == "fp8":
-        return num_slots * hidden_size + FP8_SCALE_BYTES
-    return num_slots * hidden_size * DTYPE_BYTES[dtype]
 
 
 def check_disk(what: str, need: int, detail: str, where: Path) -> str:
@@ -136,9 +65,11 @@ def check_disk(what: str, need: int, detail: str, where: Path) -> str:
 
 def check_hidden_states_disk(num_samples: int, num_tokens: int, num_slots: int, hidden_size: int,
                              dtype: str, hs_dir: Path) -> str:
-    per_token = hidden_state_bytes_per_token(num_slots, hidden_size, dtype)
+    """`dtype`: what the files hold ("fp8", or the values' dtype: StateFormat.name)."""
+    state_format = StateFormat.from_stored(dtype)
+    per_token = state_format.bytes_per_token(hidden_size, num_slots)
     avg = num_tokens / max(num_samples, 1)
-    value = "1 B + a 4 B scale per token, fp8" if dtype == "fp8" else f"{DTYPE_BYTES[dtype]} B"
+    value = state_format.value_text()
     detail = (f"{num_samples:,} samples x {avg:,.0f} tokens "
               f"({per_token:,} B/token = {num_slots} layers x {hidden_size:,} x {value})")
     return check_disk("", num_tokens * per_token, detail, hs_dir)
@@ -174,137 +105,6 @@ def check_hidden_state_reads(hs_dir: Path, total_tokens: int, nproc: int, *,
     return line
 
 
-def read_probe_sample(hs_dir: str | Path, probe_bytes: int = READ_PROBE_BYTES) -> tuple[list[Path], int]:
-    """(a spread of the hidden-state files of ~probe_bytes in all, the bytes of all of them): what the read
-    probes (this module's and the run plan's) read."""
-    files = sorted(Path(hs_dir).glob("hs_*.safetensors"))
-    total = sum(f.stat().st_size for f in files)
-    count = max(1, min(len(files), round(probe_bytes * len(files) / max(total, 1))))
-    return [files[round(i * len(files) / count)] for i in range(count)] if files else [], total
-
-
-def measure_cold_read_bandwidth(paths: Sequence[str | Path], *, threads: int = 1, how: str = "evicted") -> dict:
-    """Read every file once, `threads` at a time, and report GB/s.
-
-    how="evicted" (the default): the files' pages are dropped from the page cache first
-    (POSIX_FADV_DONTNEED, no root needed), then read through it, as the training loader reads them, the
-    kernel's read-ahead included; raises OSError where they stay cached (tmpfs). how="direct": O_DIRECT,
-    no read-ahead, so it understates what training gets (bench/README.md, "Disk cold reads"); raises
-    OSError where the filesystem refuses it. how="buffered": as the cache is.
-    """
-    files = [Path(p) for p in paths]
-    if how not in ("evicted", "direct", "buffered"):
-        raise ValueError(f"how={how!r}: evicted, direct or buffered")
-    if how == "evicted":
-        evict_from_page_cache(files)
-        resident = page_cache_resident_fraction(files)
-        if resident > 0.05:
-            raise OSError(errno.EOPNOTSUPP, f"{resident:.0%} of the files stayed in the page cache after eviction "
-                          "(tmpfs?)")
-    reader = _read_file_direct if how == "direct" else _read_file_buffered
-    work: queue.SimpleQueue[Path] = queue.SimpleQueue()
-    for path in files:
-        work.put(path)
-    totals = [0] * threads
-    errors: list[OSError] = []
-
-    def drain(slot: int) -> None:
-        while True:
-            try:
-                path = work.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                totals[slot] += reader(path)
-            except OSError as exc:  # raised in the caller's thread, below
-                errors.append(exc)
-                return
-
-    start = time.perf_counter()
-    workers = [threading.Thread(target=drain, args=(i,)) for i in range(threads)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join()
-    seconds = time.perf_counter() - start
-    if errors:
-        raise errors[0]
-    total = sum(totals)
-    return {"files": len(files), "bytes": total, "seconds": seconds, "threads": threads,
-            "how": how, "gb_per_s": total / seconds / 1e9}
-
-
-def evict_from_page_cache(paths: Sequence[str | Path]) -> None:
-    """Drop these files' pages from the page cache: written back first (dirty pages stay cached),
-    then POSIX_FADV_DONTNEED. Pages another process has mapped stay."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fdatasync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def page_cache_resident_fraction(paths: Sequence[str | Path]) -> float:
-    """The fraction of the files' pages in the page cache now: mincore(2) on a mapping that touches no
-    page, so asking does not change the answer."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    page = os.sysconf("SC_PAGE_SIZE")
-    resident = total = 0
-    for path in paths:
-        size = os.path.getsize(path)
-        if not size:
-            continue
-        pages = -(-size // page)
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-            if address in (None, ctypes.c_void_p(-1).value):
-                raise OSError(ctypes.get_errno(), f"mmap {path}")
-            try:
-                vector = ctypes.create_string_buffer(pages)
-                if libc.mincore(address, size, vector) != 0:
-                    raise OSError(ctypes.get_errno(), f"mincore {path}")
-                resident += pages - vector.raw[:pages].count(0)
-            finally:
-                libc.munmap(address, size)
-        finally:
-            os.close(fd)
-        total += pages
-    return resident / total if total else 0.0
-
-
-def _read_file_direct(path: Path, block: int = 16 << 20) -> int:
-    """Read a whole file with O_DIRECT (bypasses the page cache); returns bytes read."""
-    buffer = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT requires
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    total = 0
-    try:
-        while True:
-            got = os.readv(fd, [buffer])
-            total += got
-            if got < block:
-                return total
-    finally:
-        os.close(fd)
-        buffer.close()
-
-
-def _read_file_buffered(path: Path, block: int = 16 << 20) -> int:
-    total = 0
-    with open(path, "rb", buffering=0) as handle:
-        while chunk := handle.read(block):
-            total += len(chunk)
-    return total
-
-
-# --- GPUs and memory ----------------------------------------------------------------------------
-
 def check_gpu_count(visible: int, required: int, flag: str) -> str:
     line = f"gpus: {visible} visible, {flag} {required}"
     if visible < required:
@@ -326,39 +126,6 @@ def check_memory(what: str, need: int, per_device: int, devices: int, kind: str)
     return line
 
 
-def target_weights_bytes(target_path: str | Path) -> int:
-    """Size of the target's weights on disk (the index's total_size, else the shard files)."""
-    import json
-
-    root = Path(target_path)
-    index = root / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            total = json.loads(index.read_text()).get("metadata", {}).get("total_size")
-            if total:
-                return int(total)
-        except (ValueError, OSError):
-            pass
-    return sum(p.stat().st_size for p in root.glob("*.safetensors"))
-
-
-# --- package versions ---------------------------------------------------------------------------
-
-def installed_version(name: str) -> str | None:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def transformers_knows(model_type: str) -> bool:
-    try:
-        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-    except ImportError:
-        return False
-    return model_type in CONFIG_MAPPING_NAMES
-
-
 def check_training_versions(target_model_type: str) -> str:
     """speculators reads the verifier's config without remote code: transformers must know it."""
     speculators = installed_version("speculators")
@@ -375,6 +142,7 @@ def check_training_versions(target_model_type: str) -> str:
 
 
 def check_vllm_version(target, tensor_parallel_size: int, kv_cache_dtype: str) -> str:
+    # local: extract/ loads torch, which stages 01/03/05 and the run plan never need
     from .extract.vllm_backend import vllm_installed_version, vllm_version_problem
 
     problem = vllm_version_problem(target, tensor_parallel_size, kv_cache_dtype)
@@ -382,8 +150,6 @@ def check_vllm_version(target, tensor_parallel_size: int, kv_cache_dtype: str) -
         raise PreflightError(f"versions: {problem}: refusing")
     return f"versions: vllm {vllm_installed_version()}: no known problem for {target.text_model_type or target.model_type}"
 
-
-# --- per stage ----------------------------------------------------------------------------------
 
 def preflight_prepare(data: str, max_samples: int | None, max_seq_len: int, target, out_dir: Path) -> list[str]:
     """Stage 01: room for the dataset; and, printed only, an upper bound for stage 02's hidden states."""
@@ -398,7 +164,7 @@ def preflight_prepare(data: str, max_samples: int | None, max_seq_len: int, targ
             with open(path, "rb") as handle:
                 records = sum(1 for line in handle if line.strip())
             samples = records if max_samples is None else min(records, max_samples)
-            per_token = hidden_state_bytes_per_token(4, target.hidden_size, "bfloat16")
+            per_token = StateFormat().bytes_per_token(target.hidden_size)
             lines.append(f"hidden states (stage 02, bf16): at most ~{human_bytes(samples * max_seq_len * per_token)} "
                          f"for {samples:,} conversations x <= {max_seq_len:,} tokens ({per_token:,} B/token); "
                          f"the exact figure is printed when stage 01 finishes")
@@ -409,7 +175,7 @@ def preflight_prepare(data: str, max_samples: int | None, max_seq_len: int, targ
 
 def hidden_states_estimate_line(num_rows: int, num_tokens: int, hidden_size: int, dtype: str = "bfloat16") -> str:
     """Printed by stage 01 when it finishes: what stage 02 will write for these rows."""
-    per_token = hidden_state_bytes_per_token(4, hidden_size, dtype)
+    per_token = StateFormat.from_stored(dtype).bytes_per_token(hidden_size, NUM_SLOTS)
     return (f"stage 02 will write ~{human_bytes(num_tokens * per_token)} of hidden states for {num_rows:,} rows x "
             f"{num_tokens / max(num_rows, 1):,.0f} tokens avg ({per_token:,} B/token in {dtype})")
 
@@ -417,7 +183,7 @@ def hidden_states_estimate_line(num_rows: int, num_tokens: int, hidden_size: int
 def preflight_extract(cfg, target, num_slots: int, todo_rows: int, todo_tokens: int, hs_dir: Path) -> list[str]:
     """Stage 02: disk for the rows still to do, GPUs vs tensor parallel, memory vs weights, vLLM version."""
     lines = [check_hidden_states_disk(todo_rows, todo_tokens, num_slots, target.hidden_size,
-                                      "fp8" if cfg.storage == "fp8" else cfg.dtype, hs_dir)]
+                                      StateFormat.from_config(cfg).name, hs_dir)]
     if cfg.backend == "vllm" and cfg.endpoint is not None:
         lines.append(f"gpus: the server at {cfg.endpoint} runs the target")
         return lines
@@ -436,34 +202,10 @@ def preflight_extract(cfg, target, num_slots: int, todo_rows: int, todo_tokens: 
         on_gpu = bool(gpus) and cfg.device != "cpu"
         if on_gpu:
             lines.append(f"gpus: {len(gpus)} visible; the HF backend uses one")
-            lines.append(check_memory("target weights", weights * DTYPE_BYTES[cfg.dtype] // 2, min(gpus), 1, "gpu"))
+            lines.append(check_memory("target weights", weights * DTYPES[cfg.dtype].value_bytes // 2, min(gpus), 1, "gpu"))
         else:
-            lines.append(check_memory("target weights", weights * DTYPE_BYTES[cfg.dtype] // 2, host_memory(), 1, "host"))
+            lines.append(check_memory("target weights", weights * DTYPES[cfg.dtype].value_bytes // 2, host_memory(), 1, "host"))
     return lines
-
-
-def draft_parameters(hidden_size: int, target_vocab: int, draft_vocab: int, num_layers: int,
-                     intermediate_size: int | None = None) -> tuple[int, int]:
-    """(saved, trainable) parameter counts of an EAGLE-3 draft, roughly (speculators' Eagle3DraftModel).
-
-    Saved: frozen verifier embeddings [V, H] + draft lm_head [Vd, H] + fc [3H -> H] + decoder
-    layers taking [embed, hidden] = 2H (attention ~ 2H*H*3 + H*H, MLP 3*H*I). Trainable: all but
-    the embeddings.
-    """
-    h = hidden_size
-    inter = intermediate_size or int(8 * h / 3)
-    fc = 3 * h * h
-    layer = (2 * h * h) * 3 + h * h + 3 * h * inter
-    lm_head = draft_vocab * h
-    trainable = fc + num_layers * layer + lm_head
-    return trainable + target_vocab * h, trainable
-
-
-def checkpoint_bytes(cfg, draft: dict, target, draft_vocab: int) -> int:
-    """One speculators checkpoint on disk: the draft in bf16 + the optimizer state of its trainable part."""
-    saved, trainable = draft_parameters(target.hidden_size, target.vocab_size, draft_vocab,
-                                        int(draft.get("num_layers", 1)), draft.get("intermediate_size"))
-    return saved * CHECKPOINT_BYTES + trainable * CHECKPOINT_BYTES * OPTIMIZER_STATES[cfg.optimizer]
 
 
 # Below this many optimizer steps a run is in the regime where steps, not tokens, limit the draft: on the
@@ -472,12 +214,6 @@ def checkpoint_bytes(cfg, draft: dict, target, draft_vocab: int) -> int:
 # bench/results/h200-acceptance-smollm2.json). So a run with few steps packs SMALL_RUN_SEQ_LEN tokens.
 FEW_OPTIMIZER_STEPS = 1000
 SMALL_RUN_SEQ_LEN = 8192
-
-
-def optimizer_steps(cfg, total_tokens: int, train_data_ratio: float) -> tuple[int, int]:
-    """(steps per epoch, steps in the run), rows packed up to total_seq_len per rank."""
-    per_epoch = max(1, round(total_tokens * train_data_ratio / (cfg.total_seq_len * cfg.nproc * cfg.nnodes)))
-    return per_epoch, per_epoch * cfg.epochs
 
 
 def fit_seq_len_to_run(cfg, source: str, counts: dict, train_data_ratio: float):
@@ -532,8 +268,6 @@ def preflight_train(cfg, draft: dict, target, draft_vocab: int, out_dir: Path, t
         lines.append(check_gpu_count(len(gpus), cfg.nproc, "--nproc"))
         lines.append(check_memory("draft + frozen verifier head", need, int(min(gpus) * TRAIN_MEMORY_HEADROOM), 1, "gpu"))
         if total_tokens and cfg.hidden_states == "files":  # online: no files to read
-            from .extract.common import HS_DIRNAME
-
             lines.append(check_hidden_state_reads(Path(cfg.data) / HS_DIRNAME, total_tokens, cfg.nproc))
     else:
         lines.append("gpus: none visible; training runs on the CPU (miniature/testing only)")

@@ -5,7 +5,7 @@
       token_freq.pt                                  {token_id: count} over loss-masked tokens of the train rows
       rejected.jsonl                                 --on-bad-row skip: each refused input row, where and why
       manifest.json                                  stage 01's contract (written last)
-      hidden_states/hs_{i}.safetensors + manifest.json   stage 02
+      hidden_states/ (one file per row, hidden_states.py) + manifest.json   stage 02
 
 Rows are ordered train first, then validation: speculators takes the last
 (1 - train_data_ratio) of rows as its val split, so the manifest records the ratio that
@@ -18,8 +18,10 @@ import os
 import random
 from pathlib import Path
 
-from .conversations import BadRow, Row
+from .chat_rows import BadRow, Row
 from .files import remove_path, temp_path_for
+
+# Local imports: datasets, speculators: imported where the dataset is read or written (heavy; importers that only name paths need none).
 
 DATASET_FILES_GLOB = ("data-*.arrow", "dataset_info.json", "state.json")
 TOKEN_FREQ_NAME = "token_freq.pt"

@@ -22,6 +22,7 @@ import os
 import time
 from pathlib import Path
 
+from .checkpoints import latest_progress
 from .files import atomic_write_text
 
 RANKS_DIRNAME = "ranks"  # under <save-path>/logs/
@@ -79,8 +80,6 @@ def _ranges(ranks: list[int]) -> str:
 def stopped_line(save_path: str | Path, *, nproc: int, nnodes: int, node_rank: int, since: float,
                  returncode: int) -> str:
     """One line: which ranks/nodes stopped first and why, and where the same command resumes."""
-    from .checkpoints import latest_progress
-
     world = nproc * nnodes
     exits = read_exits(save_path, since)
     silent = [r for r in range(world) if exits.get(r, {}).get("status", "running") == "running"]

@@ -27,10 +27,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+from importlib import metadata
 from pathlib import Path
 
 from .checkpoints import INTERRUPTED, STATE_NAME, incomplete, incomplete_reason, latest_progress, own_outputs, read_state
+from .compat.gate import speculators_supported
 from .files import TEMP_MARKER, remove_path
+
+# Local imports: speculators: imported where its trainer is patched (heavy; resume planning needs none).
 
 log = logging.getLogger("eagle3")
 
@@ -90,9 +94,7 @@ def _adopt_interrupted(out_dir: Path, interrupted: Path) -> str:
 
 def install_interrupt_progress() -> bool:
     """Make speculators' SIGTERM/Ctrl-C checkpoint resumable and visible; False if not applicable."""
-    from importlib import metadata
-
-    if metadata.version("speculators") not in SUPPORTED_SPECULATORS:
+    if not speculators_supported(SUPPORTED_SPECULATORS):
         log.warning("speculators %s: interrupted/ checkpoints are not made resumable (written for %s)",
                     metadata.version("speculators"), ", ".join(SUPPORTED_SPECULATORS))
         return False

@@ -37,6 +37,8 @@ from pathlib import Path
 
 from .config import DEFAULT_DRAFT_CONFIG, PROFILES_DIR, TrainConfig, load_draft_config, profile_path
 from .errors import StageError
+from .files import atomic_write_text
+from .target import load_target_info
 
 # Bus rate per GPU and direction (GB/s), from the vendors' specifications (NOTES.md, "Multi-GPU scaling").
 INTERCONNECTS = {
@@ -179,9 +181,6 @@ def prediction_report(text_config: dict, target: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .files import atomic_write_text
-    from .target import load_target_info
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", required=True, help="target model directory (config.json is enough)")
     parser.add_argument("--output", help="write the JSON here (bench/results/scaling-prediction.json); else print it")

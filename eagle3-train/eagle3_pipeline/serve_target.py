@@ -31,10 +31,13 @@ from pathlib import Path
 from .config import ExtractConfig, build_parser, resolve_parsed
 from .contract import read_manifest, require_equal
 from .errors import ConfigError, StageError
+from .extract.vllm_backend import layer_ids_problem, server_command, vllm_on_cpu, vllm_version_problem
 from .files import LockedError, hold_lock, is_temp_path, remove_path
 from .online import CARD_NAME, STAGING_DIRNAME, write_card
 from .stage import log, stage_main
 from .target import extraction_layer_ids, load_target_info
+
+# Local imports: compat.cpu_hidden_states_connector: imported only for vLLM on the CPU (it imports vllm).
 
 SERVE_LOCK = ".serve_target.lock"
 EXAMPLE = ("python -m eagle3_pipeline.serve_target --profile b300-8x --target /models/Kimi-K2.5 --trust-remote-code \\\n"
@@ -68,8 +71,6 @@ def parse(argv: list[str] | None):
 
 @stage_main
 def main(argv: list[str] | None = None) -> int:
-    from .extract.vllm_backend import layer_ids_problem, server_command, vllm_on_cpu, vllm_version_problem
-
     cfg, extra = parse(argv)
     if cfg.storage != "dtype":
         raise ConfigError("--storage fp8: online training reads the states as vLLM writes them; serve with --storage dtype")

@@ -15,7 +15,10 @@ import argparse
 import json
 from pathlib import Path
 
+from .checkpoints import MODEL_NAME, unreadable_weights
 from .contract import MANIFEST_NAME, SCHEMA_VERSION
+from .files import changed_fingerprints  # torch-free, as this module: run_all's python may have no torch
+from .hidden_states import hs_name
 
 STAGES = (("01", "prepare", "data"), ("02", "extract", "data/hidden_states"), ("03", "vocab", "vocab"),
           ("04", "train", "checkpoints"), ("05", "export", "draft"))
@@ -36,16 +39,12 @@ def _content(manifest: dict) -> str | None:
 
 def _extra_problem(stage: str, directory: Path, manifest: dict) -> str | None:
     if stage == "extract":
-        from .files import changed_fingerprints  # no torch here: run_all's python may have none
-
         rows = (manifest.get("counts") or {}).get("rows", 0)
-        changed = changed_fingerprints(directory, [f"hs_{i}.safetensors" for i in range(rows)])
+        changed = changed_fingerprints(directory, [hs_name(i) for i in range(rows)])
         if changed:
             name, how = next(iter(changed.items()))
             return f"{len(changed)} file(s) changed since written ({name}: {how})"
     if stage == "train":
-        from .checkpoints import MODEL_NAME, unreadable_weights
-
         best = manifest.get("best_checkpoint")
         if best and not (directory / best / MODEL_NAME).is_file():
             return f"best checkpoint {best} is gone"

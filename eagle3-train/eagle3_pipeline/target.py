@@ -17,6 +17,8 @@ from pathlib import Path
 from .errors import InputError
 from .files import sha256_file, sha256_json
 
+# Local imports: safetensors, speculators: imported where weights or the loader's key rule are needed (a config read needs neither).
+
 # Files that decide how text becomes token ids (and back); their bytes form the tokenizer hash.
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tiktoken.model",

@@ -8,14 +8,13 @@ records how it ended (`ranks.write_exit`), so stage 04 can say which rank or nod
 import sys
 from pathlib import Path
 
+from .errors import Interrupted, StageError
 from .metrics import METRICS_FILE
+from .ranks import write_exit
 from .training import run_in_process
 
 
 def main(argv: list[str]) -> None:
-    from .errors import Interrupted, StageError
-    from .ranks import write_exit
-
     save_path = Path(argv[argv.index("--save-path") + 1])
     write_exit(save_path, "running")  # stays so if this rank is killed
     try:

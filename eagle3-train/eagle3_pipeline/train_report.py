@@ -11,13 +11,17 @@ for greedy chain drafting with k draft tokens (its docstring lists the assumptio
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from .checkpoints import best as best_checkpoint
 from .files import atomic_write_json, atomic_write_text
+from .metrics import METRICS_FILE, read_metrics
+from .online import CACHE_DIRNAME
 from .plots import PLOTS_DIRNAME, read_curves
 
 SUMMARY_JSON = "summary.json"
@@ -163,9 +167,6 @@ def _epoch_row(val: dict) -> dict:
 
 def hidden_states_source(metrics_path: Path) -> str:
     """files / online / hybrid, from the run config speculators logged (its --on-missing) and the hybrid cache."""
-    from .metrics import read_metrics
-    from .online import CACHE_DIRNAME
-
     configs = [r["generation"] for r in read_metrics(metrics_path) if isinstance(r.get("generation"), dict)]
     if not configs or configs[-1].get("on_missing") != "generate":
         return "files"
@@ -280,16 +281,12 @@ def write_summary(out_dir: Path, summary: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m eagle3_pipeline.train_report CHECKPOINTS`: the summary of a run (also mid-training)."""
-    import argparse
-
     parser = argparse.ArgumentParser(description=main.__doc__,
                                      epilog="example:\n  python -m eagle3_pipeline.train_report work/checkpoints",
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoints", help="stage 04's --output directory")
     args = parser.parse_args(argv)
     out_dir = Path(args.checkpoints)
-    from .checkpoints import best as best_checkpoint
-    from .metrics import METRICS_FILE
 
     best = best_checkpoint(out_dir)
     if best is None:

@@ -9,24 +9,38 @@ entry point under torchrun (or DeepSpeed's launcher) via `launch_command`.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shlex
+import shutil
 import sys
 from pathlib import Path
 
 import torch
 
-from .config import SCRIPTS_DIR, TrainConfig
-from .errors import ConfigError
-from .files import atomic_write_text
+from . import compat, online, resume
+from .checkpoints import latest_progress
+from .compat import flex_forward_config
+from .compat import sample_check as checks
+from .compat.flex_forward_config import traced_calls_summary
+from .compat.sample_check import read_records, stop_line
+from .config import SCRIPTS_DIR, TrainConfig, load_draft_config
+from .contract import read_manifest, require_equal, require_upstream
+from .errors import ConfigError, InputError, Interrupted, StageError
+from .files import atomic_write_text, is_disk_full
+from .hidden_states import HS_DIRNAME
 from .metrics import (
     COMPAT_KEY,
     is_rank_zero,
     write_record,
 )
+from .online import ENDPOINT_DOWN_TAG
 from .online import speculators_args as online_speculators_args
+from .preflight import FEW_OPTIMIZER_STEPS, SMALL_RUN_SEQ_LEN
 from .vocab import D2T_NAME, T2D_NAME
+
+# Local imports: speculators: imported where the trainer runs (heavy; argv building and --print-config need none).
 
 log = logging.getLogger("eagle3")
 
@@ -53,9 +67,6 @@ def hidden_states_dtype(cfg: TrainConfig) -> str:
 def read_upstream(cfg: TrainConfig, target, draft: dict) -> tuple[dict, dict | None, dict]:
     """Stages 01-03's manifests, checked against one another, the target and the draft config.
     Online/hybrid: no stage 02 (`extracted` is None); stage 01's tokenizer is checked here instead."""
-    from .contract import read_manifest, require_equal, require_upstream
-    from .extract.common import HS_DIRNAME
-
     prepared = read_manifest(cfg.data, "prepare", "--data")
     online = cfg.hidden_states != "files"
     extracted = None if online else read_manifest(Path(cfg.data) / HS_DIRNAME, "extract", "--data")
@@ -140,10 +151,6 @@ def speculators_argv(cfg: TrainConfig, draft: dict, target_path: str, aux_layer_
 def resolved_for_print_config(cfg: TrainConfig) -> dict[str, str]:
     """What speculators receives for the fields this stage decides at run time, on this machine
     (`--print-config`): read back from `speculators_argv` itself, so it cannot drift from a run."""
-    from .compat import flex_forward_config
-    from .config import load_draft_config
-    from .preflight import FEW_OPTIMIZER_STEPS, SMALL_RUN_SEQ_LEN
-
     notes: dict[str, str] = {}
     try:
         draft = load_draft_config(cfg.draft_config)
@@ -231,12 +238,6 @@ def export_compat_settings(cfg: TrainConfig, sample_check: dict | None = None) -
     """Settings of the compat fixes, for this process and every training process it starts
     (`run_in_process` only gets speculators' flags, which have no place for them). `sample_check`:
     what every sample must be (compat/sample_check.py: slots, hidden, dtype, storage)."""
-    import json
-
-    from . import online
-    from .compat import flex_forward_config
-    from .compat import sample_check as checks
-
     os.environ[flex_forward_config.ENV] = cfg.flex_forward_config
     if sample_check is None:
         os.environ.pop(checks.ENV, None)
@@ -265,10 +266,6 @@ def run_in_process(argv: list[str], metrics_path: Path, checkpoint_bytes: int = 
     from speculators.train.cli import main as speculators_main
     from speculators.train.config import TrainConfig as SpeculatorsTrainConfig
 
-    from . import compat, resume
-    from .compat.sample_check import stop_line
-    from .errors import Interrupted
-
     applied = compat.apply(metrics_path)
     log.info("compatibility fixes applied: %s", ", ".join(applied) or "none")
     if is_rank_zero():  # stage 04 records them in its manifest (it may not be this process)
@@ -277,9 +274,6 @@ def run_in_process(argv: list[str], metrics_path: Path, checkpoint_bytes: int = 
     try:
         speculators_main(SpeculatorsTrainConfig.resolve(argv))
     except Exception as exc:
-        from .files import is_disk_full
-        from .online import ENDPOINT_DOWN_TAG
-
         if ENDPOINT_DOWN_TAG in str(exc):  # compat/online_generation.py stopped the run at a batch
             raise endpoint_down_error(str(exc).split(ENDPOINT_DOWN_TAG, 1)[1], save) from None
         if stop_line(str(exc)):  # compat/sample_check.py or finite_loss.py: one line naming the file/step
@@ -288,8 +282,6 @@ def run_in_process(argv: list[str], metrics_path: Path, checkpoint_bytes: int = 
             raise
         raise disk_full_error(save, checkpoint_bytes) from None
     if "flex_forward_config" in applied:
-        from .compat.flex_forward_config import traced_calls_summary
-
         log.info("flex_attention calls in the compiled draft: %s", traced_calls_summary())
     # speculators returns normally after SIGTERM/Ctrl-C: never let that pass for a finished run.
     stopped = resume.interruption()
@@ -303,9 +295,6 @@ def run_in_process(argv: list[str], metrics_path: Path, checkpoint_bytes: int = 
 
 def bad_sample_error(problem: str, save: Path):
     """A sample that must not be trained on, or a non-finite loss: one line, and where a rerun resumes."""
-    from .checkpoints import latest_progress
-    from .errors import InputError
-
     progress = latest_progress(save)
     resume_from = (f"checkpoint {progress['checkpoint']} (global step {progress.get('global_step', '?')})"
                    if progress else "the start (no checkpoint was saved yet)")
@@ -317,8 +306,6 @@ def bad_sample_error(problem: str, save: Path):
 
 def stopped_on(out_dir: Path) -> str | None:
     """The bad sample (or non-finite loss) a training rank stopped on, from its record (torchrun runs)."""
-    from .compat.sample_check import read_records
-
     stops = [r for r in read_records(out_dir) if r.get("action") == "stop"]
     if not stops:
         return None
@@ -328,8 +315,6 @@ def stopped_on(out_dir: Path) -> str | None:
 
 def skipped_samples(out_dir: Path) -> dict:
     """--on-bad-sample skip: the samples left out (each once, however many epochs read it)."""
-    from .compat.sample_check import read_records
-
     skipped: dict[str, str] = {}
     for entry in read_records(out_dir):
         if entry.get("action") == "skip":
@@ -342,9 +327,6 @@ def skipped_samples(out_dir: Path) -> dict:
 
 def endpoint_down_error(problem: str, save: Path):
     """The vLLM server stopped answering mid-training (online/hybrid): one line, and where a rerun resumes."""
-    from .checkpoints import latest_progress
-    from .errors import StageError
-
     progress = latest_progress(save)
     resume_from = (f"from checkpoint {save / progress['checkpoint']} (global step {progress.get('global_step', '?')})"
                    if progress else "from the start (no checkpoint was saved yet)")
@@ -354,10 +336,6 @@ def endpoint_down_error(problem: str, save: Path):
 
 def disk_full_error(save: Path, checkpoint_bytes: int):
     """The checkpoint file being written when the disk filled (the newest under the save path)."""
-    import shutil
-
-    from .errors import StageError
-
     files = [p for p in Path(save).rglob("*") if p.is_file() and not p.is_symlink()]
     newest = max(files, key=lambda p: p.stat().st_mtime_ns) if files else Path(save)
     free = shutil.disk_usage(save).free

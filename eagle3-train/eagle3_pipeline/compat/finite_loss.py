@@ -5,8 +5,8 @@ speculators 0.9.0's `Trainer.train_epoch` runs forward, backward, gradient clipp
 with exit 0 and each later checkpoint is a NaN draft. The subclass keeps the training forward's
 loss (a forward hook on the model, which returns `(draft_tokens, loss, metrics)`) and checks it in
 `_optimizers_step`, before any optimizer steps: a non-finite loss raises one line naming the global
-step and the step's samples (the batch sampler's rows for that step: `hs_{i}.safetensors` of stage
-02). Cost: one device-to-host read of the loss per step (bench/train_throughput.py --loader-check
+step and the step's samples (the batch sampler's rows for that step: stage 02's row files,
+hidden_states.py). Cost: one device-to-host read of the loss per step (bench/train_throughput.py --loader-check
 both measures tokens/s with and without every input check).
 
 Gate: stage 04's sample-check settings are set (compat/sample_check.py, same switch) and
@@ -15,7 +15,11 @@ speculators is 0.9.0 (private names: `_optimizers_step`, the sampler's `_generat
 
 from __future__ import annotations
 
-from importlib import metadata
+from pathlib import Path
+
+from ..hidden_states import hs_name
+from . import sample_check
+from .gate import require_speculators
 
 SUPPORTED_SPECULATORS = ("0.9.0",)
 _applied = False
@@ -23,16 +27,12 @@ _applied = False
 
 def apply() -> bool:
     global _applied
-    from . import sample_check
 
     if sample_check.settings() is None:
         return False
     if _applied:
         return True
-    version = metadata.version("speculators")
-    if version not in SUPPORTED_SPECULATORS:
-        raise RuntimeError(f"compat/finite_loss.py was written for speculators {SUPPORTED_SPECULATORS}, found {version}; "
-                           f"re-check it against speculators/train/trainer.py")
+    require_speculators("finite_loss", SUPPORTED_SPECULATORS, "speculators/train/trainer.py")
     import speculators.train.cli as cli
 
     cli.Trainer = finite_loss_trainer(cli.Trainer)  # after cpu_trainer, which may have replaced it
@@ -76,10 +76,8 @@ def finite_loss_trainer(base: type) -> type:
                 return None
 
         def _eagle3_stop(self, loss):
-            from . import sample_check
-
             rows = self._eagle3_rows()
-            names = ("rows " + ", ".join(f"hs_{i}" for i in rows[:8]) + (" ..." if len(rows) > 8 else "")) if rows \
+            names = ("rows " + ", ".join(Path(hs_name(i)).stem for i in rows[:8]) + (" ..." if len(rows) > 8 else "")) if rows \
                 else "rows unknown"
             problem = (f"non-finite training loss ({loss.detach().float().item()}) at global step {self.global_step}, "
                        f"epoch {self._eagle3_epoch} ({names}); stopped before its optimizer step, so no weight was "

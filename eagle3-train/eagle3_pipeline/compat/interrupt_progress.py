@@ -12,9 +12,9 @@ warning and no change (the run still trains; an interrupt then needs a manual re
 
 from __future__ import annotations
 
+from .. import resume
+
 
 def apply() -> bool:
     """The compat-layer interface: True if the two methods were wrapped."""
-    from .. import resume
-
     return resume.install_interrupt_progress()

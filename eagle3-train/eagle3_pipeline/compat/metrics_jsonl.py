@@ -16,6 +16,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from ..metrics import MetricsJsonlHandler
+
 METRICS_LOGGER = "speculators.metrics"
 
 
@@ -43,7 +45,5 @@ def install(handler: logging.Handler) -> None:
 
 def apply(metrics_path: str | Path) -> bool:
     """The compat-layer interface: stage 04's file, written by global rank 0 only."""
-    from ..metrics import MetricsJsonlHandler
-
     install(MetricsJsonlHandler(metrics_path, rank_zero_only=True))
     return True

@@ -14,7 +14,7 @@ The change, for stage 04's --hidden-states online/hybrid only:
   before its optimizer step; the coordinator synchronises every step (not every 50), so DDP ranks
   stop at the same step. A sample that fails while the server answers keeps speculators' behaviour;
 - hybrid: a sample generated (not read from the cache) and validated by speculators is written to
-  `OUTPUT/hidden_states_cache/hs_{i}.safetensors` (atomically: temp + rename), the name speculators'
+  its row file in `OUTPUT/hidden_states_cache/` (hidden_states.py; atomically: temp + rename), the name speculators'
   `get_cached` reads first (`--hidden-states-path`), as [T, n, H] + token_ids, exactly the file vLLM wrote.
 
 It swaps `speculators.train.dataloader.ArrowDataset` for a subclass defined here: loader workers are
@@ -27,16 +27,19 @@ speculators is 0.9.0 (the private method names); another speculators version rai
 from __future__ import annotations
 
 import os
-from importlib import metadata
 from pathlib import Path
+
+from ..files import atomic_save_safetensors
+from ..hidden_states import hs_file
+from ..online import CACHE_ENV, ENDPOINT_DOWN_TAG, MODE_ENV, endpoint_problem
+from .gate import require_speculators
+from .sample_check import BAD_SAMPLE_TAG, generated_bad
 
 SUPPORTED_SPECULATORS = ("0.9.0",)
 _applied = False
 
 
 def enabled() -> str | None:
-    from ..online import MODE_ENV
-
     mode = os.environ.get(MODE_ENV)
     return mode if mode in ("online", "hybrid") else None
 
@@ -47,10 +50,7 @@ def apply() -> bool:
         return False
     if _applied:
         return True
-    version = metadata.version("speculators")
-    if version not in SUPPORTED_SPECULATORS:
-        raise RuntimeError(f"compat/online_generation.py was written for speculators {SUPPORTED_SPECULATORS}, found "
-                           f"{version}; re-check it against speculators/train/data.py before training online")
+    require_speculators("online_generation", SUPPORTED_SPECULATORS, "speculators/train/data.py before training online")
     import speculators.train.dataloader as dataloader
     import speculators.train.trainer as trainer
 
@@ -70,8 +70,6 @@ class OnlineArrowDataset(_base_class()):
     """ArrowDataset that stops on a dead endpoint and (hybrid) keeps what it generated."""
 
     def __init__(self, *args, **kwargs):
-        from ..online import CACHE_ENV
-
         super().__init__(*args, **kwargs)
         self.eagle3_mode = enabled()
         cache = os.environ.get(CACHE_ENV)
@@ -81,13 +79,10 @@ class OnlineArrowDataset(_base_class()):
     def _get_raw_data(self, index):
         from speculators.train.recovery import SampleUnavailable
 
-        from ..online import ENDPOINT_DOWN_TAG, endpoint_problem
-        from .sample_check import BAD_SAMPLE_TAG, generated_bad
-
         if self.eagle3_down:
             return SampleUnavailable(reason=self.eagle3_down, counts_as_failure=True, fatal=True)
         file_idx = self._map_to_file_idx(index)
-        cache_file = self.eagle3_cache / f"hs_{file_idx}.safetensors" if self.eagle3_cache else None
+        cache_file = hs_file(self.eagle3_cache, file_idx) if self.eagle3_cache else None
         was_cached = cache_file is not None and cache_file.is_file()
         data = super()._get_raw_data(index)
         if isinstance(data, SampleUnavailable):
@@ -108,8 +103,6 @@ class OnlineArrowDataset(_base_class()):
 def _keep(data: dict, path: Path) -> None:
     """The generated sample as the file vLLM wrote: hidden_states [T, n_aux + 1, H], token_ids [T]."""
     import torch
-
-    from ..files import atomic_save_safetensors
 
     last = data["verifier_last_hidden_states"]  # [T, H]
     aux = data["hidden_states"]  # [T, n_aux * H]

@@ -8,7 +8,7 @@ on: an unreadable/truncated file; hidden_states of another shape than [T, n_slot
 storage than stage 02's (dtype, or fp8 + per-token scales); NaN/Inf; an all-zero or constant layer
 slot; `token_ids` that are not the row's `input_ids` (a swapped file).
 
-Where: speculators 0.9.0 reads `hs_{i}.safetensors` in hs_connectors' `FileTransfer.get_cached`
+Where: speculators 0.9.0 reads each row's file (hidden_states.py) in hs_connectors' `FileTransfer.get_cached`
 (and `FP8Transfer` dequantizes there), called by `train/data.py ArrowDataset._get_raw_data`;
 generated samples (online/hybrid) come from `get_generated`. `apply` wraps
 `speculators.train.cli.create_train_val_loaders` so the transfer it is given is a `CheckedTransfer`
@@ -21,7 +21,7 @@ With CUDA and the default `--on-bad-sample stop`, the training loader's workers 
 constant slot: most of a worker's CPU time per sample) runs on the GPU on the packed batch, in
 compat/device_prefetch.py's copy thread before the batch is handed to the trainer
 (`check_values_on_device`, `DeviceBatchCheck`); a hit re-runs this CPU check on that batch's files,
-so the line still names `hs_{i}.safetensors` and the reason. `--on-bad-sample skip` keeps the whole
+so the line still names the row's file and the reason. `--on-bad-sample skip` keeps the whole
 check in the workers: only they can leave a sample out of its batch before it is packed (dropping
 it from a packed batch on the GPU would mean re-packing every tensor of the batch), and skip is an
 explicit choice for damaged data, where loader time is not the concern. Validation and generated
@@ -39,9 +39,11 @@ from __future__ import annotations
 import json
 import os
 import sys
-from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from ..hidden_states import HS_DIRNAME, hs_file, hs_name
+from .gate import require_speculators
 
 SUPPORTED_SPECULATORS = ("0.9.0",)
 ENV = "EAGLE3_SAMPLE_CHECK"
@@ -68,10 +70,8 @@ def apply() -> bool:
         return False
     if _applied:
         return True
-    version = metadata.version("speculators")
-    if version not in SUPPORTED_SPECULATORS:
-        raise RuntimeError(f"compat/sample_check.py was written for speculators {SUPPORTED_SPECULATORS}, found "
-                           f"{version}; re-check it against speculators/train/data.py and hs_connectors/transfer.py")
+    require_speculators("sample_check", SUPPORTED_SPECULATORS,
+                        "speculators/train/data.py and hs_connectors/transfer.py")
     import speculators.train.cli as train_cli
 
     create_loaders = train_cli.create_train_val_loaders
@@ -179,7 +179,7 @@ class CheckedTransfer:
     def __init__(self, inner, data_path: str, config: dict, values_on_device: bool = False):
         from hs_connectors import FileTransfer
 
-        self.inner = inner if inner is not None else FileTransfer(Path(data_path) / "hidden_states")
+        self.inner = inner if inner is not None else FileTransfer(Path(data_path) / HS_DIRNAME)
         self.data_path = str(data_path)
         self.config = config
         # True: a read file gets the cheap checks only; its values are checked on the GPU, in the
@@ -234,7 +234,7 @@ class CheckedTransfer:
             sample = self.inner.get_cached(file_idx)
             problem = sample is not None and self._problem(sample, file_idx, None, values=not self.values_on_device)
             return self._bad(f"row {file_idx}", file_idx, problem) if problem else sample
-        path = Path(self.inner.hidden_states_path) / f"hs_{file_idx}.safetensors"
+        path = hs_file(self.inner.hidden_states_path, file_idx)
         if not path.is_file():
             return self.inner.get_cached(file_idx)  # None: --on-missing decides (raise, or generate)
         try:
@@ -340,7 +340,7 @@ class DeviceBatchCheck:
     batch with a bad value reaches the trainer. On a hit (failure path only) the batch's rows (the
     batch sampler's) are re-read and checked on the CPU one by one, flagged documents first: the
     first bad file stops training with the same one line as the worker-side check, naming
-    `hs_{i}.safetensors` and the reason. What the GPU sees is what the trainer reads: the tokens
+    the row's file and the reason. What the GPU sees is what the trainer reads: the tokens
     packed into the batch (a sample cut at the batch's end is checked up to the cut; eagle3's shift
     drops each sample's last aux token and first last-slot token, never read) in the training dtype.
     A hit no file explains (the file changed back, or a difference only in what is trained on) still
@@ -348,7 +348,7 @@ class DeviceBatchCheck:
 
     def __init__(self, transfer: CheckedTransfer, file_idx):
         self.transfer = transfer  # the whole check (stop mode), for the failure path
-        self.file_idx = file_idx  # dataset index -> hs_{i} index
+        self.file_idx = file_idx  # dataset index -> the index in the row's file name
 
     def launch(self, batch: dict, moved: dict):
         import torch
@@ -378,7 +378,7 @@ class DeviceBatchCheck:
         code = NON_FINITE if bool((codes[doc] == NON_FINITE).any()) else CONSTANT
         slots = (codes[doc] == code).nonzero().flatten().tolist()
         what = "NaN/Inf" if code == NON_FINITE else "one constant value"
-        names = ", ".join(f"hs_{i}" for i in files[:8]) + (" ..." if len(files) > 8 else "") if files else "unknown"
+        names = ", ".join(Path(hs_name(i)).stem for i in files[:8]) + (" ..." if len(files) > 8 else "") if files else "unknown"
         problem = (f"training batch (rows {names}): packed document {doc} of {codes.shape[0]} holds {what} in layer "
                    f"slot(s) {slots} as read for training, though each file passes the CPU check now")
         record(self.transfer.config.get("record"), {"file": None, "rows": files, "reason": problem, "action": "stop"})

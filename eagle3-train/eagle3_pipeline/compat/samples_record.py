@@ -20,6 +20,8 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+from .gate import speculators_supported
+
 SUPPORTED_SPECULATORS = ("0.9.0",)
 SAMPLES_DIRNAME = "samples"  # under <save-path>/logs/
 
@@ -29,9 +31,7 @@ def record_dir(save_path: str | Path) -> Path:
 
 
 def apply() -> bool:
-    from importlib import metadata
-
-    if metadata.version("speculators") not in SUPPORTED_SPECULATORS:
+    if not speculators_supported(SUPPORTED_SPECULATORS):
         return False
     import speculators.train.trainer as trainer
 

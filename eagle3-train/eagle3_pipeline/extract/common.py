@@ -1,6 +1,6 @@
 """One output format and one validator for every extraction backend.
 
-Per dataset row i, `hidden_states/hs_{i}.safetensors` holds (speculators' layout):
+Per dataset row i, the row's file (hidden_states.py: its name and storage) holds (speculators' layout):
 - `hidden_states` [T, n_aux + 1, H]: the residual stream after each aux layer, then the
   final decoder layer's output *before* the final norm (speculators applies the frozen
   verifier norm + lm_head to that last slot to get target logits);
@@ -15,6 +15,7 @@ directory); `land_sample` validates each one and renames it into place atomicall
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 from dataclasses import dataclass
@@ -22,17 +23,18 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator, Protocol
 
 import torch
+from safetensors.torch import load_file
+from tqdm import tqdm
 
 from ..errors import InputError
-from ..files import atomic_path, atomic_save_safetensors, remove_path, temp_path_for
+from ..files import atomic_path, atomic_save_safetensors, changed_fingerprints, remove_path, temp_path_for
+from ..files import write_fingerprints as write
+from ..hidden_states import hs_file
 
-HS_DIRNAME = "hidden_states"
+# Local imports: hs_connectors: imported for fp8 storage only.
+
 FP8 = torch.float8_e4m3fn
 SCALES_KEY = "hidden_states_scales"  # hs_connectors.fp8_utils.SCALES_KEY
-
-
-def hs_file(hs_dir: Path, index: int) -> Path:
-    return Path(hs_dir) / f"hs_{index}.safetensors"
 
 
 @dataclass
@@ -152,8 +154,6 @@ def dequantize_fp8(fp8: torch.Tensor, scales: torch.Tensor | None, where: str) -
 
 
 def load_hidden_states_file(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     try:
         data = load_file(str(path))
     except Exception as exc:  # safetensors raises several types for truncated/garbled files
@@ -173,7 +173,7 @@ def validate_file(path: Path, expected_ids: list[int], num_slots: int, hidden_si
 
 def land_sample(sample: ExtractedSample, hs_dir: Path, expected_ids: list[int], num_slots: int,
                 hidden_size: int, dtype: torch.dtype) -> Path:
-    """Validate one backend result and move it to `hs_{i}.safetensors` atomically."""
+    """Validate one backend result and move it to its row's file (`hs_file`) atomically."""
     final = hs_file(hs_dir, sample.index)
     if sample.ready is not None and (problem := sample.ready()):
         raise BadHiddenStates(problem)
@@ -223,8 +223,6 @@ def _rename_into_place(src: Path, final: Path) -> None:
 def sync_filesystem(directory: Path) -> None:
     """Flush every write to the filesystem holding `directory` (Linux syncfs(2), else sync(2)): one call makes
     all the files stage 02 renamed into place durable, where an fsync per file would cost one flush per row."""
-    import ctypes
-
     fd = os.open(directory, os.O_RDONLY)
     try:
         syncfs = getattr(ctypes.CDLL(None, use_errno=True), "syncfs", None)
@@ -237,8 +235,6 @@ def sync_filesystem(directory: Path) -> None:
 def validate_all(hs_dir: Path, rows: dict[int, list[int]], num_slots: int, hidden_size: int,
                  progress: bool = True, dtype: torch.dtype | None = None) -> dict[int, str]:
     """Check every file; returns {row index: reason} for files to redo (missing ones too)."""
-    from tqdm import tqdm
-
     bad: dict[int, str] = {}
     for index, ids in tqdm(sorted(rows.items()), desc="validate hidden states", disable=not progress, unit="file"):
         path = hs_file(hs_dir, index)
@@ -265,15 +261,11 @@ def partition_indices(indices: list[int], world_size: int, rank: int) -> list[in
 # --- what stage 02 wrote, by size and a cheap fingerprint (files.py; a rerun compares them with the disk) ---
 
 def write_fingerprints(hs_dir: Path, indices: Iterable[int]) -> dict:
-    from ..files import write_fingerprints as write
-
     return write(hs_dir, [hs_file(hs_dir, i).name for i in indices])
 
 
 def changed_files(hs_dir: Path, indices: Iterable[int]) -> dict[int, str] | None:
     """Rows whose file differs from what stage 02 recorded (size, then fingerprint), with how; None: no record."""
-    from ..files import changed_fingerprints
-
     by_name = {hs_file(hs_dir, i).name: i for i in indices}
     changed = changed_fingerprints(hs_dir, list(by_name))
     return None if changed is None else {by_name[name]: how for name, how in changed.items()}

@@ -18,6 +18,8 @@ from ..errors import InputError
 from ..target import TargetInfo
 from .common import ExtractedSample
 
+# Local imports: transformers: imported where the model is loaded (heavy).
+
 _TEXT_MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
 # CPU forwards run on one intra-op thread: fp32 reductions split across threads round differently
 # (measured on the miniature: 5 of 12 rows differ by up to 2e-7 between 1, 2 and 3 threads, each

@@ -4,25 +4,31 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
+import shutil
 import time
 from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from tqdm import tqdm
 
 from ..config import ExtractConfig
 from ..errors import StageError
+from ..files import atomic_write_json
+from ..hidden_states import DTYPES, StateFormat, dtype_name, hs_file
+from ..preflight import preflight_extract
 from ..stage import lock_output
 from ..target import TargetInfo
-from .common import BadHiddenStates, ExtractionBackend, hs_file, land_sample, partition_indices, sync_filesystem, validate_file
+from .common import BadHiddenStates, ExtractionBackend, land_sample, partition_indices, sync_filesystem, validate_file
+from .hf import HfBackend
+from .vllm_backend import VllmBackend
 
 log = logging.getLogger("eagle3")
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-FP8 = torch.float8_e4m3fn  # --storage fp8: what the files hold (the backend still computes in --dtype)
 # Rows landed or waiting to land, at most: the backend's loop waits beyond it (a disk slower than the
 # engine) instead of holding every row's states in memory (the HF backend yields tensors).
 MAX_UNLANDED = 64
@@ -40,25 +46,15 @@ class ExtractPlan:
     compute_dtype: torch.dtype = torch.bfloat16  # of the backend's forward pass (--dtype)
 
 
-SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", FP8: "F8_E4M3"}
-
-
-def stored_dtype(cfg: ExtractConfig) -> torch.dtype:
-    """The dtype every file in the directory holds: --dtype, or fp8 with --storage fp8 (never mixed)."""
-    return FP8 if cfg.storage == "fp8" else DTYPES[cfg.dtype]
-
-
 def quick_file_ok(path: Path, expected_ids: list[int], num_slots: int, hidden_size: int,
                   dtype: torch.dtype | None = None) -> bool:
     """Cheap resume check: header readable, token ids equal, shape and dtype right (reads no hidden states)."""
-    from safetensors import safe_open
-
     try:
         with safe_open(str(path), framework="pt") as handle:
             states = handle.get_slice("hidden_states")
             if states.get_shape() != [len(expected_ids), num_slots, hidden_size]:
                 return False
-            if dtype is not None and states.get_dtype() != SAFETENSORS_DTYPES[dtype]:
+            if dtype is not None and states.get_dtype() != DTYPES[dtype_name(str(dtype))].safetensors:
                 return False
             return handle.get_tensor("token_ids").tolist() == expected_ids
     except Exception:
@@ -69,7 +65,7 @@ def plan_extraction(cfg: ExtractConfig, rows: list[list[int]], num_slots: int, h
     all_indices = list(range(len(rows)))
     mine = partition_indices(all_indices, cfg.world_size, cfg.rank)
     by_index = {i: rows[i] for i in mine}
-    dtype = stored_dtype(cfg)
+    dtype = StateFormat.from_config(cfg).torch_dtype  # every file the directory holds (never mixed)
     done = [i for i in mine if hs_file(hs_dir, i).is_file()
             and quick_file_ok(hs_file(hs_dir, i), rows[i], num_slots, hidden_size, dtype)]
     stale = [i for i in mine if hs_file(hs_dir, i).is_file() and i not in set(done)]
@@ -78,13 +74,11 @@ def plan_extraction(cfg: ExtractConfig, rows: list[list[int]], num_slots: int, h
     todo = [i for i in mine if i not in set(done)]
     return ExtractPlan(by_index, all_indices, todo, num_slots, hidden_size, dtype,
                        {"rows_this_rank": len(mine), "skipped_done": len(done), "stale_removed": len(stale)},
-                       compute_dtype=DTYPES[cfg.dtype])
+                       compute_dtype=StateFormat.from_config(cfg).compute_torch_dtype)
 
 
 def preflight(cfg: ExtractConfig, plan: ExtractPlan, target: TargetInfo, hs_dir: Path) -> list[str]:
     """Estimate what the rows still to do need (disk, GPUs, memory, vLLM version); see preflight.py."""
-    from ..preflight import preflight_extract
-
     tokens = sum(len(plan.rows[i]) for i in plan.todo)
     return preflight_extract(cfg, target, plan.num_slots, len(plan.todo), tokens, hs_dir)
 
@@ -172,8 +166,6 @@ def validate_sample_of_files(plan: ExtractPlan, hs_dir: Path, count: int, seed: 
 
 
 def write_redo_list(hs_dir: Path, bad: dict[int, str]) -> Path:
-    from ..files import atomic_write_json
-
     path = hs_dir / "redo.json"
     atomic_write_json(path, {"rows": sorted(bad), "reasons": {str(k): v for k, v in sorted(bad.items())}})
     return path
@@ -209,18 +201,9 @@ def lock_extraction(hs_dir: Path, world_size: int, rank: int) -> None:
     lock_output(hs_dir, lock_file=hs_dir / f".eagle3.rank{rank}-of-{world_size}.lock")
 
 
-def row_of(file_name: str) -> int | None:
-    """`hs_5.safetensors` -> 5 (None for any other name)."""
-    stem = file_name.removeprefix("hs_").removesuffix(".safetensors")
-    return int(stem) if file_name.startswith("hs_") and stem.isdigit() else None
-
-
 def make_backend(cfg: ExtractConfig, target, layer_ids, hs_dir: Path, max_model_len: int, dtype):
     if cfg.backend == "hf":
-        from .hf import HfBackend
-
         return HfBackend(target, layer_ids, dtype, cfg.device, cfg.trust_remote_code)
-    from .vllm_backend import VllmBackend
 
     staging = staging_dir(cfg, hs_dir)
     staging.mkdir(parents=True, exist_ok=True)
@@ -233,9 +216,6 @@ def remove_dead_engines_staging(staging: Path) -> list[Path]:
     """`vllm-<pid>/` folders an in-process engine killed with -9 left behind (every request's states, never
     landed): removed when that pid is gone. Only with one rank (this process holds the directory's exclusive
     lock; ranks on other nodes could share a staging folder whose pids mean nothing here)."""
-    import os
-    import shutil
-
     removed = []
     for folder in staging.glob("vllm-*"):
         pid = folder.name.removeprefix("vllm-")

