@@ -254,12 +254,12 @@ run_ranks() {  # run_ranks WS TP: stage 02 as WS data-parallel ranks (--rank r),
 run_sliced() {  # --slice-rows: 01 and 03 once; per run position (epoch x slice) 02 --rows, 04 --slice-index, release
   local lines=() i g sel state next rc=0 text base02="${extra[02]}" base04="${extra[04]}"
   run_stage 01
-  run_stage 03
   stage_command 04
   # the schedule from stage 04's own flags; a changed slice size or input is refused here, before any extraction
   text=$(PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" "$python" -m eagle3_pipeline.slices schedule -- "${cmd[@]:3}" 2>&1) || rc=$?
   (( rc == 0 )) || die "$rc" "sliced run refused: $(grep '^error: ' <<< "$text" | tail -n 1 | cut -c8-800)"
   mapfile -t lines <<< "$text"
+  run_stage 03
   say "run_all: sliced run, ${#lines[@]} run position(s) (slices x epochs) of --slice-rows $slice_rows training rows"
   for ((i = 0; i < ${#lines[@]}; i++)); do
     read -r g sel state <<< "${lines[$i]}"

@@ -257,12 +257,17 @@ def resolve(argv: list[str]) -> tuple[SlicePlan, dict, object]:
     plan = make_plan(prepared["counts"]["rows"], prepared["train_data_ratio"], cfg.slice_rows, cfg.epochs)
     recorded = (read_own_manifest(Path(cfg.output)) or {}).get("slicing")
     if recorded:
-        now = {**plan.record(), "prepare": prepared["_content_sha256"]}
-        diff = first_difference({k: recorded.get(k) for k in now}, now)
-        if diff:
-            raise ContractError(f"{manifest_path(cfg.output)}: this sliced run was planned with {diff[0]} = "
-                                f"{json.dumps(diff[1])}, {json.dumps(diff[2])} in this run; rerun with the old value, "
-                                f"or choose another --output (a slice size or input cannot change mid-run)")
+        where = manifest_path(cfg.output)
+        if recorded.get("prepare") != prepared["_content_sha256"]:
+            raise ContractError(f"{where}: this sliced run was planned over another input: prepare (stage 01's output "
+                                f"in {cfg.data}) changed since; rerun 01 as it was, or choose another --output (a slice "
+                                f"size or input cannot change mid-run)")
+        now = plan.record()
+        for field in ("slice_rows", "epochs", *now):
+            if (diff := first_difference(recorded.get(field), now[field])) is not None:
+                raise ContractError(f"{where}: this sliced run was planned with {field} = {json.dumps(diff[1])}, "
+                                    f"{json.dumps(diff[2])} in this run; rerun with the old value, or choose another "
+                                    f"--output (a slice size or input cannot change mid-run)")
     return plan, prepared, cfg
 
 
