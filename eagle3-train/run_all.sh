@@ -20,7 +20,8 @@
 #                                  hours of regeneration, extraction and training, recommendation) from
 #                                  WORK/data's manifest or N x T tokens; writes nothing. RATES (python -m
 #                                  eagle3_pipeline.plan --help): --decode-tokens-per-s, --extract-tokens-per-s,
-#                                  --train-tokens-per-s, --disk-read-gb-s, --answer-tokens-per-row
+#                                  --train-tokens-per-s, --disk-read-gb-s, --answer-tokens-per-row, --free-disk-gb;
+#                                  its `slices` lines plan a sliced run (--slice-rows N: that size, else the most that fit)
 #
 # Logs: WORK/logs/0N_<stage>.log per stage (appended, one header per attempt) and WORK/logs/run_all.log.
 # Every stage is run every time, and each decides by the one rule for "done" (NOTES.md, "Reliability"):
