@@ -253,7 +253,7 @@ run_ranks() {  # run_ranks WS TP: stage 02 as WS data-parallel ranks (--rank r),
 }
 
 run_sliced() {  # --slice-rows: 01 and 03 once; per run position (epoch x slice) 02 --rows, 04 --slice-index, release
-  local lines=() i g sel state next rc=0 text base02="${extra[02]}" base04="${extra[04]}"
+  local lines=() i g sel state next rc=0 text ws tp base02="${extra[02]}" base04="${extra[04]}"
   run_stage 01
   stage_command 04
   # the schedule from stage 04's own flags; a changed slice size or input is refused here, before any extraction
@@ -267,7 +267,12 @@ run_sliced() {  # --slice-rows: 01 and 03 once; per run position (epoch x slice)
     next=""; (( i + 1 < ${#lines[@]} )) && read -r _ next _ <<< "${lines[$((i + 1))]}"
     if [[ $state == todo ]]; then
       say "== run position $((g + 1))/${#lines[@]}: rows $sel"
-      extra[02]="$base02 --rows $sel"; run_stage 02
+      extra[02]="$base02 --rows $sel"
+      if read -r ws tp < <(extract_ranks) && (( ws > 1 )) && ! finished "${out[02]}"; then
+        run_ranks "$ws" "$tp"  # the profile's data-parallel extraction, over this slice's rows
+      else
+        run_stage 02
+      fi
       extra[04]="$base04 --slice-index $g"; unfinished_ok=$(( g + 1 < ${#lines[@]} )); (( unfinished_ok )) || unfinished_ok=""
       run_stage 04; unfinished_ok=""
     fi

@@ -226,7 +226,7 @@ def release(hs_dir: Path, keep: set[int]) -> list[int]:
     deleted = []
     for row in sorted(owned_rows(hs_dir)):
         if row not in keep and hs_file(hs_dir, row).is_file():
-            hs_file(hs_dir, row).unlink()
+            hs_file(hs_dir, row).unlink(missing_ok=True)  # data-parallel ranks release side by side
             deleted.append(row)
     if manifest.is_file() and deleted:  # the files it describes are gone: never a finished extraction again
         data = json.loads(manifest.read_text())
