@@ -16,7 +16,7 @@ from pathlib import Path
 
 from eagle3_pipeline.config import ExtractConfig, resolve_stage_config
 from eagle3_pipeline.contract import input_record, manifest_path, read_manifest, require_equal, write_manifest
-from eagle3_pipeline.errors import StageError
+from eagle3_pipeline.errors import ConfigError, StageError
 from eagle3_pipeline.extract.common import (
     HS_DIRNAME,
     changed_files,
@@ -107,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         for index, reason in bad.items():
             log.warning("%s; redoing it", reason)  # the reason names the file
             hs_file(hs_dir, index).unlink(missing_ok=True)
+    if selection is not None and (own := read_own_manifest(hs_dir) or {}).get("complete") and not own.get("selection"):
+        raise ConfigError(f"{manifest_path(hs_dir)}: a finished extraction of every row is there; --rows (a sliced run) "
+                          f"would delete most of it: train on it unsliced, or move {hs_dir} away first")
     if selection is not None and not cfg.check:  # the previous slice's files go first: one slice on disk at a time
         if released := release(hs_dir, keep=set(selection)):
             log.info("--rows %s: deleted %d file(s) of rows outside it that this stage wrote (manifest kept in %s)",
