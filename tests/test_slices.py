@@ -289,3 +289,15 @@ def test_changed_slice_size_or_input_is_refused_in_one_line(runs):
     error = refused.stderr.strip().splitlines()
     assert len(error) == 1 and "another input: prepare" in error[0], error
     assert sorted(p.name for p in (work / "checkpoints").iterdir()) == before  # nothing of the run was touched
+
+
+@pytest.mark.slow
+def test_rows_never_slices_over_a_finished_extraction_of_every_row(runs):
+    hs_dir = runs["base"] / "data" / "hidden_states"
+    before = sorted(p.name for p in hs_dir.iterdir())
+    refused = subprocess.run([sys.executable, str(REPO / "eagle3-train" / "02_extract_hidden_states.py"), "--profile",
+                              "cpu-mini", "--target", str(_target()), "--data", str(runs["base"] / "data"), "--rows", "0:3"],
+                             capture_output=True, text=True, env=ENV, cwd=REPO, timeout=300)
+    assert refused.returncode != 0
+    assert refused.stderr.strip().splitlines()[-1].startswith(f"error: {hs_dir / 'manifest.json'}: a finished extraction")
+    assert sorted(p.name for p in hs_dir.iterdir()) == before
