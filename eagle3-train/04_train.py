@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     trained_already = False
     if sliced:
         plan, position = sliced
-        newest = max((int(p.name) for p in checkpoints.complete(out_dir)), default=-1) if not replace else -1
+        newest = slices.trained_through(out_dir) if not replace else -1
         if newest < position - 1:
             raise ContractError(f"{out_dir}: run position {position - 1} is not trained yet (newest checkpoint: "
                                 f"{newest if newest >= 0 else 'none'}); run the positions in order (run_all.sh "

@@ -271,13 +271,21 @@ def resolve(argv: list[str]) -> tuple[SlicePlan, dict, object]:
     return plan, prepared, cfg
 
 
+def trained_through(out_dir: Path) -> int:
+    """The last run position whose training finished (-1: none): its complete checkpoint saved at the epoch's end. A
+    mid-epoch checkpoint (--checkpoint-freq < 1) of a position is where speculators resumes that position, not its end."""
+    from .checkpoints import complete, read_state
+
+    ends = [int(p.name) for p in complete(out_dir) if not (read_state(p) or {}).get("local_step")]
+    return max(ends, default=-1)
+
+
 def trained_positions(plan: SlicePlan, out_dir: Path) -> list[bool]:
     """Which run positions need nothing but their release: a complete checkpoint of that position (the last one
     also needs stage 04's complete manifest: the report and the record are written after its checkpoint)."""
-    from .checkpoints import complete
     from .stage import read_own_manifest
 
-    newest = max((int(p.name) for p in complete(out_dir)), default=-1)
+    newest = trained_through(out_dir)
     finished = bool((read_own_manifest(out_dir) or {}).get("complete"))
     last = plan.positions - 1
     return [g <= newest and (g < last or finished) for g in range(plan.positions)]
