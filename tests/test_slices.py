@@ -209,8 +209,8 @@ def runs(tmp_path_factory, kimi_target):
         # kill -9 in slice 2: first while it extracts (a file of it landed), then while it trains (after its 04 began)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, cwd=REPO,
                                 start_new_session=True)
-        first_of_slice2 = hs_dir / f"hs_{slice_rows}.safetensors"
-        _wait(lambda: first_of_slice2.exists() and _current(work) == "02", proc, 600, "slice 2's extraction")
+        first, last = (hs_dir / f"hs_{row}.safetensors" for row in (slice_rows, 2 * slice_rows - 1))
+        _wait(lambda: first.exists() and not last.exists(), proc, 600, "slice 2's extraction (~200 ms a row)")
         _kill_run(proc, work)
         killed_extracting = sorted(p.name for p in hs_dir.glob("hs_*.safetensors"))
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, cwd=REPO,
@@ -269,7 +269,8 @@ def test_disk_never_holds_more_than_one_slice_of_states(runs):
 @pytest.mark.reliability
 def test_kill_in_slice_2_resumes_there_with_the_same_command(runs):
     work, slice_rows = runs["work"], runs["slice_rows"]
-    assert f"hs_{slice_rows}.safetensors" in runs["killed_extracting"]
+    assert f"hs_{slice_rows}.safetensors" in runs["killed_extracting"]  # killed mid-extraction of slice 2:
+    assert f"hs_{2 * slice_rows - 1}.safetensors" not in runs["killed_extracting"]  # its first row landed, its last not
     assert "hs_0.safetensors" not in runs["killed_extracting"]  # slice 1's states were already deleted
     extract_log = (work / "logs" / "02_extract.log").read_text()
     assert extract_log.count(f"--rows 0:{slice_rows},") == 1  # slice 1 extracted once: never redone after the kills
