@@ -16,7 +16,7 @@ from pathlib import Path
 
 from eagle3_pipeline.config import ExtractConfig, resolve_stage_config
 from eagle3_pipeline.contract import input_record, manifest_path, read_manifest, require_equal, write_manifest
-from eagle3_pipeline.errors import StageError
+from eagle3_pipeline.errors import ConfigError, StageError
 from eagle3_pipeline.extract.common import (
     changed_files,
     partition_indices,
@@ -39,7 +39,8 @@ from eagle3_pipeline.hidden_states import HS_DIRNAME, StateFormat, hs_file, hs_f
 from eagle3_pipeline.plan import check_plan_lines
 from eagle3_pipeline.prepared import load_rows
 from eagle3_pipeline.sizing import human_bytes
-from eagle3_pipeline.stage import config_fingerprint, finished, log, stage_identity, stage_main
+from eagle3_pipeline.slices import parse_rows, release
+from eagle3_pipeline.stage import config_fingerprint, finished, log, read_own_manifest, stage_identity, stage_main
 from eagle3_pipeline.target import extraction_layer_ids, load_target_info
 
 
@@ -72,8 +73,11 @@ def main(argv: list[str] | None = None) -> int:
         lock_extraction(hs_dir, cfg.world_size, cfg.rank)
     total_rows = prepared["counts"]["rows"]
     rows = load_rows(data_dir, cfg.max_samples)
+    # --rows: one slice of a sliced run (eagle3_pipeline/slices.py); the manifest records it as `selection`
+    selection = parse_rows(cfg.rows, len(rows)) if cfg.rows else None
+    wanted = selection if selection is not None else list(range(total_rows))
     if cfg.validate_only:  # before planning: the plan would drop bad files without saying why
-        mine = {i: rows[i] for i in partition_indices(list(range(len(rows))), cfg.world_size, cfg.rank)}
+        mine = {i: rows[i] for i in partition_indices(selection or list(range(len(rows))), cfg.world_size, cfg.rank)}
         bad = validate_all(hs_dir, mine, len(layer_ids), target.hidden_size, dtype=StateFormat.from_config(cfg).torch_dtype)
         if bad:
             for index in bad:  # a rerun redoes exactly these
@@ -83,10 +87,11 @@ def main(argv: list[str] | None = None) -> int:
         log.info("validated %d file(s): all good", len(mine))
         return 0
     remedy = f"move {hs_dir} away (or rerun 01 into a new --output) to extract again"
+    same_selection = (read_own_manifest(hs_dir) or {}).get("selection") == cfg.rows
     if finished(hs_dir, "extract", identity, check=cfg.check, input_change_redoes=True, remedy=remedy,
-                extra_done=all_rows_landed(hs_dir, list(range(total_rows)))) and not cfg.check:
+                extra_done=same_selection and all_rows_landed(hs_dir, wanted)) and not cfg.check:
         # The manifest says finished; the files must still be what this stage wrote (size, fingerprint).
-        changed = changed_files(hs_dir, range(total_rows))
+        changed = changed_files(hs_dir, wanted)
         if not changed:
             # Nothing to redo, and the manifest is left as it is (stages 03/04 recorded its content).
             log.info("%s: already extracted with these settings; nothing to do (--validate re-checks every file)", hs_dir)
@@ -99,7 +104,14 @@ def main(argv: list[str] | None = None) -> int:
         for index, reason in bad.items():
             log.warning("%s; redoing it", reason)  # the reason names the file
             hs_file(hs_dir, index).unlink(missing_ok=True)
-    plan = plan_extraction(cfg, rows, len(layer_ids), target.hidden_size, hs_dir)
+    if selection is not None and (own := read_own_manifest(hs_dir) or {}).get("complete") and not own.get("selection"):
+        raise ConfigError(f"{manifest_path(hs_dir)}: a finished extraction of every row is there; --rows (a sliced run) "
+                          f"would delete most of it: train on it unsliced, or move {hs_dir} away first")
+    if selection is not None and not cfg.check:  # the previous slice's files go first: one slice on disk at a time
+        if released := release(hs_dir, keep=set(selection)):
+            log.info("--rows %s: deleted %d file(s) of rows outside it that this stage wrote (manifest kept in %s)",
+                     cfg.rows, len(released), hs_dir / "slices")
+    plan = plan_extraction(cfg, rows, len(layer_ids), target.hidden_size, hs_dir, selection)
     if plan.counts["stale_removed"]:
         log.warning("removed %d file(s) whose token ids or shape do not match their row; they are redone",
                     plan.counts["stale_removed"])
@@ -118,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     # An unfinished manifest records the identity from the first file on (a rerun with another dtype
     # or layer ids is then refused instead of mixing files).
     write_manifest(hs_dir, "extract", complete=False, identity=identity, layer_ids=layer_ids, dtype=cfg.dtype,
-                   storage=cfg.storage)
+                   storage=cfg.storage, selection=cfg.rows, rows_total=total_rows)
 
     # 4. Work.
     log.info("extracting %d row(s) (%d already done) with the %s backend, layer ids %s",
@@ -151,13 +163,15 @@ def main(argv: list[str] | None = None) -> int:
     (hs_dir / "redo.json").unlink(missing_ok=True)  # every row listed there has been redone
     fingerprints = write_fingerprints(hs_dir, plan.all_indices)  # what a rerun compares with the disk
     covered = len(plan.all_indices)
-    if covered < total_rows:
+    tokens = sum(len(rows[i]) for i in plan.all_indices)
+    if covered < total_rows and selection is None:
         log.warning("%d of stage 01's %d rows extracted (--max-samples %d): the manifest says complete: false, so "
                     "stage 04 refuses these states until a run without --max-samples adds the rest",
                     covered, total_rows, cfg.max_samples)
     write_manifest(
-        hs_dir, "extract", complete=covered == total_rows, identity=identity,
-        content={"rows": covered, "tokens": sum(len(r) for r in rows), "dtype": cfg.dtype, "storage": cfg.storage,
+        hs_dir, "extract", complete=covered == total_rows or selection is not None, identity=identity,
+        content={"rows": covered, "tokens": tokens, "dtype": cfg.dtype, "storage": cfg.storage,
+                 **({"selection": cfg.rows} if cfg.rows else {}),
                  "shapes": {"hidden_states": ["T", len(layer_ids), target.hidden_size], "token_ids": ["T"]}},
         layer_ids=layer_ids, dtype=cfg.dtype, storage=cfg.storage, target_config_sha256=target.config_sha256,
         config=cfg.model_dump(), config_sha256=config_fingerprint(cfg),
@@ -165,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         target=target.summary(),
         backend=cfg.backend, fingerprints=fingerprints,
         shapes={"hidden_states": ["T", len(layer_ids), target.hidden_size], "token_ids": ["T"]},
-        counts={"rows": len(plan.all_indices), "tokens": sum(len(r) for r in rows), **plan.counts},
+        counts={"rows": len(plan.all_indices), "tokens": tokens, **plan.counts},
+        selection=cfg.rows, rows_total=total_rows,
     )
     log.info("hidden states for %d rows -> %s", covered, hs_dir)
     return 0

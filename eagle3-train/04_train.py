@@ -17,16 +17,17 @@ import subprocess
 import time
 from pathlib import Path
 
-from eagle3_pipeline import checkpoints, online
+from eagle3_pipeline import checkpoints, online, slices
 from eagle3_pipeline.config import TrainConfig, load_draft_config, resolve_stage_config
 from eagle3_pipeline.contract import MANIFEST_NAME, input_record, write_manifest
-from eagle3_pipeline.errors import Interrupted, StageError
+from eagle3_pipeline.errors import ContractError, Interrupted, StageError
 from eagle3_pipeline.files import check_writable_dir, held_lock_fds, remove_stale_temps
-from eagle3_pipeline.hidden_states import StateFormat
+from eagle3_pipeline.hidden_states import HS_DIRNAME, StateFormat
 from eagle3_pipeline.metrics import METRICS_FILE, compat_applied
 from eagle3_pipeline.plan import check_plan_lines
 from eagle3_pipeline.plots import PLOTS_DIRNAME, write_plots
 from eagle3_pipeline.preflight import fit_seq_len_to_run, preflight_train
+from eagle3_pipeline.prepared import load_prepared
 from eagle3_pipeline.ranks import clear_own, stopped_line
 from eagle3_pipeline.resume import INTERRUPTED, prepare_resume
 from eagle3_pipeline.sizing import checkpoint_bytes
@@ -35,6 +36,7 @@ from eagle3_pipeline.stage import (
     finished,
     lock_output,
     log,
+    read_own_manifest,
     refuse_unowned,
     stage_identity,
     stage_main,
@@ -67,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # 2. Contracts: one target, one prepared dataset, states and vocab both built from it.
     prepared, extracted, vocab = read_upstream(cfg, target, draft)
+    # --slice-rows: this invocation trains one run position of a sliced run (eagle3_pipeline/slices.py)
+    sliced = slices.check_position(cfg, prepared, extracted) if cfg.slice_rows is not None else None
     # Few optimizer steps: smaller steps (NOTES.md, "Acceptance length"). Before the identity, which records it.
     cfg, packing_note = fit_seq_len_to_run(cfg, sources["total_seq_len"], prepared.get("counts", {}),
                                            prepared["train_data_ratio"])
@@ -82,11 +86,19 @@ def main(argv: list[str] | None = None) -> int:
         del upstream["extract"]
     aux_layer_ids = layer_ids[:-1]
     inputs = {name: input_record(m) for name, m in upstream.items()}
+    identity_inputs = {name: m["_content_sha256"] for name, m in upstream.items()}
+    slicing = {}
+    if sliced:  # the slices are the run's input one after another: its identity is the plan over stage 01's rows
+        del identity_inputs["extract"]
+        source = {"slicing": sliced[0].record()}
+        slicing = {"slicing": {**sliced[0].record(), "prepare": prepared["_content_sha256"]},
+                   "slices_trained": [r for r in (read_own_manifest(out_dir) or {}).get("slices_trained", [])
+                                      if r["position"] < sliced[1]]}
     # The one rule for "done" (stage.finished). A resume restores speculators' optimizer AND its lr
     # scheduler (built for the old lr, epochs and steps), so every setting that shapes the run is
     # part of the identity: changing one mid-run is refused, never recorded as if it had happened.
     identity = stage_identity(
-        cfg, {name: m["_content_sha256"] for name, m in upstream.items()},
+        cfg, identity_inputs,
         target_config_sha256=target.config_sha256, draft_config={k: v for k, v in draft.items() if k != "description"},
         ttt_steps=cfg.ttt_steps or draft.get("ttt_steps", 3), world_size=cfg.nproc * cfg.nnodes, **source,
     )
@@ -106,6 +118,19 @@ def main(argv: list[str] | None = None) -> int:
     checkpoints.refuse_foreign_folders(out_dir)
     replace = checkpoints.replaces_other_run(out_dir, identity)
     epochs_done = 0 if replace else len(checkpoints.complete(out_dir))
+    trained_already = False
+    if sliced:
+        plan, position = sliced
+        newest = slices.trained_through(out_dir) if not replace else -1
+        if newest < position - 1:
+            raise ContractError(f"{out_dir}: run position {position - 1} is not trained yet (newest checkpoint: "
+                                f"{newest if newest >= 0 else 'none'}); run the positions in order (run_all.sh "
+                                f"--slice-rows resumes at the right one)")
+        trained_already = newest >= position
+        if trained_already and position < plan.positions - 1:
+            log.info("%s: run position %d (rows %s) already trained (checkpoint %d); nothing to do", out_dir, position,
+                     plan.selection(position), newest)
+            return 0
     for line in preflight_train(cfg, draft, target, vocab["draft_vocab_size"], out_dir,
                                 prepared.get("counts", {}).get("tokens", 0),
                                 epochs_done=epochs_done, nproc_source=sources["nproc"],
@@ -138,9 +163,18 @@ def main(argv: list[str] | None = None) -> int:
         mask_token_id=target.text_config.get("pad_token_id") or 0,
         hidden_states_storage=StateFormat.from_manifest(extracted or {}).storage,
     )
+    if sliced:  # the view of this position's rows, its epoch in the run, one lr schedule over every position
+        steps = slices.planned_steps(list(load_prepared(cfg.data).with_format(None)["seq_len"]), plan, cfg.total_seq_len,
+                                     cfg.nproc * cfg.nnodes, cfg.seed)
+        view = slices.build_view(Path(cfg.data), Path(cfg.data) / HS_DIRNAME, out_dir / slices.VIEW_DIRNAME,
+                                 slices.parse_rows(plan.selection(position), plan.rows))
+        spec_argv = slices.sliced_argv(spec_argv, view, position, plan.train_data_ratio(position), sum(steps))
+        log.info("sliced run: position %d of %d (epoch %d, slice %d of %d, rows %s): %d optimizer step(s) of the %d the "
+                 "lr schedule is planned over", position + 1, plan.positions, position // plan.num_slices + 1,
+                 position % plan.num_slices + 1, plan.num_slices, plan.selection(position), steps[position], sum(steps))
     launch = launch_command(cfg, spec_argv)
     # First of this run's writes: what it may write is listed (a later --overwrite deletes only those).
-    write_manifest(out_dir, "train", complete=False, identity=identity, outputs=list(checkpoints.RUN_FILES))
+    write_manifest(out_dir, "train", complete=False, identity=identity, outputs=list(checkpoints.RUN_FILES), **slicing)
     write_command_file(out_dir, spec_argv, launch, () if server is None else (online.command_note(cfg),))
 
     # 3. Work: speculators' trainer (it resumes from the newest checkpoint by itself).
@@ -153,7 +187,9 @@ def main(argv: list[str] | None = None) -> int:
                    "dtype": stored.dtype if stored and not stored.is_fp8 else None,
                    "storage": stored.storage if stored else "any"}
     export_compat_settings(cfg, sample_spec)
-    if launch is None:
+    if trained_already:
+        log.info("run position %d already trained; writing the run's report and manifest", position)
+    elif launch is None:
         run_in_process(spec_argv, out_dir / METRICS_FILE, checkpoint_bytes(cfg, draft, target, vocab["draft_vocab_size"]))
     else:
         clear_own(out_dir, cfg.nproc, cfg.node_rank)
@@ -172,6 +208,14 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.dry_run:
         log.info("dry run: initialised draft written to %s", out_dir)
         return 0
+
+    if sliced:
+        slicing["slices_trained"].append(slices.position_record(position, plan, extracted, steps[position]))
+        if position < plan.positions - 1:
+            write_manifest(out_dir, "train", complete=False, identity=identity, outputs=list(checkpoints.RUN_FILES),
+                           inputs=inputs, **slicing)
+            log.info("run position %d of %d trained; the next slice continues this run", position + 1, plan.positions)
+            return 0
 
     if cfg.nnodes > 1 and cfg.launcher == "torchrun" and cfg.node_rank > 0:
         log.info("node %d/%d done; node 0 (global rank 0) writes the checkpoints' report and manifest", cfg.node_rank, cfg.nnodes)
@@ -196,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         draft_vocab_size=vocab["draft_vocab_size"], best_checkpoint=best.name, summary=summary,
         config_sha256=config_fingerprint(cfg), resume=resume, compat_applied=compat_applied(out_dir / METRICS_FILE),
         hidden_states=server or {"mode": "files", "from": inputs["extract"]["path"]},
-        bad_samples=skipped_samples(out_dir),
+        bad_samples=skipped_samples(out_dir), **slicing,
     )
     return 0
 

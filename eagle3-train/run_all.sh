@@ -8,6 +8,11 @@
 #           --trust-remote-code    passed to the stages that load the target (01, 02, 04)
 #           --args-0N "FLAGS"      extra flags for stage N, e.g. --args-04 "--epochs 3 --lr 5e-4"
 #           --from NN              start at stage NN (earlier ones must be finished: their manifest complete)
+#           --slice-rows N         a run larger than the disk: the training rows in slices of N; per slice 02
+#                                  extracts it (+ the validation rows), 04 trains on it continuing one run (one
+#                                  optimizer, one lr schedule over all slices x epochs), its states are deleted;
+#                                  epochs > 1 re-extract every slice. --plan prints N for the free disk.
+#                                  kill/rerun resumes at the right slice and step (eagle3_pipeline/slices.py)
 #           --status               show each stage's state and log, then exit
 #           --print-config         print every stage's resolved config (value # source), then exit
 #           --plan [--rows N --tokens-per-row T] [RATES]
@@ -15,7 +20,8 @@
 #                                  hours of regeneration, extraction and training, recommendation) from
 #                                  WORK/data's manifest or N x T tokens; writes nothing. RATES (python -m
 #                                  eagle3_pipeline.plan --help): --decode-tokens-per-s, --extract-tokens-per-s,
-#                                  --train-tokens-per-s, --disk-read-gb-s, --answer-tokens-per-row
+#                                  --train-tokens-per-s, --disk-read-gb-s, --answer-tokens-per-row, --free-disk-gb;
+#                                  its `slices` lines plan a sliced run (--slice-rows N: that size, else the most that fit)
 #
 # Logs: WORK/logs/0N_<stage>.log per stage (appended, one header per attempt) and WORK/logs/run_all.log.
 # Every stage is run every time, and each decides by the one rule for "done" (NOTES.md, "Reliability"):
@@ -48,7 +54,7 @@ trap '' HUP PIPE  # an SSH drop must not stop the run; a closed terminal must no
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 python="${PYTHON:-python3}"
-profile="" target="" data="" work="" from="" trust="" mode=run rows="" tokens_per_row=""
+profile="" target="" data="" work="" from="" trust="" mode=run rows="" tokens_per_row="" slice_rows=""
 plan_rates=()  # --plan's rate flags, passed to eagle3_pipeline.plan as given
 declare -A extra=([01]="" [02]="" [03]="" [04]="" [05]="")
 while [[ $# -gt 0 ]]; do
@@ -63,10 +69,10 @@ while [[ $# -gt 0 ]]; do
     --status) mode=status; shift ;;
     --print-config) mode=print; shift ;;
     --plan) mode=plan; shift ;;
-    --rows|--tokens-per-row)
+    --rows|--tokens-per-row|--slice-rows)
       [[ $# -ge 2 ]] || { echo "run_all.sh: $1 needs a value (see --help)" >&2; exit 2; }
       v="${1#--}"; declare "${v//-/_}=$2"; shift 2 ;;
-    --decode-tokens-per-s|--extract-tokens-per-s|--train-tokens-per-s|--disk-read-gb-s|--answer-tokens-per-row)
+    --decode-tokens-per-s|--extract-tokens-per-s|--train-tokens-per-s|--disk-read-gb-s|--answer-tokens-per-row|--free-disk-gb)
       [[ $# -ge 2 ]] || { echo "run_all.sh: $1 needs a value (see --help)" >&2; exit 2; }
       plan_rates+=("$1" "$2"); shift 2 ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
@@ -79,6 +85,9 @@ for opt in "${required[@]}"; do
   [[ -n "${!opt}" ]] || { echo "run_all.sh: --$opt is required (see --help)" >&2; exit 2; }
 done
 [[ -z "$from" || "$from" =~ ^0[1-5]$ ]] || { echo "run_all.sh: --from takes 01..05" >&2; exit 2; }
+[[ -z "$slice_rows" || "$slice_rows" =~ ^[1-9][0-9]*$ ]] || { echo "run_all.sh: --slice-rows takes a row count" >&2; exit 2; }
+[[ -z "$slice_rows" || -z "$from" || $mode == plan ]] || { echo "run_all.sh: --from does not combine with --slice-rows (each slice resumes by itself)" >&2; exit 2; }
+[[ -z "$slice_rows" || $mode == plan ]] || extra[04]+=" --slice-rows $slice_rows"
 
 # stage table: number, name, output dir (its manifest.json says whether it is finished), script
 nums=(01 02 03 04 05)
@@ -123,6 +132,7 @@ if [[ $mode == plan ]]; then
   plan=("$python" -m eagle3_pipeline.plan --target "$target" --profile "$profile" --work "$work")
   [[ -n "$rows" ]] && plan+=(--rows "$rows")
   [[ -n "$tokens_per_row" ]] && plan+=(--tokens-per-row "$tokens_per_row")
+  [[ -n "$slice_rows" ]] && plan+=(--slice-rows "$slice_rows")
   plan+=("${plan_rates[@]}")
   PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" exec "${plan[@]}"
 fi
@@ -158,7 +168,7 @@ if ! flock -w 2 9; then  # a short grace: processes killed a moment ago may stil
   die 75 "another run_all or a stage it started is still running in $work (stage, process group: ${running:-?}); wait for it (run_all.sh --status --work $work) or stop it (kill -TERM -- -PGID), then rerun"
 fi
 
-child="" stop_requests=0 rank_children=()
+child="" stop_requests=0 rank_children=() unfinished_ok=""
 on_stop() {  # Ctrl-C / kill -TERM: stop the running stage (TERM, then KILL on a second request)
   stop_requests=$((stop_requests + 1))
   local pg
@@ -195,7 +205,7 @@ run_stage() {  # run_stage NN: the stage in its own process group, its output ap
   if (( rc != 0 )); then
     die "$rc" "$n ${name[$n]} failed (exit $rc) after $((SECONDS - start)) s: $(grep '^error: ' "$log" | tail -n 1 | cut -c8-800); see $log, fix, then rerun the same command (finished stages are no-ops)"
   fi
-  if ! finished "${out[$n]}"; then
+  if [[ -z "$unfinished_ok" ]] && ! finished "${out[$n]}"; then
     die 3 "$n ${name[$n]} exited 0 but ${out[$n]}/manifest.json is not complete (--world-size > 1: run the other ranks, then rerun; --check/--dry-run in --args-$n stop early)"
   fi
   say "== $n ${name[$n]}: done in $((SECONDS - start)) s"
@@ -242,10 +252,44 @@ run_ranks() {  # run_ranks WS TP: stage 02 as WS data-parallel ranks (--rank r),
   say "== 02 ${name[02]}: done in $((SECONDS - start)) s ($ws ranks)"
 }
 
+run_sliced() {  # --slice-rows: 01 and 03 once; per run position (epoch x slice) 02 --rows, 04 --slice-index, release
+  local lines=() i g sel state next rc=0 text ws tp base02="${extra[02]}" base04="${extra[04]}"
+  run_stage 01
+  stage_command 04
+  # the schedule from stage 04's own flags; a changed slice size or input is refused here, before any extraction
+  text=$(PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" "$python" -m eagle3_pipeline.slices schedule -- "${cmd[@]:3}" 2>&1) || rc=$?
+  (( rc == 0 )) || die "$rc" "sliced run refused: $(grep '^error: ' <<< "$text" | tail -n 1 | cut -c8-800)"
+  mapfile -t lines <<< "$text"
+  run_stage 03
+  say "run_all: sliced run, ${#lines[@]} run position(s) (slices x epochs) of --slice-rows $slice_rows training rows"
+  for ((i = 0; i < ${#lines[@]}; i++)); do
+    read -r g sel state <<< "${lines[$i]}"
+    next=""; (( i + 1 < ${#lines[@]} )) && read -r _ next _ <<< "${lines[$((i + 1))]}"
+    if [[ $state == todo ]]; then
+      say "== run position $((g + 1))/${#lines[@]}: rows $sel"
+      extra[02]="$base02 --rows $sel"
+      if read -r ws tp < <(extract_ranks) && (( ws > 1 )) && ! finished "${out[02]}"; then
+        run_ranks "$ws" "$tp"  # the profile's data-parallel extraction, over this slice's rows
+      else
+        run_stage 02
+      fi
+      extra[04]="$base04 --slice-index $g"; unfinished_ok=$(( g + 1 < ${#lines[@]} )); (( unfinished_ok )) || unfinished_ok=""
+      run_stage 04; unfinished_ok=""
+    fi
+    # the trained slice's states go (stage 02's manifest and fingerprints are kept as the record)
+    PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" "$python" -m eagle3_pipeline.slices release --data "$work/data" \
+      --keep "$next" >> "$driver_log" 2>&1 || die 1 "releasing the states of rows $sel failed; see $driver_log"
+  done
+  extra[02]="$base02" extra[04]="$base04"
+  run_stage 05
+}
+
 say "run_all: profile $profile, target $target, data $data, work $work (driver pid $$)"
 if command -v nvidia-smi > /dev/null; then
   say "gpus: $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | sort | uniq -c | tr -s ' \n' ' ')"
 fi
+[[ -z "$slice_rows" ]] || nums=()  # the sliced run's own order
+[[ -z "$slice_rows" ]] || run_sliced
 for n in "${nums[@]}"; do
   if [[ -n "$from" && "$n" < "$from" ]]; then
     finished "${out[$n]}" || die 3 "--from $from: stage $n ${name[$n]} is not finished; rerun without --from"

@@ -42,6 +42,7 @@ RUN_FILES = (
     "metrics.jsonl", "summary.json", "summary.txt", "plots", "command.txt",
     "bad_samples.jsonl",  # compat/sample_check.RECORD_NAME: samples the loader refused
     "hidden_states_cache",  # --hidden-states hybrid: the states vLLM generated (online.CACHE_DIRNAME)
+    "slice_data",  # --slice-rows: the view of one run position's rows (slices.VIEW_DIRNAME)
 )
 
 

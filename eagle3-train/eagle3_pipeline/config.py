@@ -131,6 +131,9 @@ class ExtractConfig(StageConfig):
         "values + one fp32 scale per token, about half of bf16's bytes; stage 04 reads it with speculators' fp8 backend)")
     device: str = _field("auto", "HF backend device: auto (cuda if present), cpu, cuda, cuda:N")
     max_samples: Optional[int] = _field(None, "extract only the first N rows")
+    rows: Optional[str] = _field(None, "extract only these rows, START:END ranges (end exclusive, e.g. 0:1000,90000:100000): "
+                                       "one slice of a sliced run (run_all.sh --slice-rows); first deletes this stage's "
+                                       "files of the rows outside them (their manifest is kept in hidden_states/slices/)")
     world_size: int = _field(1, "number of extraction replicas/nodes sharing the rows", ge=1)
     rank: int = _field(0, "this replica's index in [0, world-size)", ge=0)
     retries: int = _field(2, "re-extract a row whose file fails validation this many times before giving up", ge=0)
@@ -209,6 +212,11 @@ class TrainConfig(StageConfig):
     draft_config: str = _field(str(DEFAULT_DRAFT_CONFIG), "draft architecture file")
     epochs: int = _field(10, "training epochs", ge=1)
     max_steps: Optional[int] = _field(None, "stop after this many optimizer steps")
+    slice_rows: Optional[int] = _field(None, "sliced run (run_all.sh --slice-rows): the training rows are cut into slices "
+                                             "of N rows, each extracted, trained on and deleted in turn "
+                                             "(eagle3_pipeline/slices.py)", ge=1)
+    slice_index: Optional[int] = _field(None, "sliced run: the run position trained now (epoch x slices + slice, "
+                                              "0-based; stage 02 must hold its --rows)", ge=0)
     # Throughput defaults measured on an H200 at Kimi geometry (NOTES.md, "Training defaults and why"; figures in
     # bench/README.md, "Training throughput"). A run with under 1,000 optimizer steps packs 8K instead
     # (preflight.fit_seq_len_to_run): on the SmolLM2 testbed in vLLM 8K steps trained a better draft than 32K on

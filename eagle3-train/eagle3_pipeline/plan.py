@@ -68,6 +68,9 @@ class Plan:
     answer_tokens_source: str = ""
     decode_tokens_per_s: float | None = None
     decode_rate_source: str = "not given"
+    free_source: str = "measured"
+    train_data_ratio: float = 0.9  # stage 01's (the validation rows: the rest); 0.9 for a run not prepared yet
+    slice_rows: int | None = None  # --slice-rows: the size to plan; else the largest that fits
 
     def need_gb_s(self, storage: str) -> float:
         return self.gpus * self.train_tokens_per_s_per_gpu * self.bytes_per_token[storage] / 1e9
@@ -98,6 +101,91 @@ class Plan:
                 "hybrid": max(extract, epoch) + (self.epochs - 1) * epoch}
 
 
+# Room left beside one slice's states: the files in flight, checkpoints (one per run position), logs.
+SLICE_HEADROOM = 0.1
+
+
+@dataclass
+class SlicePlanLine:
+    storage: str
+    slice_rows: int
+    num_slices: int
+    val_rows: int
+    slice_bytes: int  # one slice's training rows + the validation rows
+    fits: bool
+    extract_h_per_slice: float | None
+    train_h_per_slice: float
+    extract_h_total: float | None
+    train_h_total: float
+    reextract_h: float | None  # the extraction epochs 2..E add (every slice again)
+
+
+def slice_plan(plan: Plan, storage: str) -> SlicePlanLine | None:
+    """A sliced run (run_all.sh --slice-rows): N rows per slice from the free disk, or the given N; None when not even
+    the validation rows fit. Every slice's states are its training rows + the validation rows (extracted once, kept);
+    every epoch re-extracts every slice (eagle3_pipeline/slices.py)."""
+    tokens_per_row = plan.tokens / max(plan.rows, 1)
+    per_row = tokens_per_row * plan.bytes_per_token[storage]
+    val_start = int(plan.rows * plan.train_data_ratio)
+    val_rows = plan.rows - val_start
+    usable = plan.free_bytes * (1 - SLICE_HEADROOM)
+    fit = int((usable - val_rows * per_row) // per_row) if per_row else val_start
+    n = min(plan.slice_rows or fit, val_start)
+    if n < 1:
+        return None
+    rate = plan.gpus * plan.train_tokens_per_s_per_gpu
+    if plan.disk_read_gb_s is not None:
+        rate = min(rate, plan.disk_read_gb_s * 1e9 / plan.bytes_per_token[storage])
+
+    def extract(tokens: float) -> float | None:
+        return tokens / plan.extract_tokens_per_s / 3600 if plan.extract_tokens_per_s else None
+
+    train_tokens, val_tokens = val_start * tokens_per_row, val_rows * tokens_per_row
+    return SlicePlanLine(
+        storage=storage, slice_rows=n, num_slices=-(-val_start // n), val_rows=val_rows,
+        slice_bytes=int((n + val_rows) * per_row), fits=(n + val_rows) * per_row <= usable,
+        extract_h_per_slice=extract(n * tokens_per_row), train_h_per_slice=n * tokens_per_row / rate / 3600,
+        extract_h_total=extract(plan.epochs * train_tokens + val_tokens),
+        train_h_total=plan.epochs * train_tokens / rate / 3600,
+        reextract_h=extract((plan.epochs - 1) * train_tokens))
+
+
+def slice_lines(plan: Plan) -> list[str]:
+    """The sliced run's lines of the plan: slices, hours per slice and in all, per format; the epochs warning."""
+    def hours(value: float | None) -> str:
+        if value is None:
+            return "? h"
+        return f"{value:,.1f} h" if value >= 1 else f"{value * 60:,.0f} min"
+
+    lines, warned = [], False
+    for storage in FORMATS:
+        sliced = slice_plan(plan, storage)
+        if sliced is None:
+            lines.append(f"  {'slices ' + storage + ':':<15}not even the {plan.rows - int(plan.rows * plan.train_data_ratio):,} "
+                         f"validation rows fit in {human_bytes(plan.free_bytes)}")
+            continue
+        size = f"--slice-rows {sliced.slice_rows:,}" + (" (given)" if plan.slice_rows else " (the most that fit)")
+        total = None if sliced.extract_h_total is None else sliced.extract_h_total + sliced.train_h_total
+        lines.append(
+            f"  {'slices ' + storage + ':':<15}{size}: {sliced.num_slices:,} slice(s) x {plan.epochs} epoch(s); "
+            f"{human_bytes(sliced.slice_bytes)} of states on disk at a time (a slice + the {sliced.val_rows:,} validation "
+            f"rows), {'fits' if sliced.fits else 'does NOT fit'} in the free disk less {SLICE_HEADROOM:.0%} (files in "
+            f"flight, checkpoints); per slice: extraction {hours(sliced.extract_h_per_slice)}, training "
+            f"{hours(sliced.train_h_per_slice)}; in all: extraction {hours(sliced.extract_h_total)}, training "
+            f"{hours(sliced.train_h_total)}, {hours(total)} one after the other")
+        if plan.epochs > 1 and not warned and sliced.reextract_h is not None:
+            epoch_train_h = sliced.train_h_total / plan.epochs
+            if sliced.reextract_h > (plan.epochs - 1) * epoch_train_h:
+                warned = True
+                lines.append(
+                    f"  WARNING:       a sliced run re-extracts every slice each epoch: epochs 2-{plan.epochs} cost "
+                    f"{hours(sliced.reextract_h)} of extraction for {hours((plan.epochs - 1) * epoch_train_h)} of training "
+                    f"on rows already seen; those extraction hours would extract "
+                    f"{(plan.epochs - 1) * int(plan.rows * plan.train_data_ratio):,} new rows instead (data is the larger "
+                    f"lever, data/epochs below): prefer more data at --epochs 1-2")
+    return lines
+
+
 def measured_extract_rate(data: Path) -> tuple[float | None, str]:
     """Stage 02's own rate, from its manifest in DATA/hidden_states (a 10-sample run records it)."""
     manifest = manifest_path(data / HS_DIRNAME)
@@ -110,6 +198,14 @@ def measured_extract_rate(data: Path) -> tuple[float | None, str]:
         return None, ""
     return float(rate), (f"measured: stage 02 on {counts.get('extracted_tokens', 0):,} tokens in "
                          f"{counts.get('extract_s', 0):.0f} s, engine start excluded ({manifest})")
+
+
+def prepared_ratio(data: Path) -> float:
+    """Stage 01's train_data_ratio (speculators validates on the rest), else 0.9 (01's default split)."""
+    try:
+        return float(json.loads(manifest_path(data).read_text())["train_data_ratio"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0.9
 
 
 def answer_tokens(data: Path, rows: int, tokens: int, answer_tokens_per_row: int | None) -> tuple[int, str]:
@@ -166,14 +262,16 @@ def recommend(plan: Plan) -> str:
                 "a running vLLM (04_train.py --hidden-states online, the server from python -m eagle3_pipeline.serve_target) "
                 "so no state is read from disk")
     return ("the hidden states do not fit even in fp8: train against a running vLLM (04_train.py --hidden-states "
-            "online, the server from python -m eagle3_pipeline.serve_target), or extract and train in slices of the data")
+            "online, the server from python -m eagle3_pipeline.serve_target), or extract and train in slices of the data "
+            "(run_all.sh --slice-rows N: the slices lines above)")
 
 
 def make_plan(target_dir: str, profile: str | None, work: str, rows: int | None = None, tokens_per_row: int | None = None,
               train_tokens_per_s: float | None = None, disk_read_gb_s: float | None = None,
               extract_tokens_per_s: float | None = None, *, data: str | None = None, gpus: int | None = None,
               epochs: int | None = None, decode_tokens_per_s: float | None = None,
-              answer_tokens_per_row: int | None = None) -> Plan:
+              answer_tokens_per_row: int | None = None, free_disk_gb: float | None = None,
+              slice_rows: int | None = None) -> Plan:
     """`data`: stage 01's output (default WORK/data); `gpus`/`epochs`: stage 04's resolved values (default:
     the profile's train section, else 04's defaults)."""
     target = load_target_info(target_dir)
@@ -194,7 +292,7 @@ def make_plan(target_dir: str, profile: str | None, work: str, rows: int | None 
     plan = Plan(
         target=target.path, hidden_size=target.hidden_size, num_layers=target.num_layers, profile=profile or "none",
         gpus=gpus, epochs=epochs, rows=num_rows, tokens=tokens, tokens_source=source, data=str(data_dir),
-        free_bytes=disk_free(data_dir), bytes_per_token=per_token,
+        free_bytes=int(free_disk_gb * 1e9) if free_disk_gb is not None else disk_free(data_dir), bytes_per_token=per_token,
         total_bytes={s: tokens * per_token[s] for s in FORMATS},
         train_tokens_per_s_per_gpu=train_tokens_per_s or TRAIN_TOKENS_PER_S_PER_GPU,
         train_rate_source="--train-tokens-per-s" if train_tokens_per_s else
@@ -203,6 +301,8 @@ def make_plan(target_dir: str, profile: str | None, work: str, rows: int | None 
         recommendation="", extract_rate_source=extract_source or "not given", answer_tokens=answers,
         answer_tokens_source=answers_source, decode_tokens_per_s=decode_tokens_per_s,
         decode_rate_source="--decode-tokens-per-s" if decode_tokens_per_s else "not given",
+        free_source="--free-disk-gb" if free_disk_gb is not None else "measured", slice_rows=slice_rows,
+        train_data_ratio=prepared_ratio(data_dir),
     )
     plan.recommendation = recommend(plan)
     return plan
@@ -256,7 +356,8 @@ def format_plan(plan: Plan) -> str:
         f"run plan: {plan.target} (hidden {plan.hidden_size}, {plan.num_layers} layers, {NUM_SLOTS} states per token), "
         f"profile {plan.profile}: {plan.gpus} training GPU(s), {plan.epochs} epochs",
         f"  data:          {plan.rows:,} rows, {plan.tokens:,} tokens ({plan.tokens_source})",
-        f"  hidden states: {size('bf16')}; {size('fp8')}; free at {plan.data}: {human_bytes(plan.free_bytes)}",
+        f"  hidden states: {size('bf16')}; {size('fp8')}; free at {plan.data}: {human_bytes(plan.free_bytes)}"
+        + (" (--free-disk-gb)" if plan.free_source != "measured" else ""),
         f"  reads:         {plan.gpus} GPU(s) x {plan.train_tokens_per_s_per_gpu:,.0f} tokens/s need "
         f"{plan.need_gb_s('bf16'):.2f} GB/s in bf16, {plan.need_gb_s('fp8'):.2f} GB/s in fp8; the disk gives {disk} cold "
         f"({plan.disk_read_source})",
@@ -271,6 +372,7 @@ def format_plan(plan: Plan) -> str:
         f"recomputes every epoch); hybrid {human_bytes(plan.total_bytes['bf16'])} cache, {hours(modes['hybrid'])} "
         f"(extraction + training; regeneration adds {hours(plan.regen_hours())})",
         communication_line(load_target_info(plan.target).text_config, plan.profile, plan.gpus),
+        *slice_lines(plan),
         f"  recommendation: {plan.recommendation}",
         f"  data/epochs:   {data_epochs_line()}",
     ])
@@ -291,12 +393,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-tokens-per-s", type=float, help="the target's decode tokens/s on this box (answer regeneration)")
     parser.add_argument("--answer-tokens-per-row", type=int, help="answer tokens per row that regeneration generates "
                         "(default: stage 01's loss tokens, else half of --tokens-per-row)")
+    parser.add_argument("--free-disk-gb", type=float, help="the free disk to plan for, in GB (default: measured at WORK/data)")
+    parser.add_argument("--slice-rows", type=int, help="the slice size to plan (run_all.sh --slice-rows; default: the "
+                        "largest whose states fit the free disk)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = parser.parse_args(argv)
     try:
         plan = make_plan(args.target, args.profile, args.work, args.rows, args.tokens_per_row, args.train_tokens_per_s,
                          args.disk_read_gb_s, args.extract_tokens_per_s, decode_tokens_per_s=args.decode_tokens_per_s,
-                         answer_tokens_per_row=args.answer_tokens_per_row)
+                         answer_tokens_per_row=args.answer_tokens_per_row, free_disk_gb=args.free_disk_gb,
+                         slice_rows=args.slice_rows)
     except StageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code

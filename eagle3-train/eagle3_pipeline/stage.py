@@ -41,6 +41,7 @@ NOT_IDENTITY: dict[str, frozenset[str]] = {
         "validate_sample", "check", "trust_remote_code", "tensor_parallel_size", "gpu_memory_utilization", "kv_cache_memory_gib",
         "max_model_len", "max_num_seqs", "language_model_only", "attention_backend", "enforce_eager", "staging_dir",
         "endpoint", "print_server_cmd", "server_port", "layer_ids",  # layer_ids: recorded resolved
+        "rows",  # a sliced run's selection: recorded in the manifest (`selection`), one per slice
     }),
     "vocab": frozenset({"data", "output", "draft_config", "draft_vocab_size", "overwrite", "check"}),  # size: resolved
     "train": frozenset({
@@ -51,6 +52,7 @@ NOT_IDENTITY: dict[str, frozenset[str]] = {
         # and hybrid train on the same states (hybrid only keeps them), and the server's address is not the data
         "hidden_states", "vllm_endpoint", "layer_ids", "vllm_retries", "vllm_request_timeout",
         "on_bad_sample",  # how a bad input is handled; the samples skipped are listed in the manifest
+        "slice_index",  # which slice of a sliced run trains now (slice_rows is the identity; slices.py)
     }),
     "export": frozenset({"checkpoints", "output", "vocab", "checkpoint", "num_speculative_tokens", "overwrite",
                          "check"}),

@@ -78,6 +78,10 @@ def read_upstream(cfg: TrainConfig, target, draft: dict) -> tuple[dict, dict | N
         require_equal("tokenizer", target.tokenizer_sha256, prepared["target"]["tokenizer_sha256"], prepared, hint)
     else:
         require_upstream(extracted, "prepare", prepared)
+        if extracted.get("selection") and cfg.slice_rows is None:
+            raise ConfigError(f"{extracted['_path']}: holds only rows {extracted['selection']} (one slice of a sliced "
+                              f"run, 02 --rows); train on it with --slice-rows (run_all.sh --slice-rows), or rerun 02 "
+                              f"without --rows")
         if cfg.layer_ids and list(cfg.layer_ids) != extracted["layer_ids"][:-1]:
             raise ConfigError(f"--layer-ids {cfg.layer_ids}: stage 02 extracted {extracted['layer_ids'][:-1]} (+ the final "
                               f"layer) into {Path(cfg.data) / HS_DIRNAME}; with --hidden-states files the layer ids are "

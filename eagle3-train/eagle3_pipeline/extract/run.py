@@ -61,8 +61,9 @@ def quick_file_ok(path: Path, expected_ids: list[int], num_slots: int, hidden_si
         return False
 
 
-def plan_extraction(cfg: ExtractConfig, rows: list[list[int]], num_slots: int, hidden_size: int, hs_dir: Path) -> ExtractPlan:
-    all_indices = list(range(len(rows)))
+def plan_extraction(cfg: ExtractConfig, rows: list[list[int]], num_slots: int, hidden_size: int, hs_dir: Path,
+                    selection: list[int] | None = None) -> ExtractPlan:
+    all_indices = list(range(len(rows))) if selection is None else list(selection)  # --rows: one slice
     mine = partition_indices(all_indices, cfg.world_size, cfg.rank)
     by_index = {i: rows[i] for i in mine}
     dtype = StateFormat.from_config(cfg).torch_dtype  # every file the directory holds (never mixed)

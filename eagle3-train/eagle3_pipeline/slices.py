@@ -1,0 +1,322 @@
+"""Sliced runs: extract and train a run larger than the disk, one slice of the prepared rows at a time.
+
+The validation rows are speculators' own split of the whole prepared dataset (the last
+`1 - train_data_ratio` of the rows, exactly the rows an unsliced run validates on); the training rows
+before them are cut into slices of `slice_rows`. Every slice's hidden states are its training rows
+plus the validation rows, so every slice validates on the same rows and `checkpoint_best` compares
+like with like. Run position g = epoch * num_slices + slice (0-based) is one speculators "epoch": stage
+04 trains run position g as speculators epoch g of a run of `num_slices * epochs` epochs, resumed
+from checkpoint g-1 by speculators itself (one optimizer state, one lr schedule whose length is the
+sum of every run position's optimizer steps, passed as --scheduler-total-steps). Epochs > 1
+re-extract every slice (each pass over the data costs its extraction again; the plan says how much).
+
+Per run position (run_all.sh --slice-rows N drives it; each step is resumable on its own):
+  02 --rows SPEC        extracts the position's rows; first deletes the files of rows outside SPEC
+                        that its own manifest (or a kept record) lists
+  04 --slice-rows N --slice-index g   trains on them through a view (OUTPUT/slice_data: the rows'
+                        dataset and hidden_states/ symlinks, renumbered), continuing the run
+  python -m eagle3_pipeline.slices release   deletes the position's files the next one does not need,
+                        keeping stage 02's manifest (with its fingerprints) as DATA/hidden_states/slices/*.json
+So the disk holds one slice's states (+ the files in flight) at any time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .checkpoints import complete, read_state
+from .config import TrainConfig, resolve_stage_config
+from .contract import manifest_path, read_manifest
+from .errors import ConfigError, ContractError, StageError
+from .files import FINGERPRINTS_NAME, atomic_write_json, remove_path
+from .hidden_states import FILE_GLOB, HS_DIRNAME, hs_file, row_of
+from .prepared import load_prepared
+from .stage import first_difference, read_own_manifest
+
+# Local imports: speculators (its packing sampler: torch), only where a schedule is counted.
+
+VIEW_DIRNAME = "slice_data"  # under stage 04's output: the dataset speculators reads for one run position
+RECORDS_DIRNAME = "slices"  # under DATA/hidden_states: stage 02's manifests of the released slices
+
+
+# --- row selections ("A:B,C:D", end exclusive) -----------------------------------------------------------
+
+def parse_rows(spec: str, total: int) -> list[int]:
+    """The row indices of a selection such as "0:3,9:10" (half-open ranges, in order, inside [0, total))."""
+    rows: list[int] = []
+    for part in filter(None, (p.strip() for p in str(spec).split(","))):
+        start, sep, stop = part.partition(":")
+        if not sep or not start.strip().isdigit() or not stop.strip().isdigit():
+            raise ConfigError(f"--rows {spec!r}: expected ranges START:END (end exclusive), e.g. 0:1000,90000:100000")
+        a, b = int(start), int(stop)
+        if not 0 <= a < b <= total or (rows and a < rows[-1] + 1):
+            raise ConfigError(f"--rows {spec!r}: range {part} must be ascending, non-empty and inside the {total} "
+                              f"prepared rows")
+        rows.extend(range(a, b))
+    if not rows:
+        raise ConfigError(f"--rows {spec!r}: selects no row")
+    return rows
+
+
+def rows_spec(ranges: list[tuple[int, int]]) -> str:
+    return ",".join(f"{a}:{b}" for a, b in ranges if b > a)
+
+
+# --- the plan of a sliced run --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SlicePlan:
+    rows: int  # stage 01's rows
+    val_start: int  # first validation row (speculators' split of the whole dataset)
+    slice_rows: int
+    epochs: int
+
+    @property
+    def num_slices(self) -> int:
+        return math.ceil(self.val_start / self.slice_rows)
+
+    @property
+    def positions(self) -> int:
+        """Run positions (speculators epochs): every slice once per epoch."""
+        return self.num_slices * self.epochs
+
+    def train_range(self, position: int) -> tuple[int, int]:
+        k = position % self.num_slices
+        return k * self.slice_rows, min((k + 1) * self.slice_rows, self.val_start)
+
+    def selection(self, position: int) -> str:
+        """Stage 02's --rows of a run position: its training rows, then the validation rows."""
+        return rows_spec([self.train_range(position), (self.val_start, self.rows)])
+
+    def train_data_ratio(self, position: int) -> float:
+        """speculators' split of the view that puts exactly the training rows first: int(len * ratio) == n."""
+        a, b = self.train_range(position)
+        n, total = b - a, b - a + self.rows - self.val_start
+        return (n + 0.5) / total
+
+    def record(self) -> dict:
+        return {"slice_rows": self.slice_rows, "rows": self.rows, "val_start": self.val_start, "epochs": self.epochs,
+                "num_slices": self.num_slices, "positions": self.positions}
+
+
+def make_plan(rows: int, train_data_ratio: float, slice_rows: int, epochs: int) -> SlicePlan:
+    val_start = int(rows * train_data_ratio)  # speculators' ArrowDataset split of the unsliced dataset
+    if not 0 < val_start < rows:
+        raise ConfigError(f"{rows} prepared rows with train_data_ratio {train_data_ratio} leave no training or no "
+                          f"validation rows to slice")
+    if slice_rows < 1:
+        raise ConfigError(f"--slice-rows {slice_rows}: must be at least 1")
+    return SlicePlan(rows=rows, val_start=val_start, slice_rows=min(slice_rows, val_start), epochs=epochs)
+
+
+def planned_steps(seq_lens: list[int], plan: SlicePlan, total_seq_len: int, world_size: int, seed: int) -> list[int]:
+    """Optimizer steps of every run position, counted by speculators' own packing sampler (the one its
+    train loader uses, with the epoch's seed) over the position's training rows: their sum is the lr
+    schedule's length."""
+    from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+
+    steps = []
+    for g in range(plan.positions):
+        a, b = plan.train_range(g)
+        sampler = MultipackDistributedBatchSamplerV2(batch_max_length=total_seq_len, lengths=seq_lens[a:b],
+                                                     num_replicas=world_size, rank=0, seed=seed)
+        sampler.set_epoch(g)
+        steps.append(len(sampler))
+    return steps
+
+
+# --- stage 04's view of one run position -----------------------------------------------------------------
+
+def build_view(data_dir: Path, hs_dir: Path, view: Path, rows: list[int]) -> Path:
+    """OUTPUT/slice_data: the selected rows as a dataset (speculators' layout) and, as row j's file, a
+    symlink to stage 02's file of row rows[j] (no copy). Rebuilt whole each time (temp + rename)."""
+
+    view = Path(view)
+    tmp = view.with_name(f".{view.name}.tmp")
+    remove_path(tmp)
+    load_prepared(data_dir).select(rows).save_to_disk(str(tmp))
+    (tmp / HS_DIRNAME).mkdir()
+    for j, row in enumerate(rows):
+        hs_file(tmp / HS_DIRNAME, j).symlink_to(hs_file(Path(hs_dir).resolve(), row))
+    remove_path(view)
+    tmp.rename(view)
+    return view
+
+
+def sliced_argv(argv: list[str], view: Path, position: int, ratio: float, total_steps: int) -> list[str]:
+    """speculators' flags for one run position: the view's data, the run so far + this position as its
+    epochs, and one lr schedule over the whole sliced run (warmup 1% of it, speculators' default)."""
+    argv = list(argv)
+    for flag, value in (("--data-path", str(view)), ("--epochs", str(position + 1)), ("--train-data-ratio", repr(ratio))):
+        argv[argv.index(flag) + 1] = value
+    return argv + ["--scheduler-total-steps", str(total_steps), "--scheduler-warmup-steps", str(total_steps // 100)]
+
+
+def check_position(cfg, prepared: dict, extracted: dict | None) -> tuple[SlicePlan, int]:
+    """Stage 04 in a sliced run: the plan, and the run position it trains now, whose rows stage 02 must hold."""
+
+    if cfg.hidden_states != "files":
+        raise ConfigError("--slice-rows slices stage 02's files; --hidden-states online/hybrid needs no slices")
+    if cfg.slice_index is None:
+        raise ConfigError("--slice-rows needs --slice-index (the run position; run_all.sh --slice-rows passes both)")
+    if cfg.checkpoint_freq > 1 or cfg.max_steps is not None:
+        raise ConfigError("--slice-rows: every run position ends in a checkpoint the next one resumes from; drop "
+                          "--checkpoint-freq > 1 / --max-steps")
+    plan = make_plan(prepared["counts"]["rows"], prepared["train_data_ratio"], cfg.slice_rows, cfg.epochs)
+    g = cfg.slice_index
+    if g >= plan.positions:
+        raise ConfigError(f"--slice-index {g}: this run has {plan.positions} run positions ({plan.num_slices} slices x "
+                          f"{plan.epochs} epochs)")
+    where = Path(cfg.data) / HS_DIRNAME / "manifest.json"
+    if (extracted or {}).get("selection") != plan.selection(g):
+        raise ContractError(f"{where}: holds rows {extracted.get('selection') or 'all'}, run position {g} trains on "
+                            f"rows {plan.selection(g)}; run 02_extract_hidden_states.py --rows {plan.selection(g)} first")
+    return plan, g
+
+
+def position_record(g: int, plan: SlicePlan, extracted: dict, steps: int) -> dict:
+    """What a run position trained on (stage 04's manifest lists one per position: the record once its files are gone)."""
+    return {"position": g, "epoch": g // plan.num_slices, "slice": g % plan.num_slices, "rows": plan.selection(g),
+            "optimizer_steps": steps, "extract": {"content_sha256": extracted["_content_sha256"],
+                                                  "fingerprints": extracted.get("fingerprints")}}
+
+
+# --- deleting a trained slice's states (stage 02's own files only) -------------------------------------
+
+def owned_rows(hs_dir: Path) -> dict[int, str]:
+    """Rows whose file stage 02 says it wrote: its manifest's selection and fingerprints, and every kept record."""
+
+    hs_dir = Path(hs_dir)
+    owned: dict[int, str] = {}
+    sources = [manifest_path(hs_dir), hs_dir / FINGERPRINTS_NAME, *sorted((hs_dir / RECORDS_DIRNAME).glob("*.json"))]
+    for source in sources:
+        try:
+            data = json.loads(source.read_text())
+        except (OSError, ValueError):
+            continue
+        names = data.get("fingerprint_files") or (data if source.name == FINGERPRINTS_NAME else {})
+        for name in names:
+            if (row := row_of(name)) is not None:
+                owned.setdefault(row, str(source))
+        if data.get("selection") and data.get("rows_total"):
+            for row in parse_rows(data["selection"], data["rows_total"]):
+                owned.setdefault(row, str(source))
+    return owned
+
+
+def release(hs_dir: Path, keep: set[int]) -> list[int]:
+    """Delete the hidden-state files of the rows not in `keep` that stage 02 wrote, after keeping its manifest
+    (with the fingerprints of every file: what was trained) in DATA/hidden_states/slices/. Idempotent: a kill
+    at any point leaves a state a rerun finishes."""
+
+    hs_dir = Path(hs_dir)
+    manifest = manifest_path(hs_dir)
+    if manifest.is_file():
+        data = json.loads(manifest.read_text())
+        if data.get("complete") and data.get("selection"):
+            try:
+                data["fingerprint_files"] = json.loads((hs_dir / FINGERPRINTS_NAME).read_text())
+            except (OSError, ValueError):
+                pass
+            name = data["selection"].replace(":", "-").replace(",", "_")
+            atomic_write_json(hs_dir / RECORDS_DIRNAME / f"{data.get('created', '')}_{name}.json".replace(":", ""), data)
+    deleted = []
+    for row in sorted(owned_rows(hs_dir)):
+        if row not in keep and hs_file(hs_dir, row).is_file():
+            hs_file(hs_dir, row).unlink(missing_ok=True)  # data-parallel ranks release side by side
+            deleted.append(row)
+    if manifest.is_file() and deleted:  # the files it describes are gone: never a finished extraction again
+        data = json.loads(manifest.read_text())
+        data["complete"] = False
+        data["released"] = True
+        atomic_write_json(manifest, data)
+    return deleted
+
+
+def hidden_state_bytes(hs_dir: Path) -> int:
+    """Bytes of the hidden-state files there now (landed and in flight)."""
+    return sum(p.stat().st_size for p in Path(hs_dir).glob(f"*{FILE_GLOB}*") if p.is_file())
+
+
+# --- the driver's helpers (run_all.sh --slice-rows) ------------------------------------------------------
+
+def resolve(argv: list[str]) -> tuple[SlicePlan, dict, object]:
+    """The plan of a sliced run from stage 04's own flags, checked against what the run recorded: a changed
+    slice size, epochs or input is refused with one line naming the field (before anything is extracted)."""
+
+    cfg, _ = resolve_stage_config(TrainConfig, argv)
+    if cfg.slice_rows is None:
+        raise ConfigError("--slice-rows is needed for a sliced run")
+    prepared = read_manifest(cfg.data, "prepare", "--data")
+    plan = make_plan(prepared["counts"]["rows"], prepared["train_data_ratio"], cfg.slice_rows, cfg.epochs)
+    recorded = (read_own_manifest(Path(cfg.output)) or {}).get("slicing")
+    if recorded:
+        where = manifest_path(cfg.output)
+        if recorded.get("prepare") != prepared["_content_sha256"]:
+            raise ContractError(f"{where}: this sliced run was planned over another input: prepare (stage 01's output "
+                                f"in {cfg.data}) changed since; rerun 01 as it was, or choose another --output (a slice "
+                                f"size or input cannot change mid-run)")
+        now = plan.record()
+        for field in ("slice_rows", "epochs", *now):
+            if (diff := first_difference(recorded.get(field), now[field])) is not None:
+                raise ContractError(f"{where}: this sliced run was planned with {field} = {json.dumps(diff[1])}, "
+                                    f"{json.dumps(diff[2])} in this run; rerun with the old value, or choose another "
+                                    f"--output (a slice size or input cannot change mid-run)")
+    return plan, prepared, cfg
+
+
+def trained_through(out_dir: Path) -> int:
+    """The last run position whose training finished (-1: none): its complete checkpoint saved at the epoch's end. A
+    mid-epoch checkpoint (--checkpoint-freq < 1) of a position is where speculators resumes that position, not its end."""
+
+    ends = [int(p.name) for p in complete(out_dir) if not (read_state(p) or {}).get("local_step")]
+    return max(ends, default=-1)
+
+
+def trained_positions(plan: SlicePlan, out_dir: Path) -> list[bool]:
+    """Which run positions need nothing but their release: a complete checkpoint of that position (the last one
+    also needs stage 04's complete manifest: the report and the record are written after its checkpoint)."""
+
+    newest = trained_through(out_dir)
+    finished = bool((read_own_manifest(out_dir) or {}).get("complete"))
+    last = plan.positions - 1
+    return [g <= newest and (g < last or finished) for g in range(plan.positions)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="sliced runs (run_all.sh --slice-rows): the schedule, and deleting "
+                                                 "a trained slice's hidden states")
+    sub = parser.add_subparsers(dest="command", required=True)
+    schedule = sub.add_parser("schedule", help="one line per run position: POSITION ROWS (stage 02's --rows); "
+                                               "refuses a changed slice size or input; the rest are stage 04's flags")
+    schedule.add_argument("train_args", nargs=argparse.REMAINDER)
+    rel = sub.add_parser("release", help="delete stage 02's files of the rows not in --keep (its manifest is kept)")
+    rel.add_argument("--data", required=True, help="stage 01's output (its hidden_states/)")
+    rel.add_argument("--keep", default="", help="rows to keep (stage 02's --rows of the next position), or none")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "schedule":
+            plan, _, cfg = resolve([a for a in args.train_args if a != "--"])
+            for g, done in enumerate(trained_positions(plan, Path(cfg.output))):
+                print(g, plan.selection(g), "trained" if done else "todo")
+            return 0
+    
+        hs_dir = Path(args.data) / HS_DIRNAME
+        rows_total = json.loads(manifest_path(args.data).read_text())["counts"]["rows"]
+        keep = set(parse_rows(args.keep, rows_total)) if args.keep else set()
+        deleted = release(hs_dir, keep)
+        print(f"released {len(deleted)} hidden-state file(s) in {hs_dir} (stage 02's manifest kept in "
+              f"{hs_dir / RECORDS_DIRNAME})")
+        return 0
+    except StageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
