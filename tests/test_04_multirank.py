@@ -148,11 +148,14 @@ def _rank_pid(root: int, rank: int) -> int | None:
     return None
 
 
-def _wait_for_record(out: Path, rank: int, epoch: int, proc: subprocess.Popen, timeout: float = 600) -> None:
+def _wait_for_record(out: Path, rank: int, epoch: int, proc: subprocess.Popen, timeout: float = 600,
+                     log: Path | None = None) -> None:
     path = out / "logs" / "samples" / f"rank-{rank}.jsonl"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        assert proc.poll() is None, f"training ended before rank {rank} reached epoch {epoch}"
+        if proc.poll() is not None:  # the process's own log says why
+            tail = log.read_text()[-3000:] if log is not None and log.is_file() else ""
+            pytest.fail(f"training ended (exit {proc.returncode}) before rank {rank} reached epoch {epoch}\n{tail}")
         if path.is_file() and any(json.loads(line)["epoch"] >= epoch for line in path.read_text().splitlines()
                                   if line.endswith("}")):
             return
@@ -247,7 +250,7 @@ def test_two_nodes_train_together_and_a_lost_node_is_one_line_on_node_0(uniform,
     port = free_port()
     nodes = [_popen_stage(_node_args(uniform, lost, rank, port), tmp_path / f"lost{rank}.log") for rank in (0, 1)]
     try:
-        _wait_for_record(lost, 1, 0, nodes[1])
+        _wait_for_record(lost, 1, 0, nodes[1], log=tmp_path / "lost1.log")
         # node 1 gone: its stage 04, torchrun and its rank (torchrun starts ranks in their own sessions)
         for pid in [nodes[1].pid, *_children(nodes[1].pid)]:
             with contextlib.suppress(ProcessLookupError):
