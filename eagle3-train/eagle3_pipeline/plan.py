@@ -328,7 +328,8 @@ def data_epochs_line(curves_path: str | Path = CURVES_RESULTS) -> str:
     try:
         line = json.loads(path.read_text())["run_plan_line"]
     except (OSError, ValueError, KeyError):
-        return (f"not measured: needs {path} (python bench/acceptance.py --curves --device cuda, bench/README.md); "
+        shown = path.relative_to(CURVES_RESULTS.parents[2]) if path == CURVES_RESULTS else path  # the checkout's: as in the docs
+        return (f"not measured: needs {shown} (python bench/acceptance.py --curves --device cuda, bench/README.md); "
                 f"until then data size is the larger lever (NOTES.md, 'Acceptance length')")
     return str(line)
 
