@@ -20,14 +20,13 @@ from pathlib import Path
 from eagle3_pipeline import checkpoints, online, slices
 from eagle3_pipeline.config import TrainConfig, load_draft_config, resolve_stage_config
 from eagle3_pipeline.contract import MANIFEST_NAME, input_record, write_manifest
-from eagle3_pipeline.errors import ContractError, Interrupted, StageError
+from eagle3_pipeline.errors import Interrupted, StageError
 from eagle3_pipeline.files import check_writable_dir, held_lock_fds, remove_stale_temps
-from eagle3_pipeline.hidden_states import HS_DIRNAME, StateFormat
+from eagle3_pipeline.hidden_states import StateFormat
 from eagle3_pipeline.metrics import METRICS_FILE, compat_applied
 from eagle3_pipeline.plan import check_plan_lines
 from eagle3_pipeline.plots import PLOTS_DIRNAME, write_plots
 from eagle3_pipeline.preflight import fit_seq_len_to_run, preflight_train
-from eagle3_pipeline.prepared import load_prepared
 from eagle3_pipeline.ranks import clear_own, stopped_line
 from eagle3_pipeline.resume import INTERRUPTED, prepare_resume
 from eagle3_pipeline.sizing import checkpoint_bytes
@@ -36,7 +35,6 @@ from eagle3_pipeline.stage import (
     finished,
     lock_output,
     log,
-    read_own_manifest,
     refuse_unowned,
     stage_identity,
     stage_main,
@@ -89,11 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     identity_inputs = {name: m["_content_sha256"] for name, m in upstream.items()}
     slicing = {}
     if sliced:  # the slices are the run's input one after another: its identity is the plan over stage 01's rows
-        del identity_inputs["extract"]
-        source = {"slicing": sliced[0].record()}
-        slicing = {"slicing": {**sliced[0].record(), "prepare": prepared["_content_sha256"]},
-                   "slices_trained": [r for r in (read_own_manifest(out_dir) or {}).get("slices_trained", [])
-                                      if r["position"] < sliced[1]]}
+        identity_inputs, source, slicing = slices.run_identity(sliced, prepared, identity_inputs, out_dir)
     # The one rule for "done" (stage.finished). A resume restores speculators' optimizer AND its lr
     # scheduler (built for the old lr, epochs and steps), so every setting that shapes the run is
     # part of the identity: changing one mid-run is refused, never recorded as if it had happened.
@@ -118,18 +112,12 @@ def main(argv: list[str] | None = None) -> int:
     checkpoints.refuse_foreign_folders(out_dir)
     replace = checkpoints.replaces_other_run(out_dir, identity)
     epochs_done = 0 if replace else len(checkpoints.complete(out_dir))
-    trained_already = False
+    trained_already = bool(sliced) and slices.already_trained(out_dir, sliced, replace)
     if sliced:
         plan, position = sliced
-        newest = slices.trained_through(out_dir) if not replace else -1
-        if newest < position - 1:
-            raise ContractError(f"{out_dir}: run position {position - 1} is not trained yet (newest checkpoint: "
-                                f"{newest if newest >= 0 else 'none'}); run the positions in order (run_all.sh "
-                                f"--slice-rows resumes at the right one)")
-        trained_already = newest >= position
         if trained_already and position < plan.positions - 1:
-            log.info("%s: run position %d (rows %s) already trained (checkpoint %d); nothing to do", out_dir, position,
-                     plan.selection(position), newest)
+            log.info("%s: run position %d (rows %s) already trained; nothing to do", out_dir, position,
+                     plan.selection(position))
             return 0
     for line in preflight_train(cfg, draft, target, vocab["draft_vocab_size"], out_dir,
                                 prepared.get("counts", {}).get("tokens", 0),
@@ -164,11 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         hidden_states_storage=StateFormat.from_manifest(extracted or {}).storage,
     )
     if sliced:  # the view of this position's rows, its epoch in the run, one lr schedule over every position
-        steps = slices.planned_steps(list(load_prepared(cfg.data).with_format(None)["seq_len"]), plan, cfg.total_seq_len,
-                                     cfg.nproc * cfg.nnodes, cfg.seed)
-        view = slices.build_view(Path(cfg.data), Path(cfg.data) / HS_DIRNAME, out_dir / slices.VIEW_DIRNAME,
-                                 slices.parse_rows(plan.selection(position), plan.rows))
-        spec_argv = slices.sliced_argv(spec_argv, view, position, plan.train_data_ratio(position), sum(steps))
+        spec_argv, steps = slices.position_argv(cfg, sliced, spec_argv, out_dir)
         log.info("sliced run: position %d of %d (epoch %d, slice %d of %d, rows %s): %d optimizer step(s) of the %d the "
                  "lr schedule is planned over", position + 1, plan.positions, position // plan.num_slices + 1,
                  position % plan.num_slices + 1, plan.num_slices, plan.selection(position), steps[position], sum(steps))

@@ -2,8 +2,8 @@
 
 On the miniature (cpu-mini, 1 epoch): the same rows trained unsliced and in 3 slices end with drafts whose validation
 loss (the same validation rows) agrees within a stated tolerance; the hidden states on disk, sampled all through the
-sliced run, never exceed one slice (+ one file in flight); kill -9 in slice 2 (mid-extraction, then mid-training)
-resumes with the same command at that slice; a changed slice size or input is refused in one line naming the field.
+sliced run, never exceed one slice (+ one file in flight); kill -9 in slice 2 (mid-extraction, mid-training, then
+during its deletion) resumes with the same command at that slice; a changed slice size or input is refused in one line naming the field.
 """
 
 from __future__ import annotations
@@ -219,11 +219,39 @@ def runs(tmp_path_factory, kimi_target):
         _wait(lambda: _current(work) == "04" and "Training epoch 2/2 started" in log.read_text().split(
             "run_all attempt:")[-1], proc, 600, "slice 2's training (speculators' epoch 2 of the run so far)")
         _kill_run(proc, work)
+        # then kill -9 of the run (driver + `slices release`, one process group) during slice 2's deletion: at
+        # its second hidden-state unlink, exactly (an audit hook in the release process; no hook in the product)
+        slice2 = [hs_dir / f"hs_{row}.safetensors" for row in range(slice_rows, 2 * slice_rows)]
+        killed = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=900,
+                                env={**ENV, "PYTHONPATH": f"{_kill_hook(tmp_path_factory)}:{ENV.get('PYTHONPATH', '')}"},
+                                start_new_session=True)
+        killed_deleting = [p.exists() for p in slice2]
         rerun = subprocess.run(cmd, capture_output=True, text=True, env=ENV, cwd=REPO, timeout=900)
+    assert killed.returncode == -signal.SIGKILL, killed.stdout[-3000:] + killed.stderr[-2000:]
     assert rerun.returncode == 0, rerun.stdout[-4000:] + rerun.stderr[-2000:]
     print(f"sliced run with two kills and reruns: {time.monotonic() - started:.0f} s; {disk.samples} disk samples")
     return {"base": base, "work": work, "cmd": cmd, "slice_rows": slice_rows, "peak": disk.peak,
-            "killed_extracting": killed_extracting}
+            "killed_extracting": killed_extracting, "killed_deleting": killed_deleting, "slice2": slice2}
+
+
+KILL_HOOK = """
+import os, signal, sys
+if "release" in sys.argv and "--keep" in sys.argv:  # `python -m eagle3_pipeline.slices release ...` only
+    removed = []
+    def _kill_at_second_state_unlink(event, args):
+        if event == "os.remove" and "hs_" in os.path.basename(str(args[0])):
+            removed.append(args[0])
+            if len(removed) == 2:  # the first file is gone, this one and the rest are not
+                os.killpg(os.getpgid(0), signal.SIGKILL)
+    sys.addaudithook(_kill_at_second_state_unlink)
+"""
+
+
+def _kill_hook(tmp_path_factory) -> Path:
+    """A folder whose sitecustomize.py kills the run's process group in `slices release` (test-only)."""
+    folder = tmp_path_factory.mktemp("kill-during-release")
+    (folder / "sitecustomize.py").write_text(KILL_HOOK)
+    return folder
 
 
 def _summary(work: Path) -> dict:
@@ -283,6 +311,10 @@ def test_kill_in_slice_2_resumes_there_with_the_same_command(runs):
     position2 = [a for a in train_attempts if "--slice-index 1" in a.splitlines()[0]]
     assert len(position2) == 2  # killed once mid-training, then the rerun
     assert "resuming from checkpoint 0" in position2[-1]  # speculators' state after slice 1, not a fresh start
+    # killed during slice 2's deletion: its first file gone, the rest still there; the rerun finished the deletion
+    # without training or extracting slice 2 again (the counts above include that rerun)
+    assert runs["killed_deleting"][0] is False and all(runs["killed_deleting"][1:])
+    assert not any(p.exists() for p in runs["slice2"])
 
 
 @pytest.mark.slow

@@ -179,6 +179,40 @@ def check_position(cfg, prepared: dict, extracted: dict | None) -> tuple[SlicePl
     return plan, g
 
 
+def run_identity(position: tuple[SlicePlan, int], prepared: dict, identity_inputs: dict, out_dir: Path
+                 ) -> tuple[dict, dict, dict]:
+    """Stage 04's identity in a sliced run: the slices are the run's input one after another, so it is the plan
+    over stage 01's rows (02's content is recorded per position instead). Returns the identity's inputs, its extra
+    fields, and the manifest's slicing fields so far (the positions before this one)."""
+    plan, g = position
+    inputs = {name: sha for name, sha in identity_inputs.items() if name != "extract"}
+    trained = [r for r in (read_own_manifest(out_dir) or {}).get("slices_trained", []) if r["position"] < g]
+    return inputs, {"slicing": plan.record()}, {"slicing": {**plan.record(), "prepare": prepared["_content_sha256"]},
+                                                  "slices_trained": trained}
+
+
+def already_trained(out_dir: Path, position: tuple[SlicePlan, int], replace: bool) -> bool:
+    """Whether this run position finished training; refuses one whose predecessor has not."""
+    plan, g = position
+    newest = trained_through(out_dir) if not replace else -1
+    if newest < g - 1:
+        raise ContractError(f"{out_dir}: run position {g - 1} is not trained yet (newest checkpoint: "
+                            f"{newest if newest >= 0 else 'none'}); run the positions in order (run_all.sh "
+                            f"--slice-rows resumes at the right one)")
+    return newest >= g
+
+
+def position_argv(cfg, position: tuple[SlicePlan, int], spec_argv: list[str], out_dir: Path) -> tuple[list[str], list[int]]:
+    """speculators' flags for this run position (its rows' view in `out_dir`, its epoch in the run, one lr schedule
+    over every position) and every position's optimizer steps."""
+    plan, g = position
+    steps = planned_steps(list(load_prepared(cfg.data).with_format(None)["seq_len"]), plan, cfg.total_seq_len,
+                          cfg.nproc * cfg.nnodes, cfg.seed)
+    view = build_view(Path(cfg.data), Path(cfg.data) / HS_DIRNAME, out_dir / VIEW_DIRNAME,
+                      parse_rows(plan.selection(g), plan.rows))
+    return sliced_argv(spec_argv, view, g, plan.train_data_ratio(g), sum(steps)), steps
+
+
 def position_record(g: int, plan: SlicePlan, extracted: dict, steps: int) -> dict:
     """What a run position trained on (stage 04's manifest lists one per position: the record once its files are gone)."""
     return {"position": g, "epoch": g // plan.num_slices, "slice": g % plan.num_slices, "rows": plan.selection(g),
