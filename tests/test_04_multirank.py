@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -199,7 +200,13 @@ def test_kill_9_of_one_rank_stops_every_rank_and_the_same_command_resumes(unifor
     assert stopped_after < STOP_BOUND_S
     assert _children(proc.pid) == []  # no rank left behind
     log = (tmp_path / "killed.log").read_text().strip().splitlines()
-    assert log[-1].startswith("error: training stopped: rank(s) 3 ended without an exit record (killed by a signal")
+    silent = re.match(r"error: training stopped: rank\(s\) ([0-9, -]+) ended without an exit record \(killed by a "
+                      r"signal", log[-1])
+    assert silent, log[-1]
+    # The killed rank, named. Under load a rank still tearing down its failed collective when torchrun's SIGTERM
+    # comes (a CI run: ranks 2 and 4, exit -15) also ends without a record, and the line truthfully names it too.
+    named = {r for span in silent.group(1).split(", ") for r in range(int(span.split("-")[0]), int(span.split("-")[-1]) + 1)}
+    assert 3 in named and len(named) < RANKS, log[-1]
     assert f"resume from checkpoint {out / '0'}" in log[-1]
     assert [p.name for p in complete_checkpoints(out)] == ["0"]
 
