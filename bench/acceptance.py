@@ -332,14 +332,14 @@ def draft_stamp(path: str) -> str:
 def pipeline_defaults() -> dict:
     """What ours trains with unless a recipe says otherwise: stage 03/04's config defaults and the draft
     config (a rerun after they change must not reuse drafts made with the old ones)."""
-    from eagle3_pipeline import preflight
+    from eagle3_pipeline import sizing
     from eagle3_pipeline.config import DEFAULT_DRAFT_CONFIG, TrainConfig, VocabConfig
 
     return {"train": {k: f.default for k, f in TrainConfig.model_fields.items() if f.default is not PydanticUndefined},
             "vocab": {k: f.default for k, f in VocabConfig.model_fields.items() if f.default is not PydanticUndefined},
             "draft_config": json.loads(Path(DEFAULT_DRAFT_CONFIG).read_text()),
-            # the run-time rule that lowers total_seq_len for short runs (preflight.fit_seq_len_to_run)
-            "short_run": {"few_optimizer_steps": preflight.FEW_OPTIMIZER_STEPS, "seq_len": preflight.SMALL_RUN_SEQ_LEN}}
+            # the run-time rule that lowers total_seq_len for short runs (training.fit_seq_len_to_run)
+            "short_run": {"few_optimizer_steps": sizing.FEW_OPTIMIZER_STEPS, "seq_len": sizing.SMALL_RUN_SEQ_LEN}}
 
 
 def training_seconds(metrics_jsonl: Path) -> float:

@@ -681,7 +681,7 @@ def _print_pairs(name: str, pairs: dict) -> None:
 def kimi_run_seq_len(profile: str) -> int:
     """Tokens per step of a Kimi-size run under `profile` (its value, else 04's default). The bench passes
     it as a flag: its synthetic datasets are a few hundred steps long, where 04 would pack 8K-token steps
-    instead (preflight.fit_seq_len_to_run; a cold-vs-warm run on 2026-12-01 measured 8K steps so)."""
+    instead (training.fit_seq_len_to_run; a cold-vs-warm run on 2026-12-01 measured 8K steps so)."""
     from eagle3_pipeline.config import STAGE_CONFIGS, load_profile
 
     default = STAGE_CONFIGS["train"].model_fields["total_seq_len"].default

@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     for line in preflight(cfg, plan, target, hs_dir):
         log.info("preflight %s", line)
     if cfg.check:  # and the whole run's plan: bytes per format, disk, reads, hours (the profile's training)
-        for line in check_plan_lines(cfg.target, data_dir, sources.get("profile")):
+        for line in check_plan_lines(cfg.target, data_dir, sources.profile):
             log.info("%s", line)
         return 0
     remove_stale_temps(hs_dir, owned=None if cfg.world_size == 1 else lambda name: row_of(name) in plan.rows)

@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     # 2. Contract: stage 01's manifest gives the target vocab and the train/val boundary.
     prepared = read_manifest(data_dir, "prepare", "--data")
     target_vocab = prepared["target"]["vocab_size"]
-    draft_vocab, source = resolve_draft_vocab_size(cfg.draft_vocab_size, draft_config["draft_vocab_size"], target_vocab)
+    draft_vocab, source = resolve_draft_vocab_size(cfg.draft_vocab_size, draft_config.draft_vocab_size, target_vocab)
     inputs = {"prepare": input_record(prepared)}
     fingerprint = config_fingerprint(cfg.model_copy(update={"draft_vocab_size": draft_vocab}), ignore=("output",))
     identity = stage_identity(cfg, {"prepare": prepared["_content_sha256"]}, draft_vocab_size=draft_vocab)

@@ -26,7 +26,7 @@ from eagle3_pipeline.hidden_states import StateFormat
 from eagle3_pipeline.metrics import METRICS_FILE, compat_applied
 from eagle3_pipeline.plan import check_plan_lines
 from eagle3_pipeline.plots import PLOTS_DIRNAME, write_plots
-from eagle3_pipeline.preflight import fit_seq_len_to_run, preflight_train
+from eagle3_pipeline.preflight import preflight_train
 from eagle3_pipeline.ranks import clear_own, stopped_line
 from eagle3_pipeline.resume import INTERRUPTED, prepare_resume
 from eagle3_pipeline.sizing import checkpoint_bytes
@@ -45,6 +45,7 @@ from eagle3_pipeline.training import (
     bad_sample_error,
     endpoint_down_error,
     export_compat_settings,
+    fit_seq_len_to_run,
     launch_command,
     launch_env,
     read_upstream,
@@ -70,8 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     # --slice-rows: this invocation trains one run position of a sliced run (eagle3_pipeline/slices.py)
     sliced = slices.check_position(cfg, prepared, extracted) if cfg.slice_rows is not None else None
     # Few optimizer steps: smaller steps (NOTES.md, "Acceptance length"). Before the identity, which records it.
-    cfg, packing_note = fit_seq_len_to_run(cfg, sources["total_seq_len"], prepared.get("counts", {}),
-                                           prepared["train_data_ratio"])
+    cfg, packing_note = fit_seq_len_to_run(cfg, sources, prepared.get("counts", {}), prepared["train_data_ratio"])
     if packing_note:
         log.info("%s", packing_note)
     upstream = {"prepare": prepared, "extract": extracted, "vocab": vocab}
@@ -93,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     # part of the identity: changing one mid-run is refused, never recorded as if it had happened.
     identity = stage_identity(
         cfg, identity_inputs,
-        target_config_sha256=target.config_sha256, draft_config={k: v for k, v in draft.items() if k != "description"},
-        ttt_steps=cfg.ttt_steps or draft.get("ttt_steps", 3), world_size=cfg.nproc * cfg.nnodes, **source,
+        target_config_sha256=target.config_sha256, draft_config=draft.model_dump(exclude={"description"}),
+        ttt_steps=cfg.ttt_steps or draft.ttt_steps, world_size=cfg.nproc * cfg.nnodes, **source,
     )
     check_writable_dir(out_dir, "--output")
     if cfg.nnodes > 1 and not cfg.check:  # nodes share --output (node 0 writes it): one process per node
@@ -121,14 +121,14 @@ def main(argv: list[str] | None = None) -> int:
             return 0
     for line in preflight_train(cfg, draft, target, vocab["draft_vocab_size"], out_dir,
                                 prepared.get("counts", {}).get("tokens", 0),
-                                epochs_done=epochs_done, nproc_source=sources["nproc"],
+                                epochs_done=epochs_done, nproc_given=sources.given("nproc"), nproc_source=sources["nproc"],
                                 train_data_ratio=prepared["train_data_ratio"]):
         log.info("preflight %s", line)
     server = None
     if extracted is None:  # the server must feed exactly what stage 02 would have written, before any training
-        server = online.preflight(cfg, target, prepared, layer_ids, layer_ids_stated=sources["layer_ids"] != "default")
+        server = online.preflight(cfg, target, prepared, layer_ids, layer_ids_stated=sources.stated("layer_ids"))
     if cfg.check:  # and the whole run's plan: bytes per format, disk, reads, hours
-        for line in check_plan_lines(cfg.target, cfg.data, sources.get("profile"), gpus=cfg.nproc * cfg.nnodes,
+        for line in check_plan_lines(cfg.target, cfg.data, sources.profile, gpus=cfg.nproc * cfg.nnodes,
                                      epochs=cfg.epochs):
             log.info("%s", line)
         return 0
@@ -213,14 +213,14 @@ def main(argv: list[str] | None = None) -> int:
         write_plots(out_dir / METRICS_FILE, out_dir / PLOTS_DIRNAME)
     except Exception as exc:  # curves are a convenience: never fail a finished training on them
         log.warning("plots not written (%s: %s); retry with python -m eagle3_pipeline.plots %s", type(exc).__name__, exc, out_dir)
-    summary = summarize(out_dir / METRICS_FILE, best, draft.get("num_speculative_tokens"))
+    summary = summarize(out_dir / METRICS_FILE, best, draft.num_speculative_tokens)
     print(write_summary(out_dir, summary), flush=True)
     written = sorted(p.name for p in checkpoints.own_outputs(out_dir)) + [MANIFEST_NAME]
     write_manifest(
         out_dir, "train", identity=identity, content={"best_checkpoint": checkpoints.checkpoint_content(best),
                                                       "epochs": [p.name for p in checkpoints.complete(out_dir)]},
         outputs=written, inputs=inputs, target=target.summary(),
-        config=cfg.model_dump(), draft_config=draft, aux_layer_ids=aux_layer_ids,
+        config=cfg.model_dump(), draft_config=draft.model_dump(), aux_layer_ids=aux_layer_ids,
         draft_vocab_size=vocab["draft_vocab_size"], best_checkpoint=best.name, summary=summary,
         config_sha256=config_fingerprint(cfg), resume=resume, compat_applied=compat_applied(out_dir / METRICS_FILE),
         hidden_states=server or {"mode": "files", "from": inputs["extract"]["path"]},

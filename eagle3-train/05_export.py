@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eagle3_pipeline.config import ExportConfig, resolve_stage_config
+from eagle3_pipeline.config import DraftConfig, ExportConfig, resolve_stage_config
 from eagle3_pipeline.contract import input_record, manifest_path, read_manifest, write_manifest
 from eagle3_pipeline.errors import ConfigError, ContractError
 from eagle3_pipeline.export import (
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint = choose_checkpoint(ckpt_dir, cfg.checkpoint, trained.get("best_checkpoint"))
     model_sha256 = sha256_file(checkpoint / "model.safetensors")
     target = trained["target"]
-    num_tokens = cfg.num_speculative_tokens or trained["draft_config"].get("num_speculative_tokens", 3)
+    num_tokens = cfg.num_speculative_tokens or DraftConfig(**trained["draft_config"]).num_speculative_tokens
     verifier = cfg.verifier_name or target["path"]
     inputs = {"train": input_record(trained), "checkpoint": str(checkpoint.resolve())}
     identity = stage_identity(

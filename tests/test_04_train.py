@@ -9,7 +9,7 @@ from safetensors import safe_open
 
 from eagle3_pipeline.checkpoints import complete as checkpoint_dirs
 from eagle3_pipeline.compat import cpu_trainer
-from eagle3_pipeline.config import TrainConfig, build_config
+from eagle3_pipeline.config import DraftConfig, TrainConfig, build_config
 from eagle3_pipeline.metrics import read_metrics
 from eagle3_pipeline.target import weight_map
 from eagle3_pipeline.training import resolve_kernels, speculators_argv
@@ -103,7 +103,7 @@ def test_kernels_follow_the_device(monkeypatch):
     assert resolve_kernels(cfg) == ("sdpa", "eager")
     monkeypatch.setattr("eagle3_pipeline.training.on_gpu", lambda: True)
     assert resolve_kernels(cfg) == ("simple_flex_attention", "fused")
-    argv = speculators_argv(cfg, {"num_layers": 1, "ttt_steps": 3}, "/t", [2, 30, 58], 32000, 0.9, 163839)
+    argv = speculators_argv(cfg, DraftConfig(num_layers=1, ttt_steps=3), "/t", [2, 30, 58], 32000, 0.9, 163839)
     assert argv[argv.index("--draft-attn-impl") + 1] == "simple_flex_attention"
     assert argv[argv.index("--target-layer-ids") + 1: argv.index("--target-layer-ids") + 4] == ["2", "30", "58"]
     assert "--save-best" not in argv  # it deletes foreign files and skips non-improving epochs

@@ -4,13 +4,18 @@ every shipped profile and draft_config.json valid, --print-config showing where 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
 from eagle3_pipeline.config import (
     DEFAULT_DRAFT_CONFIG,
     PROFILES_DIR,
+    SCRIPTS_DIR,
     STAGE_CONFIGS,
+    DraftConfig,
     ExtractConfig,
     TrainConfig,
     build_config,
@@ -19,7 +24,12 @@ from eagle3_pipeline.config import (
     load_profile,
     resolve_stage_config,
 )
+from eagle3_pipeline.config.schema import _field, field_meta
 from eagle3_pipeline.errors import ConfigError
+from eagle3_pipeline.stage import stage_identity
+from eagle3_pipeline.training import speculators_argv
+
+from conftest import run_stage
 
 PROFILES = sorted(p.stem for p in PROFILES_DIR.glob("*.json"))
 EIGHT_GPU = ["rtx-pro-6000-8x", "b300-8x", "h200-8x"]
@@ -149,9 +159,9 @@ def test_unknown_flag_is_an_argparse_error():
 
 def test_draft_config_json_validates_and_refuses_unknown_keys(tmp_path):
     draft = load_draft_config(DEFAULT_DRAFT_CONFIG)
-    assert draft["draft_vocab_size"] == 32000 and draft["num_speculative_tokens"] <= draft["ttt_steps"]
+    assert draft.draft_vocab_size == 32000 and draft.num_speculative_tokens <= draft.ttt_steps
     bad = tmp_path / "draft.json"
-    bad.write_text(json.dumps({**draft, "num_layer": 2}))
+    bad.write_text(json.dumps({**draft.model_dump(), "num_layer": 2}))
     with pytest.raises(ConfigError, match="num_layer"):
         load_draft_config(bad)
 
@@ -204,7 +214,7 @@ def test_print_config_shows_what_speculators_receives_for_the_run_time_fields(ca
     cfg, _ = build_config(TrainConfig, required(TrainConfig))
     attn, loss = resolve_kernels(cfg)
     by_name = {line.split(" = ")[0]: line for line in lines if " = " in line and not line.startswith("#")}
-    ttt = load_draft_config(DEFAULT_DRAFT_CONFIG)["ttt_steps"]
+    ttt = load_draft_config(DEFAULT_DRAFT_CONFIG).ttt_steps
     assert by_name["ttt_steps"].startswith(f"ttt_steps = null  # default -> {ttt} (")
     assert by_name["attn_impl"].startswith(f'attn_impl = "auto"  # default -> "{attn}" (')
     assert by_name["loss_impl"].startswith(f'loss_impl = "auto"  # default -> "{loss}" (')
@@ -212,3 +222,65 @@ def test_print_config_shows_what_speculators_receives_for_the_run_time_fields(ca
     assert ("-> 0 (" in by_name["num_workers"]) == (not on_gpu())  # the CPU trains without loader workers
     explicit = _printed(capsys, TrainConfig, ["--attn-impl", "eager", "--ttt-steps", "2"])
     assert 'attn_impl = "eager"  # flag' in explicit and "ttt_steps = 2  # flag" in explicit
+
+
+# --- per-field facts: declared with the field ---------------------------------------------------------
+
+@pytest.mark.parametrize("stage", list(STAGE_CONFIGS))
+def test_every_config_field_declares_whether_it_is_part_of_the_identity(stage):
+    """`identity=` has no default: a new field cannot join or leave a stage's identity without saying so."""
+    cls = STAGE_CONFIGS[stage]
+    undeclared = [name for name in cls.model_fields if not isinstance(field_meta(cls, name).get("identity"), bool)]
+    assert not undeclared, f"{stage}: fields without identity=True/False: {undeclared}"
+    with pytest.raises(TypeError, match="identity"):
+        _field(0, "a field that does not say whether it is identity")
+
+
+def test_the_identity_is_exactly_the_fields_declared_identity():
+    cfg, _ = build_config(TrainConfig, required(TrainConfig))
+    declared = {name for name in TrainConfig.model_fields if field_meta(TrainConfig, name)["identity"]}
+    assert set(cfg.identity_settings()) == declared
+    assert stage_identity(cfg, {"prepare": "sha"}, ttt_steps=3)["settings"] == {**cfg.identity_settings(), "ttt_steps": 3}
+
+
+def test_fields_declared_with_a_speculators_flag_reach_speculators_verbatim():
+    flags = {**required(TrainConfig), "epochs": 7, "lr": 2e-4, "max_steps": 5, "fsdp": True, "logger": ""}
+    cfg, _ = build_config(TrainConfig, flags)
+    argv = speculators_argv(cfg, DraftConfig(), "/t", [2, 30, 58], 32000, 0.9, 0)
+    passed = {name: field_meta(TrainConfig, name)["speculators"] for name in TrainConfig.model_fields
+              if "speculators" in field_meta(TrainConfig, name)}
+    assert {"epochs", "lr", "total_seq_len", "seed", "max_steps", "fsdp"} <= set(passed)
+    for name, flag in passed.items():
+        value = getattr(cfg, name)
+        if isinstance(value, bool):
+            assert (flag in argv) == value, name
+        else:
+            assert argv.count(flag) == 1 and argv[argv.index(flag) + 1] == str(value), name
+    assert argv[argv.index("--max-steps") + 1] == "5" and argv[argv.index("--logger") + 1] == ""
+    assert "--dry-run" not in argv  # a false bool passes nothing
+
+
+def test_stage_04_print_config_runs_without_torch_and_prints_the_config(capsys, tmp_path):
+    """`--print-config` answers in seconds: torch is made unimportable for the script (a sitecustomize
+    that refuses it, on PYTHONPATH for this subprocess only), and the config prints as it does in-process."""
+    shim = tmp_path / "no_torch"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(
+        "import sys\n\n\n"
+        "class NoTorch:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'torch' or name.startswith('torch.'):\n"
+        "            sys.stderr.write(f'torch import attempted: {name}\\n')\n"
+        "            raise ImportError(f'{name} is made unimportable by this test')\n\n\n"
+        "sys.meta_path.insert(0, NoTorch())\n")
+    # this checkout's library first (as the scripts find it), after the shim
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(shim), str(SCRIPTS_DIR), os.environ.get("PYTHONPATH")]))}
+    shimmed = subprocess.run([sys.executable, "-c", "import torch"], capture_output=True, text=True, env={**os.environ, **env})
+    assert shimmed.returncode != 0 and "torch import attempted: torch" in shimmed.stderr  # the shim is in force
+    result = run_stage("train", "--profile", "h200-8x", "--print-config", check=False, env=env, timeout=120)
+    assert "torch import attempted" not in result.stderr, result.stderr[-2000:]
+    assert result.returncode == 0, result.stderr[-2000:]
+    expected = _printed(capsys, TrainConfig, ["--profile", "h200-8x"])
+    assert result.stdout.splitlines() == expected
+    assert 'nproc = 8  # profile:h200-8x' in expected and any(line.startswith('attn_impl = "auto"  # default -> ')
+                                                               for line in expected)

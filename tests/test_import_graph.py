@@ -6,7 +6,10 @@ is an arrow from that module to the library module it names: `from .a import f` 
 Importing a submodule first runs its parent packages' `__init__`, but only its module-level code:
 so the parents' module-level imports are arrows of the importer too, while what a package's
 functions import (compat's `apply()` imports every fix) is an arrow only of modules that import the
-package itself. Parsed with ast: nothing is imported to build the graph.
+package itself. A package the importer itself sits in has run its `__init__` before the importer's
+body (Python imports parents first), so a sibling import inside a package (config.printing's
+`from .schema import ...`) adds no arrows from that package's `__init__`; the sibling arrow itself
+still counts. Parsed with ast: nothing is imported to build the graph.
 """
 
 from __future__ import annotations
@@ -84,10 +87,12 @@ def import_graph() -> dict[str, set[str]]:
     graph = {}
     for module in files:
         arrows = set()
+        initialised = set(_parents(module))  # the importer's own packages: their __init__ ran before it
         for named in imports_of(module, files):
             arrows.add(named)
             for parent in _parents(named):  # running a parent's __init__ runs its module-level imports
-                arrows |= init_level.get(parent, set())
+                if parent not in initialised:
+                    arrows |= init_level.get(parent, set())
         graph[module] = arrows - {module}
     return graph
 
@@ -129,6 +134,11 @@ def test_the_graph_reader_sees_local_and_relative_imports():
     assert f"{PACKAGE}.extract.vllm_backend" in graph[f"{PACKAGE}.preflight"]
     assert imports_of(f"{PACKAGE}.compat", files, module_level_only=True) == set()
     assert f"{PACKAGE}.compat.cpu_trainer" not in graph[f"{PACKAGE}.config"]
+    # importing config.schema from outside runs config's __init__ (which imports config.resolution); from
+    # inside config (printing imports schema) the __init__ has run already
+    assert f"{PACKAGE}.config.resolution" in graph[f"{PACKAGE}.extract.run"]  # it names config.schema only
+    assert f"{PACKAGE}.config.schema" in graph[f"{PACKAGE}.config.printing"]
+    assert f"{PACKAGE}.config.resolution" not in graph[f"{PACKAGE}.config.printing"]
 
 
 def test_find_cycle_finds_a_cycle_and_only_one():

@@ -58,22 +58,28 @@ def test_a_short_run_packs_8k_tokens_per_step_unless_the_flag_says_otherwise():
     """The measured winner at few steps (bench/README.md, 'Acceptance length in vLLM': 8K beat 32K) is the default."""
     from eagle3_pipeline import preflight
     from eagle3_pipeline.config import TrainConfig, build_config
+    from eagle3_pipeline.training import fit_seq_len_to_run
 
     required = {"target": "t", "data": "d", "vocab": "v", "output": "o"}
     testbed = {"tokens": 710_078, "max_row_tokens": 1084}  # stage 01's counts for 1,500 conversations
     cfg, sources = build_config(TrainConfig, required)
-    fitted, note = preflight.fit_seq_len_to_run(cfg, sources["total_seq_len"], testbed, 0.9)
+    fitted, note = fit_seq_len_to_run(cfg, sources, testbed, 0.9)
     assert fitted.total_seq_len == 8192 and cfg.total_seq_len == 32768
     assert note.startswith("total_seq_len: 8,192 instead of 32,768 (default): the run would take ~200 optimizer steps")
     assert "--total-seq-len" not in preflight.check_optimizer_steps(fitted, 710_078, 0.9)
     # an explicit flag is kept; a row longer than 8K sets the floor (no row is cut); a long run keeps 32K
     flagged, flag_sources = build_config(TrainConfig, {**required, "total_seq_len": 32768})
-    assert preflight.fit_seq_len_to_run(flagged, flag_sources["total_seq_len"], testbed, 0.9) == (flagged, None)
-    long_rows, _ = preflight.fit_seq_len_to_run(cfg, "default", {**testbed, "max_row_tokens": 12_000}, 0.9)
+    assert fit_seq_len_to_run(flagged, flag_sources, testbed, 0.9) == (flagged, None)
+    long_rows, _ = fit_seq_len_to_run(cfg, sources, {**testbed, "max_row_tokens": 12_000}, 0.9)
     assert long_rows.total_seq_len == 12_000
     kimi, kimi_sources = build_config(TrainConfig, {**required, "nproc": 8})
-    assert preflight.fit_seq_len_to_run(kimi, kimi_sources["total_seq_len"], {"tokens": 100_000 * 2048}, 0.9) == (kimi, None)
-    assert preflight.fit_seq_len_to_run(cfg, "default", {}, 0.9) == (cfg, None)  # synthetic data: no counts
+    assert fit_seq_len_to_run(kimi, kimi_sources, {"tokens": 100_000 * 2048}, 0.9) == (kimi, None)
+    assert fit_seq_len_to_run(cfg, sources, {}, 0.9) == (cfg, None)  # synthetic data: no counts
+    # a profile's value is not an explicit flag: the rule still applies to it
+    profiled, profile_sources = build_config(TrainConfig, required, "h200-8x")
+    assert not profile_sources.given("total_seq_len") and profile_sources.stated("total_seq_len")
+    fitted_profile, profile_note = fit_seq_len_to_run(profiled, profile_sources, testbed, 0.9)
+    assert fitted_profile.total_seq_len == 8192 and "instead of 32,768 (profile:h200-8x)" in profile_note
 
 
 def test_preflight_refuses_fewer_gpus_than_tensor_parallel_and_too_little_gpu_memory():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 from importlib import metadata
 from pathlib import Path
 
@@ -33,6 +34,39 @@ def probe_gpus() -> list[int]:
     if not torch.cuda.is_available():
         return []
     return [torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())]
+
+
+def cuda_capabilities() -> list[tuple[int, int]]:
+    """(major, minor) compute capability of each GPU the CUDA runtime would show this process, asked of the
+    driver (nvidia-smi) instead of torch, for `--print-config` (which must answer without importing torch);
+    [] without a driver. CUDA_VISIBLE_DEVICES narrows and orders the list as CUDA does: indices or GPU-UUID
+    prefixes, up to the first entry that names no GPU."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and not visible.strip():
+        return []
+    try:
+        listed = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid,compute_cap", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    if listed.returncode != 0:
+        return []
+    gpus = []
+    for line in listed.stdout.splitlines():
+        parts = [part.strip() for part in line.split(",")]
+        if len(parts) == 3 and parts[2].count(".") == 1 and parts[2].replace(".", "").isdigit():
+            major, minor = parts[2].split(".")
+            gpus.append((parts[0], parts[1], (int(major), int(minor))))
+    if visible is None:
+        return [capability for _, _, capability in gpus]
+    shown = []
+    for entry in visible.split(","):
+        entry = entry.strip()
+        match = [gpu for gpu in gpus if gpu[0] == entry or (entry.startswith("GPU-") and gpu[1].startswith(entry))]
+        if not match:
+            break
+        shown.append(match[0][2])
+    return shown
 
 
 def host_memory() -> int:

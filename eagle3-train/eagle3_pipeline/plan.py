@@ -24,7 +24,8 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .config import TrainConfig, load_profile
+from .config.resolution import load_profile
+from .config.schema import TrainConfig
 from .contract import manifest_path
 from .disk_reads import READ_PROBE_MIN_TOTAL_BYTES, measure_cold_read_bandwidth, read_probe_sample
 from .errors import StageError

@@ -33,8 +33,10 @@ from .errors import PreflightError
 from .hidden_states import DTYPES, HS_DIRNAME, NUM_SLOTS, StateFormat
 from .machine import disk_free, host_memory, installed_version, probe_gpus, transformers_knows
 from .sizing import (
+    FEW_OPTIMIZER_STEPS,
     OPTIMIZER_STATES,
     PREPARED_BYTES_PER_INPUT_BYTE,
+    SMALL_RUN_SEQ_LEN,
     TRAIN_TOKENS_PER_S_PER_GPU,
     checkpoint_bytes,
     draft_parameters,
@@ -208,31 +210,6 @@ def preflight_extract(cfg, target, num_slots: int, todo_rows: int, todo_tokens: 
     return lines
 
 
-# Below this many optimizer steps a run is in the regime where steps, not tokens, limit the draft: on the
-# SmolLM2 testbed 8K-token steps (4x the steps) trained a better draft than 32K on the same data, and better
-# than plain speculators' 8K Muon steps (bench/README.md, "Acceptance length in vLLM";
-# bench/results/h200-acceptance-smollm2.json). So a run with few steps packs SMALL_RUN_SEQ_LEN tokens.
-FEW_OPTIMIZER_STEPS = 1000
-SMALL_RUN_SEQ_LEN = 8192
-
-
-def fit_seq_len_to_run(cfg, source: str, counts: dict, train_data_ratio: float):
-    """(config, note): total_seq_len lowered to SMALL_RUN_SEQ_LEN (or the longest row, if longer: a row is
-    never cut) when the run would take fewer than FEW_OPTIMIZER_STEPS steps at the default or profile
-    value; an explicit --total-seq-len is kept. `counts`: stage 01's manifest counts."""
-    total_tokens = counts.get("tokens", 0)  # none recorded: unchanged (bench/ passes --total-seq-len itself)
-    smaller = max(SMALL_RUN_SEQ_LEN, counts.get("max_row_tokens", 0))
-    if source == "flag" or not total_tokens or cfg.total_seq_len <= smaller:
-        return cfg, None
-    _, steps = optimizer_steps(cfg, total_tokens, train_data_ratio)
-    if steps >= FEW_OPTIMIZER_STEPS:
-        return cfg, None
-    note = (f"total_seq_len: {smaller:,} instead of {cfg.total_seq_len:,} ({source}): the run would take "
-            f"~{steps:,} optimizer steps, fewer than {FEW_OPTIMIZER_STEPS:,}, where smaller steps learn more per token "
-            f"(NOTES.md, 'Acceptance length'); pass --total-seq-len to keep a size")
-    return cfg.model_copy(update={"total_seq_len": smaller}), note
-
-
 def check_optimizer_steps(cfg, total_tokens: int, train_data_ratio: float) -> str:
     """About how many optimizer steps the run takes (rows are packed up to total_seq_len per rank)."""
     per_epoch, steps = optimizer_steps(cfg, total_tokens, train_data_ratio)
@@ -244,13 +221,14 @@ def check_optimizer_steps(cfg, total_tokens: int, train_data_ratio: float) -> st
     return line
 
 
-def preflight_train(cfg, draft: dict, target, draft_vocab: int, out_dir: Path, total_tokens: int = 0,
-                    epochs_done: int = 0, nproc_source: str = "flag", train_data_ratio: float = 1.0) -> list[str]:
+def preflight_train(cfg, draft, target, draft_vocab: int, out_dir: Path, total_tokens: int = 0,
+                    epochs_done: int = 0, nproc_given: bool = True, nproc_source: str = "flag",
+                    train_data_ratio: float = 1.0) -> list[str]:
     """Stage 04: disk for the checkpoints still to write (`epochs_done`: a resume's finished epochs),
     GPUs vs --nproc (none visible with --nproc > 1: refused before any rank starts), memory for
-    verifier head + draft, hidden-state read speed (`total_tokens`: the prepared dataset's), versions."""
-    saved, trainable = draft_parameters(target.hidden_size, target.vocab_size, draft_vocab,
-                                        int(draft.get("num_layers", 1)), draft.get("intermediate_size"))
+    verifier head + draft, hidden-state read speed (`total_tokens`: the prepared dataset's), versions.
+    `draft`: the DraftConfig; `nproc_given`: --nproc was an explicit flag (`nproc_source` says where it came from)."""
+    saved, trainable = draft_parameters(target.hidden_size, target.vocab_size, draft_vocab, draft.num_layers)
     per_checkpoint = checkpoint_bytes(cfg, draft, target, draft_vocab)
     checkpoints = max(cfg.epochs - epochs_done, 1)  # >= 1: the interrupted/ save of a stop
     left = f" ({epochs_done} of {cfg.epochs} epochs already saved)" if epochs_done else ""
@@ -258,7 +236,7 @@ def preflight_train(cfg, draft: dict, target, draft_vocab: int, out_dir: Path, t
                         f"{checkpoints} checkpoint(s) x {human_bytes(per_checkpoint)} "
                         f"(draft {saved / 1e6:,.1f}M params in bf16 + {cfg.optimizer} state){left}", out_dir)]
     gpus = probe_gpus()
-    if not gpus and cfg.nproc > 1 and nproc_source != "flag":  # an explicit --nproc N on a CPU: N gloo ranks
+    if not gpus and cfg.nproc > 1 and not nproc_given:  # an explicit --nproc N on a CPU: N gloo ranks
         raise refuse(f"gpus: none visible, --nproc {cfg.nproc} ({nproc_source}) needs {cfg.nproc}",
                      "a GPU profile on a machine without a visible GPU: check nvidia-smi and CUDA_VISIBLE_DEVICES, "
                      "or pass --nproc 1 to train on the CPU")

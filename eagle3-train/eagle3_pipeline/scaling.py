@@ -35,7 +35,8 @@ import json
 import sys
 from pathlib import Path
 
-from .config import DEFAULT_DRAFT_CONFIG, PROFILES_DIR, TrainConfig, load_draft_config, profile_path
+from .config.resolution import profile_path
+from .config.schema import DEFAULT_DRAFT_CONFIG, PROFILES_DIR, TrainConfig, load_draft_config
 from .errors import StageError
 from .files import atomic_write_text
 from .target import load_target_info
@@ -105,7 +106,7 @@ def predict(text_config: dict, profile: str, gpus: int | None = None, tokens_per
     gpus = gpus or int(train.get("nproc", 1)) * int(train.get("nnodes", 1))
     tokens = tokens_per_step or int(train.get("total_seq_len", TrainConfig.model_fields["total_seq_len"].default))
     if num_layers is None:
-        num_layers = int(load_draft_config(DEFAULT_DRAFT_CONFIG).get("num_layers", 1))
+        num_layers = load_draft_config(DEFAULT_DRAFT_CONFIG).num_layers
     params = trainable_parameters(draft_geometry(text_config, num_layers))
     link = INTERCONNECTS[hw["interconnect"]]
     scale = H200_BF16_DENSE_TFLOPS / float(hw["bf16_dense_tflops"])

@@ -28,7 +28,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from .config import ExtractConfig, build_parser, resolve_parsed
+from .config.resolution import build_parser, resolve_parsed
+from .config.schema import ExtractConfig
 from .contract import read_manifest, require_equal
 from .errors import ConfigError, StageError
 from .extract.vllm_backend import layer_ids_problem, server_command, vllm_on_cpu, vllm_version_problem

@@ -23,6 +23,15 @@ OPTIMIZER_STATES = {"muon": 1, "adamw": 2}
 TRAIN_TOKENS_PER_S_PER_GPU = 35_000
 
 
+# Below this many optimizer steps a run is in the regime where steps, not tokens, limit the draft: on the
+# SmolLM2 testbed 8K-token steps (4x the steps) trained a better draft than 32K on the same data, and better
+# than plain speculators' 8K Muon steps (bench/README.md, "Acceptance length in vLLM";
+# bench/results/h200-acceptance-smollm2.json). So a run with few steps packs SMALL_RUN_SEQ_LEN tokens
+# (the step-size rule: training.fit_seq_len_to_run).
+FEW_OPTIMIZER_STEPS = 1000
+SMALL_RUN_SEQ_LEN = 8192
+
+
 def human_bytes(num_bytes: float) -> str:
     """Decimal units, one decimal: 11,744,051,200,000 -> '11.7 TB'."""
     if abs(num_bytes) < 1000:
@@ -48,8 +57,7 @@ def target_weights_bytes(target_path: str | Path) -> int:
     return sum(p.stat().st_size for p in root.glob("*.safetensors"))
 
 
-def draft_parameters(hidden_size: int, target_vocab: int, draft_vocab: int, num_layers: int,
-                     intermediate_size: int | None = None) -> tuple[int, int]:
+def draft_parameters(hidden_size: int, target_vocab: int, draft_vocab: int, num_layers: int) -> tuple[int, int]:
     """(saved, trainable) parameter counts of an EAGLE-3 draft, roughly (speculators' Eagle3DraftModel).
 
     Saved: frozen verifier embeddings [V, H] + draft lm_head [Vd, H] + fc [3H -> H] + decoder
@@ -57,7 +65,7 @@ def draft_parameters(hidden_size: int, target_vocab: int, draft_vocab: int, num_
     the embeddings.
     """
     h = hidden_size
-    inter = intermediate_size or int(8 * h / 3)
+    inter = int(8 * h / 3)  # the MLP width I of this estimate (draft_config.json has no such key)
     fc = 3 * h * h
     layer = (2 * h * h) * 3 + h * h + 3 * h * inter
     lm_head = draft_vocab * h
@@ -65,10 +73,10 @@ def draft_parameters(hidden_size: int, target_vocab: int, draft_vocab: int, num_
     return trainable + target_vocab * h, trainable
 
 
-def checkpoint_bytes(cfg, draft: dict, target, draft_vocab: int) -> int:
-    """One speculators checkpoint on disk: the draft in bf16 + the optimizer state of its trainable part."""
-    saved, trainable = draft_parameters(target.hidden_size, target.vocab_size, draft_vocab,
-                                        int(draft.get("num_layers", 1)), draft.get("intermediate_size"))
+def checkpoint_bytes(cfg, draft, target, draft_vocab: int) -> int:
+    """One speculators checkpoint on disk: the draft (a DraftConfig) in bf16 + the optimizer state of its
+    trainable part."""
+    saved, trainable = draft_parameters(target.hidden_size, target.vocab_size, draft_vocab, draft.num_layers)
     return saved * CHECKPOINT_BYTES + trainable * CHECKPOINT_BYTES * OPTIMIZER_STATES[cfg.optimizer]
 
 

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .checkpoints import complete, read_state
-from .config import TrainConfig, resolve_stage_config
+from .config.resolution import resolve_stage_config
+from .config.schema import TrainConfig
 from .contract import manifest_path, read_manifest
 from .errors import ConfigError, ContractError, StageError
 from .files import FINGERPRINTS_NAME, atomic_write_json, remove_path

@@ -6,8 +6,8 @@ the identity this invocation would produce. An identity (`stage_identity`) is
 - the inputs' content identity: each upstream output's `content_sha256` (what it was made from and
   what it holds, see contract.py), the target's config and tokenizer hashes, a data file's sha256;
   never a path, a manifest's bytes, a timestamp or a package version;
-- the settings that change the outputs: every config field except those in `NOT_IDENTITY`
-  (paths, whose content is already in the inputs; and flags that change how, not what: validation
+- the settings that change the outputs: every config field declared `identity=True` (config/schema.py;
+  not paths, whose content is already in the inputs, nor flags that change how, not what: validation
   sampling, batching, device, worker counts, logging, kernels), plus values resolved from other
   files (layer ids, the draft config, the draft vocab size).
 A directory whose identity differs is refused with the first differing field and both values; with
@@ -29,35 +29,6 @@ from .errors import ConfigError, ContractError, StageError
 from .files import LOCK_NAME, LockedError, hold_lock, release_locks, sha256_file, sha256_json
 
 log = logging.getLogger("eagle3")
-
-# Config fields that are not part of a stage's identity (see the module docstring). A new config
-# field is part of the identity unless it is listed here (tests/test_reliability_rerun.py checks
-# that every name here is a real field).
-NOT_IDENTITY: dict[str, frozenset[str]] = {
-    "prepare": frozenset({"output", "overwrite", "check", "report_problems", "target", "tokenizer", "data",
-                          "trust_remote_code"}),
-    "extract": frozenset({
-        "target", "data", "backend", "device", "max_samples", "world_size", "rank", "retries", "validate_only",
-        "validate_sample", "check", "trust_remote_code", "tensor_parallel_size", "gpu_memory_utilization", "kv_cache_memory_gib",
-        "max_model_len", "max_num_seqs", "language_model_only", "attention_backend", "enforce_eager", "staging_dir",
-        "endpoint", "print_server_cmd", "server_port", "layer_ids",  # layer_ids: recorded resolved
-        "rows",  # a sliced run's selection: recorded in the manifest (`selection`), one per slice
-    }),
-    "vocab": frozenset({"data", "output", "draft_config", "draft_vocab_size", "overwrite", "check"}),  # size: resolved
-    "train": frozenset({
-        "target", "data", "vocab", "output", "draft_config", "ttt_steps", "attn_impl", "loss_impl",
-        "flex_forward_config", "num_workers", "prefetch_factor", "nproc", "nnodes", "node_rank", "rdzv_endpoint",
-        "launcher", "hostfile", "fsdp", "log_freq", "logger", "trust_remote_code", "dry_run", "overwrite", "check",
-        # online/hybrid: where the states come from is recorded resolved (hidden_states_source, layer_ids); online
-        # and hybrid train on the same states (hybrid only keeps them), and the server's address is not the data
-        "hidden_states", "vllm_endpoint", "layer_ids", "vllm_retries", "vllm_request_timeout",
-        "on_bad_sample",  # how a bad input is handled; the samples skipped are listed in the manifest
-        "slice_index",  # which slice of a sliced run trains now (slice_rows is the identity; slices.py)
-    }),
-    "export": frozenset({"checkpoints", "output", "vocab", "checkpoint", "num_speculative_tokens", "overwrite",
-                         "check"}),
-}
-
 
 class OutputBusy(StageError):
     """Another live process writes this output directory; exit code 75 (EX_TEMPFAIL), as run_all.sh's lock."""
@@ -89,9 +60,7 @@ def stage_main(func: Callable[[list[str] | None], int | None]) -> Callable[[list
 
 def stage_identity(cfg, inputs: dict[str, Any], **resolved: Any) -> dict:
     """{"inputs": content ids, "settings": the output-changing settings} of one invocation."""
-    skip = NOT_IDENTITY[cfg.STAGE]
-    settings = {k: v for k, v in cfg.model_dump().items() if k not in skip}
-    return {"inputs": dict(inputs), "settings": {**settings, **resolved}}
+    return {"inputs": dict(inputs), "settings": {**cfg.identity_settings(), **resolved}}
 
 
 def data_identity(data: str) -> str:

@@ -17,19 +17,19 @@ import shutil
 import sys
 from pathlib import Path
 
-import torch
-
 from . import compat, online, resume
 from .checkpoints import latest_progress
 from .compat import flex_forward_config
 from .compat import sample_check as checks
 from .compat.flex_forward_config import traced_calls_summary
 from .compat.sample_check import read_records, stop_line
-from .config import SCRIPTS_DIR, TrainConfig, load_draft_config
+from .config.resolution import Sources
+from .config.schema import SCRIPTS_DIR, DraftConfig, TrainConfig, load_draft_config, speculators_pass_through
 from .contract import read_manifest, require_equal, require_upstream
 from .errors import ConfigError, InputError, Interrupted, StageError
 from .files import atomic_write_text, is_disk_full
 from .hidden_states import HS_DIRNAME
+from .machine import cuda_capabilities
 from .metrics import (
     COMPAT_KEY,
     is_rank_zero,
@@ -37,34 +37,57 @@ from .metrics import (
 )
 from .online import ENDPOINT_DOWN_TAG
 from .online import speculators_args as online_speculators_args
-from .preflight import FEW_OPTIMIZER_STEPS, SMALL_RUN_SEQ_LEN
+from .sizing import FEW_OPTIMIZER_STEPS, SMALL_RUN_SEQ_LEN, optimizer_steps
 from .vocab import D2T_NAME, T2D_NAME
 
-# Local imports: speculators: imported where the trainer runs (heavy; argv building and --print-config need none).
+# Local imports: speculators and torch: imported where the trainer runs and where a run asks torch about CUDA
+# (heavy; argv building and --print-config need neither: --print-config asks the driver, machine.cuda_capabilities).
 
 log = logging.getLogger("eagle3")
 
 
 def on_gpu() -> bool:
+    import torch
+
     return torch.cuda.is_available()
 
 
-def resolve_kernels(cfg: TrainConfig) -> tuple[str, str]:
-    """auto -> flex_attention + fused Triton loss on GPU; sdpa + eager loss on CPU (no flex backward there)."""
-    gpu = on_gpu()
+def resolve_kernels(cfg: TrainConfig, gpu: bool | None = None) -> tuple[str, str]:
+    """auto -> flex_attention + fused Triton loss on GPU; sdpa + eager loss on CPU (no flex backward there).
+    `gpu`: whether this machine trains on CUDA (default: ask torch, `on_gpu`)."""
+    gpu = on_gpu() if gpu is None else gpu
     attn = cfg.attn_impl if cfg.attn_impl != "auto" else ("simple_flex_attention" if gpu else "sdpa")
     loss = cfg.loss_impl if cfg.loss_impl != "auto" else ("fused" if gpu else "eager")
     return attn, loss
 
 
-def hidden_states_dtype(cfg: TrainConfig) -> str:
+def hidden_states_dtype(cfg: TrainConfig, gpu: bool | None = None) -> str:
     """auto -> bf16 autocast on GPU; fp32 on CPU, where bf16 matmuls are several times slower."""
     if cfg.hidden_states_dtype != "auto":
         return cfg.hidden_states_dtype
-    return "bfloat16" if on_gpu() else "float32"
+    return "bfloat16" if (on_gpu() if gpu is None else gpu) else "float32"
 
 
-def read_upstream(cfg: TrainConfig, target, draft: dict) -> tuple[dict, dict | None, dict]:
+def fit_seq_len_to_run(cfg: TrainConfig, sources: Sources, counts: dict, train_data_ratio: float):
+    """The step-size rule, (config, note): total_seq_len lowered to SMALL_RUN_SEQ_LEN (or the longest row, if
+    longer: a row is never cut) when the run would take fewer than FEW_OPTIMIZER_STEPS steps at the default or
+    profile value; an explicit --total-seq-len is kept. `counts`: stage 01's manifest counts.
+
+    Why (sizing.py's FEW_OPTIMIZER_STEPS): below that many steps, steps, not tokens, limit the draft."""
+    total_tokens = counts.get("tokens", 0)  # none recorded: unchanged (bench/ passes --total-seq-len itself)
+    smaller = max(SMALL_RUN_SEQ_LEN, counts.get("max_row_tokens", 0))
+    if sources.given("total_seq_len") or not total_tokens or cfg.total_seq_len <= smaller:
+        return cfg, None
+    _, steps = optimizer_steps(cfg, total_tokens, train_data_ratio)
+    if steps >= FEW_OPTIMIZER_STEPS:
+        return cfg, None
+    note = (f"total_seq_len: {smaller:,} instead of {cfg.total_seq_len:,} ({sources['total_seq_len']}): the run would take "
+            f"~{steps:,} optimizer steps, fewer than {FEW_OPTIMIZER_STEPS:,}, where smaller steps learn more per token "
+            f"(NOTES.md, 'Acceptance length'); pass --total-seq-len to keep a size")
+    return cfg.model_copy(update={"total_seq_len": smaller}), note
+
+
+def read_upstream(cfg: TrainConfig, target, draft: DraftConfig) -> tuple[dict, dict | None, dict]:
     """Stages 01-03's manifests, checked against one another, the target and the draft config.
     Online/hybrid: no stage 02 (`extracted` is None); stage 01's tokenizer is checked here instead."""
     prepared = read_manifest(cfg.data, "prepare", "--data")
@@ -88,67 +111,54 @@ def read_upstream(cfg: TrainConfig, target, draft: dict) -> tuple[dict, dict | N
                               f"stage 02's (drop --layer-ids, or rerun 02 with them)")
     require_upstream(vocab, "prepare", prepared)
     for key, value in (("hidden_size", target.hidden_size), ("target_vocab_size", target.vocab_size)):
-        if draft.get(key) not in (None, value):
-            raise ConfigError(f"{cfg.draft_config}: {key} {draft[key]} does not match the target's {value} ({cfg.target}/config.json)")
+        if (stated := getattr(draft, key)) not in (None, value):
+            raise ConfigError(f"{cfg.draft_config}: {key} {stated} does not match the target's {value} ({cfg.target}/config.json)")
     return prepared, extracted, vocab
 
 
-def speculators_argv(cfg: TrainConfig, draft: dict, target_path: str, aux_layer_ids: list[int],
+def speculators_argv(cfg: TrainConfig, draft: DraftConfig, target_path: str, aux_layer_ids: list[int],
                      draft_vocab_size: int, train_data_ratio: float, mask_token_id: int,
-                     hidden_states_storage: str = "dtype") -> list[str]:
-    """The `speculators train` flags for this run (the full contract with its trainer).
-    `hidden_states_storage`: stage 02's `storage` ("fp8" files are read by speculators' fp8 backend)."""
-    attn, loss = resolve_kernels(cfg)
+                     hidden_states_storage: str = "dtype", gpu: bool | None = None) -> list[str]:
+    """The `speculators train` flags for this run (the full contract with its trainer): the fields declared
+    with `speculators=` (config/schema.py) verbatim, then those this stage resolves.
+    `hidden_states_storage`: stage 02's `storage` ("fp8" files are read by speculators' fp8 backend).
+    `gpu`: whether this machine trains on CUDA (default: ask torch, `on_gpu`)."""
+    gpu = on_gpu() if gpu is None else gpu
+    attn, loss = resolve_kernels(cfg, gpu)
     out = Path(cfg.output)
-    num_workers = cfg.num_workers if on_gpu() else 0  # CPU: worker processes only compete for 2 cores
+    num_workers = cfg.num_workers if gpu else 0  # CPU: worker processes only compete for 2 cores
     argv = [
         "--verifier-name-or-path", target_path,
         "--data-path", str(Path(cfg.data)),
         "--save-path", str(out),
         "--log-dir", str(out / "logs"),
-        "--logger", cfg.logger,
+        *speculators_pass_through(cfg),
         "--d2t-path", str(Path(cfg.vocab) / D2T_NAME),
         "--t2d-path", str(Path(cfg.vocab) / T2D_NAME),
         "--draft-vocab-size", str(draft_vocab_size),
         "--target-layer-ids", *map(str, aux_layer_ids),
-        "--draft-arch", draft.get("draft_arch", "llama"),
-        "--num-layers", str(draft.get("num_layers", 1)),
-        "--ttt-steps", str(cfg.ttt_steps or draft.get("ttt_steps", 3)),
-        "--sliding-window", str(draft.get("sliding_window", 2048)),
-        "--total-seq-len", str(cfg.total_seq_len),
-        "--epochs", str(cfg.epochs),
-        "--lr", str(cfg.lr),
-        "--optimizer", cfg.optimizer,
+        "--draft-arch", draft.draft_arch,
+        "--num-layers", str(draft.num_layers),
+        "--ttt-steps", str(cfg.ttt_steps or draft.ttt_steps),
+        "--sliding-window", str(draft.sliding_window),
         "--draft-attn-impl", attn,
         "--loss-implementation", loss,
-        "--hidden-states-dtype", hidden_states_dtype(cfg),
+        "--hidden-states-dtype", hidden_states_dtype(cfg, gpu),
         "--num-workers", str(num_workers),
-        "--prefetch-factor", str(cfg.prefetch_factor),
         "--train-data-ratio", repr(train_data_ratio),
         "--mask-token-id", str(mask_token_id),
         # files: a missing file is a bug, never silently skipped; online/hybrid: vLLM generates each sample
         *(["--on-missing", "raise"] if cfg.hidden_states == "files" else online_speculators_args(cfg)),
-        "--checkpoint-freq", str(cfg.checkpoint_freq),
-        "--log-freq", str(cfg.log_freq),
-        "--seed", str(cfg.seed),
         # Not --save-best: in speculators 0.9.0 it saves only improving epochs (so a resume can
         # lose work) and deletes every other file in the save path. Without it every epoch is
         # kept and `checkpoint_best` still points at the lowest val loss.
     ]
     if hidden_states_storage == "fp8":  # speculators' FP8Transfer dequantizes each file as it is read
         argv += ["--hidden-states-backend", "fp8"]
-    if draft.get("full_attention_indices"):
-        argv += ["--full-attention-indices", *map(str, draft["full_attention_indices"])]
-    if not draft.get("norm_before_residual", True):
+    if draft.full_attention_indices:
+        argv += ["--full-attention-indices", *map(str, draft.full_attention_indices)]
+    if not draft.norm_before_residual:
         argv += ["--no-norm-before-residual"]
-    if cfg.max_steps is not None:
-        argv += ["--max-steps", str(cfg.max_steps)]
-    if cfg.fsdp:
-        argv += ["--fsdp-shard"]
-    if cfg.trust_remote_code:
-        argv += ["--trust-remote-code"]
-    if cfg.dry_run:
-        argv += ["--dry-run"]
     return argv + list(cfg.extra_args)
 
 
@@ -159,13 +169,15 @@ def resolved_for_print_config(cfg: TrainConfig) -> dict[str, str]:
     try:
         draft = load_draft_config(cfg.draft_config)
     except ConfigError as exc:
-        draft, notes["draft_config"] = {}, f"? ({exc}; built-in draft defaults shown below)"
-    argv = speculators_argv(cfg, draft, "<target>", [0, 0, 0], 0, 0.9, 0)
+        draft, notes["draft_config"] = DraftConfig(), f"? ({exc}; built-in draft defaults shown below)"
+    capabilities = cuda_capabilities()  # the driver's answer: --print-config imports no torch
+    gpu = bool(capabilities)
+    argv = speculators_argv(cfg, draft, "<target>", [0, 0, 0], 0, 0.9, 0, gpu=gpu)
 
     def sent(flag: str) -> str:
         return argv[argv.index(flag) + 1]
 
-    device = "CUDA" if on_gpu() else "no CUDA device"
+    device = "CUDA" if gpu else "no CUDA device"
     if cfg.total_seq_len > SMALL_RUN_SEQ_LEN:
         notes["total_seq_len"] = (f"{cfg.total_seq_len}, or {SMALL_RUN_SEQ_LEN} (the longest row if longer) when --data's "
                                   f"rows give fewer than {FEW_OPTIMIZER_STEPS:,} optimizer steps and the value is not "
@@ -187,7 +199,7 @@ def resolved_for_print_config(cfg: TrainConfig) -> dict[str, str]:
                                      "; each generated sample is kept in --hidden-states-path"))
         if cfg.layer_ids is None:
             notes["layer_ids"] = "the target's 2, L//2, L-3 (+ L), checked against the server's card"
-    capability = torch.cuda.get_device_capability() if on_gpu() else None
+    capability = capabilities[0] if gpu else None  # the device torch would use: the first visible
     decision = flex_forward_config.decide(capability, flex_forward_config.parse_setting(cfg.flex_forward_config))
     notes["flex_forward_config"] = ("applied: " if decision.apply else "not applied: ") + decision.reason
     return notes

@@ -10,12 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import torch
 from tqdm import tqdm
 
 from .errors import ConfigError, InputError
 
-# Local imports: speculators: imported where the mapping is built (heavy; the file names need none).
+# Local imports: speculators and torch: imported where the mapping is built and token_freq.pt is read (heavy;
+# the file names need neither, and stage 04's --print-config imports them from here).
 
 D2T_NAME, T2D_NAME = "d2t.npy", "t2d.npy"
 
@@ -34,6 +34,8 @@ def resolve_draft_vocab_size(requested: int | None, draft_config_default: int, t
 def load_token_freq(path: Path) -> dict[int, int]:
     if not Path(path).is_file():
         raise InputError(f"{path}: token frequencies missing; rerun 01_prepare_dataset.py")
+    import torch
+
     freq = torch.load(path, weights_only=True)
     return {int(k): int(v) for k, v in freq.items()}
 

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from ..config import ExtractConfig
+from ..config.schema import ExtractConfig
 from ..errors import StageError
 from ..files import atomic_write_json
 from ..hidden_states import DTYPES, StateFormat, dtype_name, hs_file

@@ -46,7 +46,7 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Iterator
 
-from ..config import SCRIPTS_DIR, ExtractConfig
+from ..config.schema import SCRIPTS_DIR, ExtractConfig
 from ..errors import InputError, StageError
 from ..target import TargetInfo
 from .common import ExtractedSample
