@@ -54,6 +54,7 @@ from eagle3_pipeline.training import (
     skipped_samples,
     speculators_argv,
     stopped_on,
+    ttt_steps,
     write_command_file,
 )
 
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     identity = stage_identity(
         cfg, identity_inputs,
         target_config_sha256=target.config_sha256, draft_config=draft.model_dump(exclude={"description"}),
-        ttt_steps=cfg.ttt_steps or draft.ttt_steps, world_size=cfg.nproc * cfg.nnodes, **source,
+        ttt_steps=ttt_steps(cfg, draft), world_size=cfg.nproc * cfg.nnodes, **source,
     )
     check_writable_dir(out_dir, "--output")
     if cfg.nnodes > 1 and not cfg.check:  # nodes share --output (node 0 writes it): one process per node

@@ -68,6 +68,11 @@ def hidden_states_dtype(cfg: TrainConfig, gpu: bool | None = None) -> str:
     return "bfloat16" if (on_gpu() if gpu is None else gpu) else "float32"
 
 
+def ttt_steps(cfg: TrainConfig, draft: DraftConfig) -> int:
+    """The test-time-training steps of this run: --ttt-steps, else the draft config's."""
+    return cfg.ttt_steps or draft.ttt_steps
+
+
 def fit_seq_len_to_run(cfg: TrainConfig, sources: Sources, counts: dict, train_data_ratio: float):
     """The step-size rule, (config, note): total_seq_len lowered to SMALL_RUN_SEQ_LEN (or the longest row, if
     longer: a row is never cut) when the run would take fewer than FEW_OPTIMIZER_STEPS steps at the default or
@@ -139,7 +144,7 @@ def speculators_argv(cfg: TrainConfig, draft: DraftConfig, target_path: str, aux
         "--target-layer-ids", *map(str, aux_layer_ids),
         "--draft-arch", draft.draft_arch,
         "--num-layers", str(draft.num_layers),
-        "--ttt-steps", str(cfg.ttt_steps or draft.ttt_steps),
+        "--ttt-steps", str(ttt_steps(cfg, draft)),
         "--sliding-window", str(draft.sliding_window),
         "--draft-attn-impl", attn,
         "--loss-implementation", loss,

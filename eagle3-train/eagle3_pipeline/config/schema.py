@@ -155,6 +155,7 @@ class ExtractConfig(StageConfig):
     target: str = _field(..., "target model directory", identity=False)
     data: str = _field(..., "stage 01's output directory; hidden_states/ is written inside it", identity=False)
     backend: Literal["vllm", "hf"] = _field("vllm", "'vllm' for real targets (tensor parallel), 'hf' for small targets and debugging", identity=False)
+    # not identity: recorded resolved (the layer ids saved, the final layer included)
     layer_ids: Optional[list[int]] = _field(None, "the 3 aux layer ids (default 2, L//2, L-3); the final layer L is always added", identity=False)
     dtype: Literal["bfloat16", "float16", "float32"] = _field("bfloat16", "dtype of the saved hidden states (and of the HF backend's compute)", identity=True)
     storage: Literal["dtype", "fp8"] = _field(
@@ -162,6 +163,7 @@ class ExtractConfig(StageConfig):
         "values + one fp32 scale per token, about half of bf16's bytes; stage 04 reads it with speculators' fp8 backend)", identity=True)
     device: str = _field("auto", "HF backend device: auto (cuda if present), cpu, cuda, cuda:N", identity=False)
     max_samples: Optional[int] = _field(None, "extract only the first N rows", identity=False)
+    # not identity: a sliced run's selection, recorded in the manifest (`selection`), one per slice
     rows: Optional[str] = _field(None, "extract only these rows, START:END ranges (end exclusive, e.g. 0:1000,90000:100000): "
                                        "one slice of a sliced run (run_all.sh --slice-rows); first deletes this stage's "
                                        "files of the rows outside them (their manifest is kept in hidden_states/slices/)", identity=False)
@@ -200,6 +202,7 @@ class VocabConfig(StageConfig):
     data: str = _field(..., "stage 01's output directory (its token_freq.pt)", identity=False)
     output: str = _field(..., "output directory for d2t.npy, t2d.npy, coverage.json", identity=False)
     draft_config: str = _field(str(DEFAULT_DRAFT_CONFIG), "draft_config.json (its draft_vocab_size is the default)", identity=False)
+    # not identity: recorded resolved (the size used, after clipping)
     draft_vocab_size: Optional[int] = _field(None, "draft vocabulary size (default: draft_config.json's, clipped to the target vocab)", gt=0, identity=False)
     overwrite: bool = _field(False, "replace a mapping made with other settings or inputs (its own three files; "
                                     "never another stage's output)", identity=False)
@@ -220,6 +223,9 @@ class TrainConfig(StageConfig):
     data: str = _field(..., "stage 01+02 output directory (stage 01's alone with --hidden-states online/hybrid)", identity=False)
     vocab: str = _field(..., "stage 03 output directory", identity=False)
     output: str = _field(..., "checkpoint directory (speculators' <epoch>/ folders, resumed automatically)", identity=False)
+    # hidden_states .. vllm_request_timeout, not identity: where the states come from is recorded resolved
+    # (hidden_states_source, layer_ids); online and hybrid train on the same states (hybrid only keeps them),
+    # and the server's address is not the data
     hidden_states: Literal["files", "online", "hybrid"] = _field(
         "files", "where the target's hidden states come from: 'files' = stage 02's DATA/hidden_states; 'online' = a "
         "running vLLM (--vllm-endpoint) computes each sample's states when the trainer needs them and they are deleted "
@@ -235,6 +241,7 @@ class TrainConfig(StageConfig):
         "no card this machine can read", identity=False)
     vllm_retries: int = _field(3, "online/hybrid: HTTP retries per vLLM request (exponential backoff 2, 4, 8 s; "
                                   "speculators --max-retries); a server that still does not answer stops training", ge=0, identity=False)
+    # not identity: how a bad input is handled; the samples skipped are listed in the manifest
     on_bad_sample: Literal["stop", "skip"] = _field(
         "stop", "a sample whose hidden states are unreadable, misshapen, stored in another dtype, non-finite, constant "
         "in a layer slot, or not its row's tokens (checked as the loader reads it): 'stop' = stop training with one "
@@ -246,6 +253,7 @@ class TrainConfig(StageConfig):
     slice_rows: Optional[int] = _field(None, "sliced run (run_all.sh --slice-rows): the training rows are cut into slices "
                                              "of N rows, each extracted, trained on and deleted in turn "
                                              "(eagle3_pipeline/slices.py)", ge=1, identity=True)
+    # not identity: which slice of a sliced run trains now (slice_rows is the identity; slices.py)
     slice_index: Optional[int] = _field(None, "sliced run: the run position trained now (epoch x slices + slice, "
                                               "0-based; stage 02 must hold its --rows)", ge=0, identity=False)
     # Throughput defaults measured on an H200 at Kimi geometry (NOTES.md, "Training defaults and why"; figures in
@@ -257,6 +265,7 @@ class TrainConfig(StageConfig):
                                 ge=16, identity=True, speculators="--total-seq-len")
     lr: float = _field(1e-3, "learning rate", identity=True, speculators="--lr")
     optimizer: Literal["muon", "adamw"] = _field("adamw", "optimizer (Muon's ~113 TFLOP per step is 41 percent of a Kimi-size step at 8K tokens)", identity=True, speculators="--optimizer")
+    # not identity: recorded resolved (this flag, else the draft config's)
     ttt_steps: Optional[int] = _field(None, "test-time-training steps (default: draft_config.json's)", ge=1, identity=False)
     attn_impl: Literal["auto", "simple_flex_attention", "sdpa", "eager"] = _field("auto", "draft attention; auto = flex_attention on GPU, sdpa on CPU", identity=False)
     loss_impl: Literal["auto", "fused", "eager"] = _field("auto", "loss kernel; auto = fused (Triton) on GPU, eager on CPU", identity=False)
