@@ -124,8 +124,8 @@ def read_upstream(cfg: TrainConfig, target, draft: DraftConfig) -> tuple[dict, d
 def speculators_argv(cfg: TrainConfig, draft: DraftConfig, target_path: str, aux_layer_ids: list[int],
                      draft_vocab_size: int, train_data_ratio: float, mask_token_id: int,
                      hidden_states_storage: str = "dtype", gpu: bool | None = None) -> list[str]:
-    """The `speculators train` flags for this run (the full contract with its trainer): the fields declared
-    with `speculators=` (config/schema.py) verbatim, then those this stage resolves.
+    """The `speculators train` flags for this run (the full contract with its trainer): the paths, the fields
+    declared with `speculators=` (config/schema.py) verbatim, then what this stage resolves.
     `hidden_states_storage`: stage 02's `storage` ("fp8" files are read by speculators' fp8 backend).
     `gpu`: whether this machine trains on CUDA (default: ask torch, `on_gpu`)."""
     gpu = on_gpu() if gpu is None else gpu
