@@ -484,7 +484,7 @@ def resolved_at_run_time(cfg: StageConfig, run_time_notes=None) -> dict[str, str
             trained = read_manifest(cfg.checkpoints, "train", "--checkpoints")
         except (ContractError, OSError):
             return {"num_speculative_tokens": "the draft config's, as stage 04 recorded it in --checkpoints"}
-        value = trained.get("draft_config", {}).get("num_speculative_tokens", 3)
+        value = (trained.draft_config or {}).get("num_speculative_tokens", 3)
         return {"num_speculative_tokens": f"{value} (the draft config stage 04 recorded in {cfg.checkpoints})"}
     return {}
 
