@@ -9,7 +9,6 @@ Run with --help for flags and an example.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +25,7 @@ from eagle3_pipeline.export import (
     write_draft_dir,
 )
 from eagle3_pipeline.files import TEMP_MARKER, atomic_path, atomic_write_text, check_writable_dir, remove_path, sha256_file
-from eagle3_pipeline.manifest import ExportManifest, TrainManifest
+from eagle3_pipeline.manifest import ExportManifest, TrainManifest, parse_manifest
 from eagle3_pipeline.preflight import preflight_export
 from eagle3_pipeline.stage import config_fingerprint, finished, lock_output, log, stage_identity, stage_main
 from eagle3_pipeline.vocab import D2T_NAME
@@ -111,16 +110,10 @@ def refuse_foreign_output(out_dir: Path) -> None:
     """The export replaces out_dir as a whole: never a directory this stage did not write."""
     if not out_dir.exists():
         return
-    manifest = manifest_path(out_dir)
-    stage = None
-    if manifest.is_file():
-        try:
-            data = json.loads(manifest.read_text())
-            stage = data.get("stage") if isinstance(data, dict) else None
-        except (OSError, ValueError):
-            stage = None
     if out_dir.is_dir() and not any(out_dir.iterdir()):
         return
+    manifest = manifest_path(out_dir)
+    stage = parse_manifest(manifest, hint="choose another --output").stage if manifest.is_file() else None
     if stage != "export":
         raise ConfigError(f"{out_dir}: exists and is not an export made by 05_export.py (it would be replaced "
                           f"as a whole); choose another --output")

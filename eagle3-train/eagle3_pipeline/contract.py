@@ -4,7 +4,8 @@ A manifest says what a stage consumed (upstream manifests by sha256), what it
 produced (counts, shapes, files), with which target/tokenizer/layer ids, under which
 package versions. It is written last, so its presence with `complete: true` means the
 directory is finished. A stage checks the manifests it depends on before any heavy
-work, and fails in seconds with one line naming the file that does not match.
+work, and fails in seconds with one line naming the file that does not match. What a manifest
+holds is typed in manifest.py (one model per stage); this module writes, reads and compares them.
 """
 
 from __future__ import annotations

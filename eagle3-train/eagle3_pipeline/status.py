@@ -18,7 +18,7 @@ from .checkpoints import MODEL_NAME, unreadable_weights
 from .errors import ContractError
 from .files import changed_fingerprints  # torch-free, as this module: run_all's python may have no torch
 from .hidden_states import hs_name
-from .manifest import MANIFEST_NAME, SCHEMA_VERSION, Manifest, parse_manifest
+from .manifest import MANIFEST_NAME, Manifest, parse_manifest
 
 STAGES = (("01", "prepare", "data"), ("02", "extract", "data/hidden_states"), ("03", "vocab", "vocab"),
           ("04", "train", "checkpoints"), ("05", "export", "draft"))
@@ -62,7 +62,7 @@ def stage_states(work: Path) -> dict[str, dict]:
             state = "started, no output yet" if log.is_file() else "not started"
             states[stage] = {"num": num, "state": state, "log": str(log)}
             continue
-        if isinstance(manifest, str) or not manifest.complete or manifest.schema_version != SCHEMA_VERSION:
+        if isinstance(manifest, str) or not manifest.complete:  # a string: unreadable, or of another schema
             states[stage] = {"num": num, "state": "started, not finished", "log": str(log)}
             continue
         contents[stage] = manifest.content_sha256  # what downstream stages recorded of it
