@@ -158,7 +158,7 @@ def sliced_argv(argv: list[str], view: Path, position: int, ratio: float, total_
     return argv + ["--scheduler-total-steps", str(total_steps), "--scheduler-warmup-steps", str(total_steps // 100)]
 
 
-def check_position(cfg, prepared: PrepareManifest, extracted: ExtractManifest | None) -> tuple[SlicePlan, int]:
+def check_position(cfg, prepared: PrepareManifest, extracted: ExtractManifest) -> tuple[SlicePlan, int]:
     """Stage 04 in a sliced run: the plan, and the run position it trains now, whose rows stage 02 must hold."""
 
     if cfg.hidden_states != "files":
@@ -174,8 +174,8 @@ def check_position(cfg, prepared: PrepareManifest, extracted: ExtractManifest | 
         raise ConfigError(f"--slice-index {g}: this run has {plan.positions} run positions ({plan.num_slices} slices x "
                           f"{plan.epochs} epochs)")
     where = Path(cfg.data) / HS_DIRNAME / "manifest.json"
-    if getattr(extracted, "selection", None) != plan.selection(g):
-        raise ContractError(f"{where}: holds rows {getattr(extracted, 'selection', None) or 'all'}, run position {g} trains on "
+    if extracted.selection != plan.selection(g):  # files only (checked above): stage 02's manifest is there
+        raise ContractError(f"{where}: holds rows {extracted.selection or 'all'}, run position {g} trains on "
                             f"rows {plan.selection(g)}; run 02_extract_hidden_states.py --rows {plan.selection(g)} first")
     return plan, g
 
