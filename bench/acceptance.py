@@ -69,6 +69,7 @@ from benchlib.acceptance import (
     read_val_metrics,
 )
 from benchlib.curves import HostMemory, process_tree_rss
+from eagle3_pipeline.manifest import parse_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "eagle3-train"
@@ -293,11 +294,11 @@ class Bench:
         settings = {"data": str(data), "epochs": epochs, "speculators": version("speculators")}
         if done := self.finished_run(name, settings):
             return done
-        prepared = json.loads((data / "manifest.json").read_text())
+        prepared = parse_manifest(data / "manifest.json")
         out = self.work / name
         out.mkdir(parents=True, exist_ok=True)
         argv = ["--verifier-name-or-path", self.target, "--data-path", data, "--save-path", out, "--epochs", epochs,
-                "--train-data-ratio", repr(prepared["train_data_ratio"]), "--logger", "",
+                "--train-data-ratio", repr(prepared.train_data_ratio), "--logger", "",
                 *(CPU_TRAIN_FLAGS if self.cpu else []), *self.forced_by_states(data)]
         # speculators' own CLI through the pipeline's entry point, which adds only the gated CPU trainer fix.
         seconds = run([sys.executable, "-m", "eagle3_pipeline.train_entry", *argv], self.logs / f"{name}.log",
@@ -312,11 +313,11 @@ class Bench:
     def forced_by_states(self, data: Path) -> list[str]:
         """Flags the prepared hidden states force on plain: their aux layer ids where speculators' default
         (2, L//2, L-3) differs (a target under 5 layers), and the fp8 reader for fp8 files."""
-        manifest = json.loads((data / "hidden_states" / "manifest.json").read_text())
-        aux = list(manifest["layer_ids"])[:-1]
+        manifest = parse_manifest(data / "hidden_states" / "manifest.json")
+        aux = list(manifest.layer_ids)[:-1]
         layers = json.loads((self.target / "config.json").read_text())["num_hidden_layers"]
         flags = [] if aux == [2, layers // 2, layers - 3] else ["--target-layer-ids", *map(str, aux)]
-        if manifest.get("storage") == "fp8":
+        if manifest.storage == "fp8":
             flags += ["--hidden-states-backend", "fp8"]
         return flags
 
@@ -478,8 +479,7 @@ def run_curves(args, bench: Bench, target: dict, started: float, load_start) -> 
     curves: dict[str, dict] = {}
     data_costs: dict[str, dict] = {}
     for f, runs in trained.items():
-        manifest = json.loads((datasets[f] / "manifest.json").read_text())
-        counts = manifest.get("counts", {})
+        counts = parse_manifest(datasets[f] / "manifest.json").counts.model_dump(exclude_none=True)
         data_costs[str(f)] = {"conversations": counts.get("conversations", args.train_conversations * f),
                               "conversations_asked": args.train_conversations * f, "rows": counts.get("rows"),
                               "extracted_tokens": counts.get("tokens"),

@@ -42,6 +42,7 @@ from pathlib import Path
 
 from benchlib import logged
 from benchlib.logged import float_after, log
+from eagle3_pipeline.manifest import parse_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "eagle3-train"
@@ -195,9 +196,9 @@ def measure_target(name: str, args, work: Path, logs: Path, on_cpu: bool) -> dic
     text, wall = run_logged(f"{tag}-02", [sys.executable, SCRIPTS / "02_extract_hidden_states.py", "--target", target,
                                           "--data", data, "--backend", "vllm", *settings_flags(settings)],
                             logs, timeout=args.timeout)
-    counts = json.loads((data / "hidden_states" / "manifest.json").read_text())["counts"]
-    extract = {"rows": counts["rows"], "tokens": counts["extracted_tokens"], "seconds": counts["extract_s"],
-               "tokens_per_s": counts["extract_tokens_per_s"], "sync_s": counts.get("sync_s"),
+    counts = parse_manifest(data / "hidden_states" / "manifest.json").counts
+    extract = {"rows": counts.rows, "tokens": counts.extracted_tokens, "seconds": counts.extract_s,
+               "tokens_per_s": counts.extract_tokens_per_s, "sync_s": counts.sync_s,
                "engine_start_s": float_after(text, r"vLLM engine ready in ([\d.]+)s"), "process_wall_s": wall,
                "flags": settings_flags(settings)}
     assert extract["tokens"] == prefill["tokens"], (extract, prefill)

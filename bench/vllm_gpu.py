@@ -44,6 +44,7 @@ from benchlib import logged
 from benchlib.acceptance import counters_delta, spec_decode_counters, summarize_spec_decode
 from benchlib.logged import float_after, log
 from eagle3_pipeline.hidden_states import HS_DIRNAME, hs_file, hs_files, row_of
+from eagle3_pipeline.manifest import parse_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "eagle3-train"
@@ -175,7 +176,8 @@ class Bench:
         target, data = self.testbed_dir(), self.work / "smollm2" / "data"
         text, wall = self.stage("smol-01", 1, "--target", target, "--data",
                                 self.work / "smollm2" / "chat" / "train_tokens.jsonl", "--output", data)
-        result = {"stage01_wall_s": wall, "stage01_manifest_counts": json.loads((data / "manifest.json").read_text()).get("counts")}
+        counts = parse_manifest(data / "manifest.json").counts.model_dump(exclude_none=True)
+        result = {"stage01_wall_s": wall, "stage01_manifest_counts": counts}
         result.update(self.extract_compare("smol", target, data, self.args.compare_rows, []))
         return result
 

@@ -21,6 +21,7 @@ from eagle3_pipeline.contract import write_manifest
 from eagle3_pipeline.conversations import read_records
 from eagle3_pipeline.errors import InputError
 from eagle3_pipeline.files import check_writable_dir, remove_stale_temps
+from eagle3_pipeline.manifest import PrepareCounts, PrepareManifest
 from eagle3_pipeline.preflight import hidden_states_estimate_line, preflight_prepare
 from eagle3_pipeline.prepared import REJECTED_NAME, order_rows, split_conversations, train_data_ratio, write_prepared
 from eagle3_pipeline.stage import (
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     # 4. Outputs (dataset + token_freq.pt, renamed into place).
     remove_stale_temps(out_dir)
     retire_manifest(out_dir)  # an old result (--overwrite) stops being finished only now
-    write_manifest(out_dir, "prepare", complete=False, identity=identity)  # these files are this stage's from here
+    write_manifest(out_dir, PrepareManifest(complete=False, identity=identity))  # these files are this stage's from here
     stats = write_prepared(out_dir, rows, num_train, prepared.bad + prepared.too_long)
     for dropped in prepared.too_long[: cfg.report_problems]:
         log.warning("dropped row %s: %s", dropped.where, dropped.reason)
@@ -95,17 +96,14 @@ def main(argv: list[str] | None = None) -> int:
                     prepared.truncated_too_long, cfg.max_seq_len)
 
     # 5. Contract last: the directory is finished only once manifest.json exists.
-    write_manifest(
-        out_dir, "prepare",
-        config=cfg.model_dump(), config_sha256=fingerprint, inputs=inputs, identity=identity,
-        content={"counts": stats, "max_seq_len": cfg.max_seq_len}, target=target.summary(),
-        counts={"input_rows": prepared.input_rows, "conversations": prepared.conversations,
-                "pretokenized_rows": prepared.pretokenized, "rejected_rows": len(prepared.bad),
-                "dropped_too_long": prepared.dropped_too_long, "truncated_too_long": prepared.truncated_too_long,
-                **stats},
-        train_data_ratio=train_data_ratio(num_train, len(rows)),
-        max_seq_len=cfg.max_seq_len,
-    )
+    write_manifest(out_dir, PrepareManifest(
+        config=cfg.model_dump(), config_sha256=fingerprint, inputs=inputs, identity=identity, target=target.summary(),
+        counts=PrepareCounts(input_rows=prepared.input_rows, conversations=prepared.conversations,
+                             pretokenized_rows=prepared.pretokenized, rejected_rows=len(prepared.bad),
+                             dropped_too_long=prepared.dropped_too_long,
+                             truncated_too_long=prepared.truncated_too_long, **stats),
+        train_data_ratio=train_data_ratio(num_train, len(rows)), max_seq_len=cfg.max_seq_len,
+    ))
     capped = f" (the first {cfg.max_samples}: --max-samples capped the input)" if prepared.capped else ""
     log.info("prepared %d rows (%d train / %d val, %d loss tokens) from %d conversations%s, %d bad row(s) skipped%s -> %s",
              stats["rows"], stats["train_rows"], stats["val_rows"], stats["loss_tokens"], prepared.conversations, capped,

@@ -36,6 +36,7 @@ from eagle3_pipeline.extract.run import (
 )
 from eagle3_pipeline.files import DiskFull, check_writable_dir, remove_stale_temps
 from eagle3_pipeline.hidden_states import HS_DIRNAME, StateFormat, hs_file, hs_files, row_of
+from eagle3_pipeline.manifest import ExtractCounts, ExtractManifest
 from eagle3_pipeline.plan import check_plan_lines
 from eagle3_pipeline.prepared import load_rows
 from eagle3_pipeline.sizing import human_bytes
@@ -56,9 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     # 2. Contract: stage 01's manifest must come from this target and tokenizer.
     prepared = read_manifest(data_dir, "prepare", "--data")
     hint = "rerun 01_prepare_dataset.py for this target, or pass the --target it was prepared for"
-    require_equal("target config", target.config_sha256, prepared["target"]["config_sha256"], prepared, hint)
-    require_equal("tokenizer", target.tokenizer_sha256, prepared["target"]["tokenizer_sha256"], prepared, hint)
-    max_model_len = cfg.max_model_len or prepared["max_seq_len"] + 1
+    require_equal("target config", target.config_sha256, prepared.target["config_sha256"], prepared, hint)
+    require_equal("tokenizer", target.tokenizer_sha256, prepared.target["tokenizer_sha256"], prepared, hint)
+    max_model_len = cfg.max_model_len or prepared.max_seq_len + 1
     if cfg.print_server_cmd:
         from eagle3_pipeline.extract.vllm_backend import server_command
 
@@ -66,12 +67,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     # One identity rule (stage.finished): a change of stage 01's output re-checks every file (rows whose
     # token ids still match are kept); a change of target, layer ids or dtype is refused (never mixed).
-    identity = stage_identity(cfg, {"prepare": prepared["_content_sha256"]}, layer_ids=layer_ids,
+    identity = stage_identity(cfg, {"prepare": prepared.content_sha256}, layer_ids=layer_ids,
                               target_config_sha256=target.config_sha256)
     check_writable_dir(hs_dir, "--data")
     if not cfg.check:
         lock_extraction(hs_dir, cfg.world_size, cfg.rank)
-    total_rows = prepared["counts"]["rows"]
+    total_rows = prepared.counts.rows
     rows = load_rows(data_dir, cfg.max_samples)
     # --rows: one slice of a sliced run (eagle3_pipeline/slices.py); the manifest records it as `selection`
     selection = parse_rows(cfg.rows, len(rows)) if cfg.rows else None
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         log.info("validated %d file(s): all good", len(mine))
         return 0
     remedy = f"move {hs_dir} away (or rerun 01 into a new --output) to extract again"
-    same_selection = (read_own_manifest(hs_dir) or {}).get("selection") == cfg.rows
+    same_selection = getattr(read_own_manifest(hs_dir), "selection", None) == cfg.rows
     if finished(hs_dir, "extract", identity, check=cfg.check, input_change_redoes=True, remedy=remedy,
                 extra_done=same_selection and all_rows_landed(hs_dir, wanted)) and not cfg.check:
         # The manifest says finished; the files must still be what this stage wrote (size, fingerprint).
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         for index, reason in bad.items():
             log.warning("%s; redoing it", reason)  # the reason names the file
             hs_file(hs_dir, index).unlink(missing_ok=True)
-    if selection is not None and (own := read_own_manifest(hs_dir) or {}).get("complete") and not own.get("selection"):
+    if selection is not None and (own := read_own_manifest(hs_dir)) and own.complete and not own.selection:
         raise ConfigError(f"{manifest_path(hs_dir)}: a finished extraction of every row is there; --rows (a sliced run) "
                           f"would delete most of it: train on it unsliced, or move {hs_dir} away first")
     if selection is not None and not cfg.check:  # the previous slice's files go first: one slice on disk at a time
@@ -129,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
             extra.unlink(missing_ok=True)
     # An unfinished manifest records the identity from the first file on (a rerun with another dtype
     # or layer ids is then refused instead of mixing files).
-    write_manifest(hs_dir, "extract", complete=False, identity=identity, layer_ids=layer_ids, dtype=cfg.dtype,
-                   storage=cfg.storage, selection=cfg.rows, rows_total=total_rows)
+    write_manifest(hs_dir, ExtractManifest(complete=False, identity=identity, layer_ids=layer_ids, dtype=cfg.dtype,
+                                           storage=cfg.storage, selection=cfg.rows, rows_total=total_rows))
 
     # 4. Work.
     log.info("extracting %d row(s) (%d already done) with the %s backend, layer ids %s",
@@ -168,20 +169,14 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("%d of stage 01's %d rows extracted (--max-samples %d): the manifest says complete: false, so "
                     "stage 04 refuses these states until a run without --max-samples adds the rest",
                     covered, total_rows, cfg.max_samples)
-    write_manifest(
-        hs_dir, "extract", complete=covered == total_rows or selection is not None, identity=identity,
-        content={"rows": covered, "tokens": tokens, "dtype": cfg.dtype, "storage": cfg.storage,
-                 **({"selection": cfg.rows} if cfg.rows else {}),
-                 "shapes": {"hidden_states": ["T", len(layer_ids), target.hidden_size], "token_ids": ["T"]}},
+    write_manifest(hs_dir, ExtractManifest(
+        complete=covered == total_rows or selection is not None, identity=identity,
         layer_ids=layer_ids, dtype=cfg.dtype, storage=cfg.storage, target_config_sha256=target.config_sha256,
-        config=cfg.model_dump(), config_sha256=config_fingerprint(cfg),
-        inputs={"prepare": input_record(prepared)},
-        target=target.summary(),
-        backend=cfg.backend, fingerprints=fingerprints,
+        config=cfg.model_dump(), config_sha256=config_fingerprint(cfg), inputs={"prepare": input_record(prepared)},
+        target=target.summary(), backend=cfg.backend, fingerprints=fingerprints,
         shapes={"hidden_states": ["T", len(layer_ids), target.hidden_size], "token_ids": ["T"]},
-        counts={"rows": len(plan.all_indices), "tokens": tokens, **plan.counts},
-        selection=cfg.rows, rows_total=total_rows,
-    )
+        counts=ExtractCounts(rows=covered, tokens=tokens, **plan.counts), selection=cfg.rows, rows_total=total_rows,
+    ))
     log.info("hidden states for %d rows -> %s", covered, hs_dir)
     return 0
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from eagle3_pipeline.config import VocabConfig, load_draft_config, resolve_stage_config
 from eagle3_pipeline.contract import input_record, read_manifest, write_manifest
 from eagle3_pipeline.files import atomic_numpy_save, atomic_write_json, check_writable_dir, remove_stale_temps
+from eagle3_pipeline.manifest import VocabCoverage, VocabManifest
 from eagle3_pipeline.preflight import preflight_vocab
 from eagle3_pipeline.prepared import TOKEN_FREQ_NAME, load_prepared
 from eagle3_pipeline.stage import config_fingerprint, finished, log, retire_manifest, stage_identity, stage_main
@@ -38,11 +39,11 @@ def main(argv: list[str] | None = None) -> int:
 
     # 2. Contract: stage 01's manifest gives the target vocab and the train/val boundary.
     prepared = read_manifest(data_dir, "prepare", "--data")
-    target_vocab = prepared["target"]["vocab_size"]
+    target_vocab = prepared.target["vocab_size"]
     draft_vocab, source = resolve_draft_vocab_size(cfg.draft_vocab_size, draft_config.draft_vocab_size, target_vocab)
     inputs = {"prepare": input_record(prepared)}
     fingerprint = config_fingerprint(cfg.model_copy(update={"draft_vocab_size": draft_vocab}), ignore=("output",))
-    identity = stage_identity(cfg, {"prepare": prepared["_content_sha256"]}, draft_vocab_size=draft_vocab)
+    identity = stage_identity(cfg, {"prepare": prepared.content_sha256}, draft_vocab_size=draft_vocab)
     check_writable_dir(out_dir, "--output")
     if finished(out_dir, "vocab", identity, cfg.overwrite, cfg.check):
         log.info("%s: vocab mapping already built from these inputs; nothing to do", out_dir)
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     token_freq = load_token_freq(data_dir / TOKEN_FREQ_NAME)
     d2t, t2d = build_mapping(token_freq, draft_vocab, target_vocab)
     dataset = load_prepared(data_dir).with_format(None)
-    val = dataset.select(range(prepared["counts"]["train_rows"], len(dataset)))
+    val = dataset.select(range(prepared.counts.train_rows, len(dataset)))
     val_freq = count_loss_tokens(val["input_ids"], val["loss_mask"], desc="count val tokens")
     report = {
         "draft_vocab_size": draft_vocab, "draft_vocab_size_source": source, "target_vocab_size": target_vocab,
@@ -70,13 +71,12 @@ def main(argv: list[str] | None = None) -> int:
     atomic_numpy_save(d2t, out_dir / D2T_NAME)
     atomic_numpy_save(t2d, out_dir / T2D_NAME)
     atomic_write_json(out_dir / "coverage.json", report)
-    write_manifest(
-        out_dir, "vocab", config=cfg.model_dump(), config_sha256=fingerprint, inputs=inputs,
-        identity=identity, content={"shapes": {"d2t": list(d2t.shape), "t2d": list(t2d.shape)}, "coverage": report},
-        outputs=[D2T_NAME, T2D_NAME, "coverage.json"],
-        target=prepared["target"], draft_vocab_size=draft_vocab, target_vocab_size=target_vocab,
-        shapes={"d2t": list(d2t.shape), "t2d": list(t2d.shape)}, coverage=report,
-    )
+    write_manifest(out_dir, VocabManifest(
+        config=cfg.model_dump(), config_sha256=fingerprint, inputs=inputs, identity=identity,
+        outputs=[D2T_NAME, T2D_NAME, "coverage.json"], target=prepared.target, draft_vocab_size=draft_vocab,
+        target_vocab_size=target_vocab, shapes={"d2t": list(d2t.shape), "t2d": list(t2d.shape)},
+        coverage=VocabCoverage(**{k: v for k, v in report.items() if k not in ("draft_vocab_size", "target_vocab_size")}),
+    ))
     log.info("draft vocab %d of %d (%s): covers %.1f%% of loss-masked train tokens, %.1f%% of val -> %s",
              draft_vocab, target_vocab, source, 100 * report["train_coverage"], 100 * report["val_coverage"], out_dir)
     warning = coverage_warning(report)

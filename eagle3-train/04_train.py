@@ -19,10 +19,11 @@ from pathlib import Path
 
 from eagle3_pipeline import checkpoints, online, slices
 from eagle3_pipeline.config import TrainConfig, load_draft_config, resolve_stage_config
-from eagle3_pipeline.contract import MANIFEST_NAME, input_record, write_manifest
+from eagle3_pipeline.contract import input_record, write_manifest
 from eagle3_pipeline.errors import Interrupted, StageError
 from eagle3_pipeline.files import check_writable_dir, held_lock_fds, remove_stale_temps
 from eagle3_pipeline.hidden_states import StateFormat
+from eagle3_pipeline.manifest import MANIFEST_NAME, CheckpointRef, TrainManifest
 from eagle3_pipeline.metrics import METRICS_FILE, compat_applied
 from eagle3_pipeline.plan import check_plan_lines
 from eagle3_pipeline.plots import PLOTS_DIRNAME, write_plots
@@ -72,12 +73,13 @@ def main(argv: list[str] | None = None) -> int:
     # --slice-rows: this invocation trains one run position of a sliced run (eagle3_pipeline/slices.py)
     sliced = slices.check_position(cfg, prepared, extracted) if cfg.slice_rows is not None else None
     # Few optimizer steps: smaller steps (NOTES.md, "Acceptance length"). Before the identity, which records it.
-    cfg, packing_note = fit_seq_len_to_run(cfg, sources, prepared.get("counts", {}), prepared["train_data_ratio"])
+    cfg, packing_note = fit_seq_len_to_run(cfg, sources, prepared.counts.model_dump(exclude_none=True),
+                                           prepared.train_data_ratio)
     if packing_note:
         log.info("%s", packing_note)
     upstream = {"prepare": prepared, "extract": extracted, "vocab": vocab}
     if extracted is not None:
-        layer_ids, source = extracted["layer_ids"], {}
+        layer_ids, source = extracted.layer_ids, {}
     else:  # online/hybrid: the states a vLLM server computes (checked below, once the run is not a no-op)
         online.require_endpoint(cfg)
         layer_ids = extraction_layer_ids(target.num_layers, cfg.layer_ids)
@@ -85,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         del upstream["extract"]
     aux_layer_ids = layer_ids[:-1]
     inputs = {name: input_record(m) for name, m in upstream.items()}
-    identity_inputs = {name: m["_content_sha256"] for name, m in upstream.items()}
+    identity_inputs = {name: m.content_sha256 for name, m in upstream.items()}
     slicing = {}
     if sliced:  # the slices are the run's input one after another: its identity is the plan over stage 01's rows
         identity_inputs, source, slicing = slices.run_identity(sliced, prepared, identity_inputs, out_dir)
@@ -120,10 +122,9 @@ def main(argv: list[str] | None = None) -> int:
             log.info("%s: run position %d (rows %s) already trained; nothing to do", out_dir, position,
                      plan.selection(position))
             return 0
-    for line in preflight_train(cfg, draft, target, vocab["draft_vocab_size"], out_dir,
-                                prepared.get("counts", {}).get("tokens", 0),
+    for line in preflight_train(cfg, draft, target, vocab.draft_vocab_size, out_dir, prepared.counts.tokens,
                                 epochs_done=epochs_done, nproc_given=sources.given("nproc"), nproc_source=sources["nproc"],
-                                train_data_ratio=prepared["train_data_ratio"]):
+                                train_data_ratio=prepared.train_data_ratio):
         log.info("preflight %s", line)
     server = None
     if extracted is None:  # the server must feed exactly what stage 02 would have written, before any training
@@ -148,9 +149,9 @@ def main(argv: list[str] | None = None) -> int:
                  resume["from"]["checkpoint"], resume["from"].get("global_step", "?"))
 
     spec_argv = speculators_argv(
-        cfg, draft, target.path, aux_layer_ids, vocab["draft_vocab_size"], prepared["train_data_ratio"],
+        cfg, draft, target.path, aux_layer_ids, vocab.draft_vocab_size, prepared.train_data_ratio,
         mask_token_id=target.text_config.get("pad_token_id") or 0,
-        hidden_states_storage=StateFormat.from_manifest(extracted or {}).storage,
+        hidden_states_storage=StateFormat.from_manifest(extracted).storage if extracted else "dtype",
     )
     if sliced:  # the view of this position's rows, its epoch in the run, one lr schedule over every position
         spec_argv, steps = slices.position_argv(cfg, sliced, spec_argv, out_dir)
@@ -159,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                  position % plan.num_slices + 1, plan.num_slices, plan.selection(position), steps[position], sum(steps))
     launch = launch_command(cfg, spec_argv)
     # First of this run's writes: what it may write is listed (a later --overwrite deletes only those).
-    write_manifest(out_dir, "train", complete=False, identity=identity, outputs=list(checkpoints.RUN_FILES), **slicing)
+    write_manifest(out_dir, TrainManifest(complete=False, identity=identity, outputs=list(checkpoints.RUN_FILES), **slicing))
     write_command_file(out_dir, spec_argv, launch, () if server is None else (online.command_note(cfg),))
 
     # 3. Work: speculators' trainer (it resumes from the newest checkpoint by itself).
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     if trained_already:
         log.info("run position %d already trained; writing the run's report and manifest", position)
     elif launch is None:
-        run_in_process(spec_argv, out_dir / METRICS_FILE, checkpoint_bytes(cfg, draft, target, vocab["draft_vocab_size"]))
+        run_in_process(spec_argv, out_dir / METRICS_FILE, checkpoint_bytes(cfg, draft, target, vocab.draft_vocab_size))
     else:
         clear_own(out_dir, cfg.nproc, cfg.node_rank)
         launched_at = time.time()
@@ -197,8 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     if sliced:
         slicing["slices_trained"].append(slices.position_record(position, plan, extracted, steps[position]))
         if position < plan.positions - 1:
-            write_manifest(out_dir, "train", complete=False, identity=identity, outputs=list(checkpoints.RUN_FILES),
-                           inputs=inputs, **slicing)
+            write_manifest(out_dir, TrainManifest(complete=False, identity=identity, outputs=list(checkpoints.RUN_FILES),
+                                                  inputs=inputs, **slicing))
             log.info("run position %d of %d trained; the next slice continues this run", position + 1, plan.positions)
             return 0
 
@@ -217,16 +218,15 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(out_dir / METRICS_FILE, best, draft.num_speculative_tokens)
     print(write_summary(out_dir, summary), flush=True)
     written = sorted(p.name for p in checkpoints.own_outputs(out_dir)) + [MANIFEST_NAME]
-    write_manifest(
-        out_dir, "train", identity=identity, content={"best_checkpoint": checkpoints.checkpoint_content(best),
-                                                      "epochs": [p.name for p in checkpoints.complete(out_dir)]},
-        outputs=written, inputs=inputs, target=target.summary(),
-        config=cfg.model_dump(), draft_config=draft.model_dump(), aux_layer_ids=aux_layer_ids,
-        draft_vocab_size=vocab["draft_vocab_size"], best_checkpoint=best.name, summary=summary,
-        config_sha256=config_fingerprint(cfg), resume=resume, compat_applied=compat_applied(out_dir / METRICS_FILE),
+    write_manifest(out_dir, TrainManifest(
+        identity=identity, best_checkpoint=CheckpointRef(**checkpoints.checkpoint_content(best)),
+        epochs=[p.name for p in checkpoints.complete(out_dir)], outputs=written, inputs=inputs, target=target.summary(),
+        config=cfg.model_dump(), draft_config=draft.model_dump(), aux_layer_ids=aux_layer_ids, draft_vocab_size=vocab.draft_vocab_size,
+        summary=summary, config_sha256=config_fingerprint(cfg), resume=resume,
+        compat_applied=compat_applied(out_dir / METRICS_FILE),
         hidden_states=server or {"mode": "files", "from": inputs["extract"]["path"]},
         bad_samples=skipped_samples(out_dir), **slicing,
-    )
+    ))
     return 0
 
 

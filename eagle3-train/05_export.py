@@ -9,7 +9,6 @@ Run with --help for flags and an example.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +25,7 @@ from eagle3_pipeline.export import (
     write_draft_dir,
 )
 from eagle3_pipeline.files import TEMP_MARKER, atomic_path, atomic_write_text, check_writable_dir, remove_path, sha256_file
+from eagle3_pipeline.manifest import ExportManifest, TrainManifest, parse_manifest
 from eagle3_pipeline.preflight import preflight_export
 from eagle3_pipeline.stage import config_fingerprint, finished, lock_output, log, stage_identity, stage_main
 from eagle3_pipeline.vocab import D2T_NAME
@@ -42,14 +42,14 @@ def main(argv: list[str] | None = None) -> int:
     # 04 trains into this folder under its exclusive lock: while it does, there is nothing safe to export.
     if not cfg.check:
         lock_output(ckpt_dir, exclusive=False)
-    checkpoint = choose_checkpoint(ckpt_dir, cfg.checkpoint, trained.get("best_checkpoint"))
+    checkpoint = choose_checkpoint(ckpt_dir, cfg.checkpoint, trained.best_checkpoint.name)
     model_sha256 = sha256_file(checkpoint / "model.safetensors")
-    target = trained["target"]
-    num_tokens = cfg.num_speculative_tokens or DraftConfig(**trained["draft_config"]).num_speculative_tokens
+    target = trained.target
+    num_tokens = cfg.num_speculative_tokens or DraftConfig(**trained.draft_config).num_speculative_tokens
     verifier = cfg.verifier_name or target["path"]
     inputs = {"train": input_record(trained), "checkpoint": str(checkpoint.resolve())}
     identity = stage_identity(
-        cfg, {"train": trained["_content_sha256"],
+        cfg, {"train": trained.content_sha256,
               "checkpoint": {"name": checkpoint.name, "model_sha256": model_sha256}},
         verifier_name=verifier, num_speculative_tokens=num_tokens)
     check_writable_dir(out_dir.parent, "--output")
@@ -72,15 +72,15 @@ def main(argv: list[str] | None = None) -> int:
         write_draft_dir(checkpoint, staging, verifier, num_tokens)
         require_unchanged(checkpoint / "model.safetensors", staging / "model.safetensors", model_sha256)
         require_finite_weights(staging / "model.safetensors", checkpoint / "model.safetensors")  # never a NaN draft
-        check = verify_draft_dir(staging, d2t, trained["aux_layer_ids"])
+        check = verify_draft_dir(staging, d2t, trained.aux_layer_ids)
         command = serve_command(target["path"], out_dir, num_tokens, cfg.tensor_parallel_size,
                                 target["is_multimodal_wrapper"])
         atomic_write_text(staging / "serve_command.txt", command + "\n")
         # 4. Contract (inside the directory before it appears under its final name).
-        write_manifest(staging, "export", identity=identity, content={"checkpoint": identity["inputs"]["checkpoint"]},
-                       config=cfg.model_dump(), config_sha256=config_fingerprint(cfg),
-                       inputs=inputs, target=target, verifier_name=verifier, checkpoint=checkpoint.name,
-                       num_speculative_tokens=num_tokens, verified=check, serve_command=command)
+        write_manifest(staging, ExportManifest(
+            identity=identity, config=cfg.model_dump(), config_sha256=config_fingerprint(cfg), inputs=inputs,
+            target=target, verifier_name=verifier, checkpoint=checkpoint.name, num_speculative_tokens=num_tokens,
+            verified=check, serve_command=command))
     log.info("exported %s (%s, %d params) -> %s", checkpoint.name, check["class"], check["parameters"], out_dir)
     print(f"draft: {out_dir.resolve()}")
     print(f"serve: {command}")
@@ -91,19 +91,17 @@ def lock_file_for(out_dir: Path) -> Path:
     return out_dir.parent / f".{out_dir.name}.eagle3.lock"
 
 
-def trained_vocab_dir(trained: dict, flag: str | None) -> Path:
+def trained_vocab_dir(trained: TrainManifest, flag: str | None) -> Path:
     """Stage 03's output that stage 04 trained with: --vocab, else the (resolved) path 04 recorded,
     checked by content either way (a moved work directory needs --vocab, never a guess from the cwd)."""
-    recorded = trained["inputs"]["vocab"]
+    recorded = trained.inputs["vocab"]
     vocab_dir = Path(flag) if flag else Path(recorded["path"])
-    if not vocab_dir.is_absolute() and not flag:
-        vocab_dir = Path(trained["_path"]).parent / vocab_dir  # manifests before 2026-12 kept the path as given
     if not manifest_path(vocab_dir).is_file():
-        raise ContractError(f"{vocab_dir}: stage 03's output that {trained['_path']} was trained with is not there "
+        raise ContractError(f"{vocab_dir}: stage 03's output that {trained.path} was trained with is not there "
                             f"(moved?); pass --vocab with its new place")
     found = read_manifest(vocab_dir, "vocab", "--vocab")
-    if (recorded.get("content_sha256") or recorded.get("manifest_sha256")) != found["_content_sha256"]:
-        raise ContractError(f"{found['_path']}: not the vocab mapping {trained['_path']} was trained with (other "
+    if recorded["content_sha256"] != found.content_sha256:
+        raise ContractError(f"{found.path}: not the vocab mapping {trained.path} was trained with (other "
                             f"data or settings, or rebuilt since); pass --vocab with the one it used")
     return vocab_dir
 
@@ -112,16 +110,10 @@ def refuse_foreign_output(out_dir: Path) -> None:
     """The export replaces out_dir as a whole: never a directory this stage did not write."""
     if not out_dir.exists():
         return
-    manifest = manifest_path(out_dir)
-    stage = None
-    if manifest.is_file():
-        try:
-            data = json.loads(manifest.read_text())
-            stage = data.get("stage") if isinstance(data, dict) else None
-        except (OSError, ValueError):
-            stage = None
     if out_dir.is_dir() and not any(out_dir.iterdir()):
         return
+    manifest = manifest_path(out_dir)
+    stage = parse_manifest(manifest, hint="choose another --output").stage if manifest.is_file() else None
     if stage != "export":
         raise ConfigError(f"{out_dir}: exists and is not an export made by 05_export.py (it would be replaced "
                           f"as a whole); choose another --output")

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_pipeline.contract import STAGES
+from eagle3_pipeline.manifest import STAGES
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "eagle3-train"

@@ -137,7 +137,7 @@ def test_hybrid_generates_each_row_once_and_trains_later_epochs_from_its_cache(w
     assert [p.name for p in server.staging.iterdir() if p.suffix == ".safetensors"] == []  # each deleted after use
 
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["complete"] and manifest["content"]["epochs"] == ["0", "1"]
+    assert manifest["complete"] and manifest["epochs"] == ["0", "1"]
     assert (out / "checkpoint_best" / "model.safetensors").is_file()
     states = manifest["hidden_states"]
     assert states["mode"] == "hybrid" and states["endpoint"] == server.url
@@ -189,7 +189,7 @@ def test_server_death_mid_epoch_stops_with_one_line_and_a_rerun_resumes(work, se
     print(f"[online] resumed run finished in {time.monotonic() - started:.1f}s")
     assert "resuming from checkpoint 0 (global step 2)" in rerun.stdout + rerun.stderr
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["complete"] and manifest["content"]["epochs"] == ["0", "1", "2"]
+    assert manifest["complete"] and manifest["epochs"] == ["0", "1", "2"]
     assert manifest["resume"]["from"]["global_step"] == 2
     assert manifest["hidden_states"]["mode"] == "online" and manifest["hidden_states"]["endpoint"] == server.url
     assert (out / "checkpoint_best" / "model.safetensors").is_file()

@@ -8,6 +8,7 @@ import pytest
 
 from eagle3_pipeline.contract import read_manifest, write_manifest
 from eagle3_pipeline.errors import ContractError
+from eagle3_pipeline.manifest import VocabManifest
 
 from conftest import SAMPLES, run_stage
 
@@ -51,7 +52,7 @@ def test_train_refuses_when_a_stage_is_missing(tmp_path, kimi_run, kimi_target):
 
 
 def test_manifest_checks_stage_schema_and_completion(tmp_path):
-    write_manifest(tmp_path, "vocab", complete=False)
+    write_manifest(tmp_path, VocabManifest(complete=False))
     with pytest.raises(ContractError, match="did not finish"):
         read_manifest(tmp_path, "vocab", "--vocab")
     with pytest.raises(ContractError, match="written by stage 'vocab', expected 'prepare'"):

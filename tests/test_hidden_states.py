@@ -19,6 +19,7 @@ from eagle3_pipeline.hidden_states import (
     hs_name,
     row_of,
 )
+from eagle3_pipeline.manifest import ExtractManifest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -51,7 +52,7 @@ def test_a_format_from_the_config_the_manifest_and_the_files_agree():
                                    ("fp8", "bfloat16", torch.float8_e4m3fn)):
         cfg = ExtractConfig(target="t", data="d", storage=storage, dtype=dtype)
         from_config = StateFormat.from_config(cfg)
-        from_manifest = StateFormat.from_manifest({"storage": storage, "dtype": dtype})
+        from_manifest = StateFormat.from_manifest(ExtractManifest(storage=storage, dtype=dtype))
         assert from_config == from_manifest and from_config.torch_dtype == stored
         assert StateFormat.from_stored(str(stored)).name == from_config.name
         assert from_config.compute_torch_dtype == getattr(torch, dtype)

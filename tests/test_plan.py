@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from eagle3_pipeline.contract import write_manifest
+from eagle3_pipeline.manifest import ExtractCounts, ExtractManifest, PrepareCounts, PrepareManifest
 from eagle3_pipeline.plan import bytes_per_token, format_plan, main, make_plan
 
 KIMI_TEXT = {"model_type": "deepseek_v3", "num_hidden_layers": 61, "hidden_size": 7168, "vocab_size": 163840}
@@ -45,7 +47,7 @@ def test_a_small_run_on_a_fast_disk_is_told_bf16_files(kimi_config, tmp_path):
 
 def test_rows_come_from_stage_01s_manifest_when_the_data_is_prepared(kimi_config, tmp_path, capsys):
     (tmp_path / "w" / "data").mkdir(parents=True)
-    (tmp_path / "w" / "data" / "manifest.json").write_text(json.dumps({"counts": {"rows": 7, "tokens": 700}}))
+    write_manifest(tmp_path / "w" / "data", PrepareManifest(counts=PrepareCounts(rows=7, tokens=700)))
     assert main(["--target", str(kimi_config), "--profile", "cpu-mini", "--work", str(tmp_path / "w"), "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert (plan["rows"], plan["tokens"]) == (7, 700) and "stage 01's" in plan["tokens_source"]
@@ -96,10 +98,10 @@ def test_every_stage_has_hours_with_stated_rates_and_their_sources(kimi_config, 
 def test_extraction_rate_is_read_from_a_10_sample_stage_02s_manifest(kimi_config, tmp_path):
     hs = tmp_path / "w" / "data" / "hidden_states"
     hs.mkdir(parents=True)
-    (tmp_path / "w" / "data" / "manifest.json").write_text(json.dumps({"counts": {"rows": 10, "tokens": 20_000,
-                                                                                    "loss_tokens": 12_000}}))
-    (hs / "manifest.json").write_text(json.dumps({"counts": {"extracted_tokens": 20_000, "extract_s": 4.0,
-                                                             "extract_tokens_per_s": 5000.0}}))
+    write_manifest(tmp_path / "w" / "data", PrepareManifest(counts=PrepareCounts(rows=10, tokens=20_000,
+                                                                                  loss_tokens=12_000)))
+    write_manifest(hs, ExtractManifest(counts=ExtractCounts(rows=10, tokens=20_000, extracted_tokens=20_000,
+                                                            extract_s=4.0, extract_tokens_per_s=5000.0)))
     plan = make_plan(str(kimi_config), "b300-8x", str(tmp_path / "w"))
     assert plan.extract_tokens_per_s == 5000.0 and plan.extract_rate_source.startswith("measured: stage 02")
     assert plan.answer_tokens == 12_000 and "loss tokens" in plan.answer_tokens_source

@@ -183,14 +183,15 @@ def test_new_data_in_stage_01_makes_every_downstream_stage_say_what_changed(caps
     assert sorted(int(p.stem[3:]) for p in work["hs"].glob("hs_*.safetensors")) == list(range(rows))
 
 
-def test_an_output_finished_by_an_older_version_stays_finished(capsys, logs, work, kimi_target):
-    """Manifests written before identities existed: complete ones are kept as finished (never orphaned)."""
+def test_an_output_of_an_older_schema_is_refused_in_one_line(capsys, work, kimi_target):
+    """A manifest of another schema version (an older eagle3-train, before typed manifests) is neither trusted
+    as finished nor replaced: one line naming the file and both versions; nothing is touched."""
     path = work["vocab"] / "manifest.json"
-    old = {k: v for k, v in manifest(work["vocab"]).items() if k not in ("identity", "content", "content_sha256")}
-    path.write_text(json.dumps(old, indent=2))
+    old = {k: v for k, v in manifest(work["vocab"]).items() if k not in ("identity", "content_sha256")}
+    path.write_text(json.dumps({**old, "schema_version": 1}, indent=2))
     before = state(work["root"])
-    out = ran(capsys, logs, *args("vocab", work, kimi_target))
-    assert "finished by an older version that recorded no identity; kept as finished" in out
+    code, error = refused(capsys, *args("vocab", work, kimi_target))
+    assert code == 3 and error.startswith(f"{path}: schema version 1, this version reads 2 "), error
     assert state(work["root"]) == before
 
 

@@ -155,7 +155,7 @@ def test_export_refuses_a_checkpoint_with_non_finite_weights(capsys, work, tmp_p
 
 
 def test_a_recorded_best_checkpoint_that_is_gone_is_an_error_naming_it(capsys, work, kimi_target, tmp_path):
-    best = manifest(work["checkpoints"])["best_checkpoint"]
+    best = manifest(work["checkpoints"])["best_checkpoint"]["name"]
     shutil.rmtree(work["checkpoints"] / best)
     others = sorted(p.name for p in work["checkpoints"].iterdir() if p.name.isdigit())
     code, line = refused(capsys, *args("train", work, kimi_target))
@@ -167,7 +167,7 @@ def test_a_recorded_best_checkpoint_that_is_gone_is_an_error_naming_it(capsys, w
 
 
 def test_a_truncated_checkpoint_is_one_line_naming_the_file(capsys, work, kimi_target, tmp_path):
-    best = manifest(work["checkpoints"])["best_checkpoint"]
+    best = manifest(work["checkpoints"])["best_checkpoint"]["name"]
     weights = work["checkpoints"] / best / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-1])
     code, line = refused(capsys, *args("train", work, kimi_target))

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from eagle3_pipeline import slices
+from eagle3_pipeline.manifest import SCHEMA_VERSION
 from eagle3_pipeline.plan import format_plan, make_plan
 
 from conftest import run_stage
@@ -72,8 +73,8 @@ def test_release_deletes_only_what_stage_02_recorded_and_keeps_its_manifest(tmp_
         (hs / f"hs_{i}.safetensors").write_bytes(b"x" * 10)
     (hs / "notes.txt").write_text("mine")
     (hs / "fingerprints.json").write_text(json.dumps({f"hs_{i}.safetensors": [10, "f", 1] for i in (0, 1, 5)}))
-    (hs / "manifest.json").write_text(json.dumps({"stage": "extract", "complete": True, "selection": "0:2,5:6",
-                                                  "rows_total": 8, "created": "t"}))
+    (hs / "manifest.json").write_text(json.dumps({"stage": "extract", "schema_version": SCHEMA_VERSION, "complete": True,
+                                                  "selection": "0:2,5:6", "rows_total": 8, "created": "t"}))
     assert slices.release(hs, keep={5}) == [0, 1]
     assert sorted(p.name for p in hs.glob("hs_*")) == ["hs_5.safetensors", "hs_7.safetensors"]  # 7: not its file
     assert (hs / "notes.txt").exists()

@@ -616,6 +616,7 @@ def write_synthetic_stage_manifests(
     from datasets import load_from_disk
 
     from eagle3_pipeline.contract import input_record, read_manifest, write_manifest
+    from eagle3_pipeline.manifest import ExtractManifest, PrepareCounts, PrepareManifest, VocabManifest
     from eagle3_pipeline.target import load_target_info
     from eagle3_pipeline.vocab import D2T_NAME, T2D_NAME, build_mapping, load_token_freq
 
@@ -625,18 +626,16 @@ def write_synthetic_stage_manifests(
     layer_ids = [*aux_layer_ids, target.num_layers]
     table = load_from_disk(str(data))
     counts = {"rows": len(table), "tokens": int(sum(int(n) for n in table["seq_len"]))}
-    write_manifest(data, "prepare", synthetic=True, target=summary, counts=counts,
-                   train_data_ratio=train_data_ratio)
+    write_manifest(data, PrepareManifest(synthetic=True, target=summary, counts=PrepareCounts(**counts),
+                                         train_data_ratio=train_data_ratio))
     prepared = read_manifest(data, "prepare", "--data")
-    write_manifest(data / "hidden_states", "extract", synthetic=True, target=summary,
-                   layer_ids=layer_ids, dtype="bfloat16", storage=storage,
-                   target_config_sha256=target.config_sha256,
-                   inputs={"prepare": input_record(prepared)})
+    write_manifest(data / "hidden_states", ExtractManifest(
+        synthetic=True, target=summary, layer_ids=layer_ids, dtype="bfloat16", storage=storage,
+        target_config_sha256=target.config_sha256, inputs={"prepare": input_record(prepared)}))
     d2t, t2d = build_mapping(load_token_freq(data / "token_freq.pt"), draft_vocab_size,
                              target.vocab_size)
     vocab.mkdir(parents=True, exist_ok=True)
     np.save(vocab / D2T_NAME, d2t)
     np.save(vocab / T2D_NAME, t2d)
-    write_manifest(vocab, "vocab", synthetic=True, target=summary,
-                   draft_vocab_size=draft_vocab_size, target_vocab_size=target.vocab_size,
-                   inputs={"prepare": input_record(prepared)})
+    write_manifest(vocab, VocabManifest(synthetic=True, target=summary, draft_vocab_size=draft_vocab_size,
+                                        target_vocab_size=target.vocab_size, inputs={"prepare": input_record(prepared)}))

@@ -22,9 +22,9 @@ import fnmatch
 import json
 from pathlib import Path
 
-from .contract import MANIFEST_NAME
 from .errors import ContractError
 from .files import remove_path, safetensors_problem, sha256_file
+from .manifest import MANIFEST_NAME
 from .stage import first_difference, read_own_manifest
 
 INTERRUPTED = "interrupted"
@@ -115,9 +115,10 @@ def best_gone_message(out_dir: Path, best: str) -> str:
 
 def require_recorded_best(out_dir: Path) -> bool:
     """A finished run's recorded best checkpoint must still be there, whole (else stage 05 would export another)."""
-    best = (read_own_manifest(out_dir) or {}).get("best_checkpoint")
-    if not best:
+    manifest = read_own_manifest(out_dir)
+    if manifest is None or manifest.best_checkpoint is None:
         return True
+    best = manifest.best_checkpoint.name
     folder = Path(out_dir) / best
     if not (folder / MODEL_NAME).is_file():
         raise ContractError(best_gone_message(out_dir, best))
@@ -166,9 +167,9 @@ def own_outputs(out_dir: Path) -> list[Path]:
     (a work directory's `logs/` is not this stage's because the trainer also writes a `logs/`)."""
     out_dir = Path(out_dir)
     manifest = read_own_manifest(out_dir) if out_dir.is_dir() else None
-    if manifest is None or manifest.get("stage") != "train":
+    if manifest is None or manifest.stage != "train":
         return []
-    listed = set(manifest.get("outputs") or ())
+    listed = set(manifest.outputs or ())
     found = list(epoch_folders(out_dir))
     interrupted = out_dir / INTERRUPTED
     if _is_checkpoint_folder(interrupted):
@@ -205,7 +206,7 @@ def replaces_other_run(out_dir: Path, identity: dict) -> bool:
     manifest = read_own_manifest(out_dir)
     if manifest is None:
         return bool(own_outputs(out_dir))
-    return first_difference(manifest.get("identity"), identity) is not None
+    return first_difference(manifest.identity, identity) is not None
 
 
 def checkpoint_content(folder: Path) -> dict:

@@ -4,7 +4,8 @@ A manifest says what a stage consumed (upstream manifests by sha256), what it
 produced (counts, shapes, files), with which target/tokenizer/layer ids, under which
 package versions. It is written last, so its presence with `complete: true` means the
 directory is finished. A stage checks the manifests it depends on before any heavy
-work, and fails in seconds with one line naming the file that does not match.
+work, and fails in seconds with one line naming the file that does not match. What a manifest
+holds is typed in manifest.py (one model per stage); this module writes, reads and compares them.
 """
 
 from __future__ import annotations
@@ -20,18 +21,7 @@ from typing import Any
 
 from .errors import ContractError
 from .files import atomic_write_json, sha256_file, sha256_json
-
-SCHEMA_VERSION = 1
-MANIFEST_NAME = "manifest.json"
-
-# Stage names, in pipeline order, and the script that writes each.
-STAGES = {
-    "prepare": "01_prepare_dataset.py",
-    "extract": "02_extract_hidden_states.py",
-    "vocab": "03_build_vocab_mapping.py",
-    "train": "04_train.py",
-    "export": "05_export.py",
-}
+from .manifest import MANIFEST_NAME, STAGES, Manifest, parse_manifest
 
 _VERSIONED_PACKAGES = (
     "torch", "transformers", "datasets", "safetensors", "tokenizers",
@@ -64,45 +54,33 @@ def manifest_path(directory: Path) -> Path:
     return Path(directory) / MANIFEST_NAME
 
 
-def manifest_sha256(directory: Path) -> str:
-    return sha256_file(manifest_path(directory))
-
-
-def content_sha256(stage: str, identity: dict, content: dict | None) -> str:
+def content_sha256(manifest: Manifest) -> str:
     """What a downstream stage records about this output: the identity it was made with and the
     description of what it holds (counts, shapes, chosen checkpoint), never the manifest's bytes,
     paths, timestamps or versions, so a moved directory or a reformatted manifest is the same input."""
-    return sha256_json({"stage": stage, "identity": identity, "content": content or {}})
+    return sha256_json({"stage": manifest.stage, "identity": manifest.identity, "content": manifest.content_dict()})
 
 
-def write_manifest(directory: Path, stage: str, identity: dict | None = None, content: dict | None = None,
-                   **fields: Any) -> dict:
+def write_manifest(directory: Path, manifest: Manifest, fresh: bool = True) -> Manifest:
     """Write `directory/manifest.json` atomically; call it after every output exists.
 
-    `identity` (see stage.py) decides whether a rerun is finished; `content` describes the outputs
-    for downstream stages (together they give `content_sha256`).
+    `fresh`: a new record of this run (provenance filled in now); False rewrites one that was read
+    (slices.release marking it released) as it is but for the caller's changes.
     """
-    if stage not in STAGES:
-        raise ValueError(f"unknown stage {stage!r}")
-    if identity is not None:
-        fields.update(identity=identity, content=content or {},
-                      content_sha256=content_sha256(stage, identity, content))
-    manifest = {
-        "stage": stage,
-        "schema_version": SCHEMA_VERSION,
-        "complete": True,
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": sys.argv,
-        "git_commit": git_commit(),
-        "versions": package_versions(),
-        **fields,
-    }
-    atomic_write_json(manifest_path(directory), manifest)
+    update: dict[str, Any] = {}
+    if fresh:
+        update = {"created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                  "command": list(sys.argv), "git_commit": git_commit(), "versions": package_versions()}
+    manifest = type(manifest).model_validate({**manifest.model_dump(), **update})  # re-checked: assignment is not
+    manifest.content_sha256 = content_sha256(manifest)
+    path = manifest_path(directory)
+    atomic_write_json(path, manifest.model_dump(mode="json", exclude_none=True))
+    manifest._path = path
     return manifest
 
 
-def read_manifest(directory: Path, stage: str, flag: str) -> dict:
-    """Load and sanity-check an upstream stage's manifest (the check is cheap: JSON only).
+def read_manifest(directory: Path, stage: str, flag: str) -> Manifest:
+    """Load and check an upstream stage's finished manifest (cheap: JSON only), typed by its stage's model.
 
     `flag` names the command-line flag that points at `directory`, so the error tells the
     user what to change.
@@ -115,51 +93,37 @@ def read_manifest(directory: Path, stage: str, flag: str) -> dict:
         raise ContractError(
             f"{path}: missing; {directory} is not a finished {stage!r} output ({flag}); run {script} first"
         )
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ContractError(f"{path}: unreadable manifest ({exc}); rerun {script}") from None
-    if not isinstance(manifest, dict):
-        raise ContractError(f"{path}: unreadable manifest (not a JSON object); rerun {script}")
-    if manifest.get("stage") != stage:
-        raise ContractError(
-            f"{path}: written by stage {manifest.get('stage')!r}, expected {stage!r} output here ({flag})"
-        )
-    if manifest.get("schema_version") != SCHEMA_VERSION:
-        raise ContractError(
-            f"{path}: schema version {manifest.get('schema_version')} != {SCHEMA_VERSION}; rerun {script}"
-        )
-    if not manifest.get("complete"):
+    manifest = parse_manifest(path, hint=f"rerun {script} ({flag})")
+    if manifest.stage != stage:
+        raise ContractError(f"{path}: written by stage {manifest.stage!r}, expected {stage!r} output here ({flag})")
+    if not manifest.complete:
         raise ContractError(f"{path}: stage {stage!r} did not finish; rerun {script}")
-    manifest["_path"] = str(path)
-    manifest["_sha256"] = sha256_file(path)
-    manifest["_content_sha256"] = manifest.get("content_sha256") or manifest["_sha256"]  # older manifests: bytes
+    manifest._sha256 = sha256_file(path)
     return manifest
 
 
-def require_equal(what: str, expected: Any, found: Any, manifest: dict, hint: str) -> None:
+def require_equal(what: str, expected: Any, found: Any, manifest: Manifest, hint: str) -> None:
     """One-line error when an upstream manifest disagrees with what this run uses."""
     if expected != found:
         raise ContractError(
-            f"{manifest['_path']}: {what} mismatch (manifest has {_short(found)}, this run has "
+            f"{manifest.path}: {what} mismatch (manifest has {_short(found)}, this run has "
             f"{_short(expected)}); {hint}"
         )
 
 
-def require_upstream(manifest: dict, upstream_stage: str, upstream: dict) -> None:
+def require_upstream(manifest: Manifest, upstream_stage: str, upstream: Manifest) -> None:
     """`manifest` must have been built from exactly the `upstream` manifest on disk now."""
-    record = (manifest.get("inputs") or {}).get(upstream_stage, {})
-    recorded = record.get("content_sha256") or record.get("manifest_sha256")
-    if recorded != upstream["_content_sha256"]:
+    record = (manifest.inputs or {}).get(upstream_stage) or {}
+    if record.get("content_sha256") != upstream.content_sha256:
         raise ContractError(
-            f"{manifest['_path']}: built from a different {upstream_stage!r} output than "
-            f"{upstream['_path']} (other data, or it was rerun since); rerun {STAGES[manifest['stage']]}"
+            f"{manifest.path}: built from a different {upstream_stage!r} output than "
+            f"{upstream.path} (other data, or it was rerun since); rerun {STAGES[manifest.stage]}"
         )
 
 
-def input_record(manifest: dict) -> dict:
+def input_record(manifest: Manifest) -> dict:
     """How a downstream manifest records one upstream manifest: by content (the path, resolved, is for people)."""
-    return {"path": str(Path(manifest["_path"]).parent.resolve()), "content_sha256": manifest["_content_sha256"]}
+    return {"path": str(manifest.directory.resolve()), "content_sha256": manifest.content_sha256}
 
 
 def _short(value: Any) -> str:

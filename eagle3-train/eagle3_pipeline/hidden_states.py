@@ -16,7 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, NamedTuple
+from typing import NamedTuple
+
+from .manifest import ExtractManifest
 
 HS_DIRNAME = "hidden_states"  # inside stage 01's output directory
 FILE_PATTERN = "hs_{i}.safetensors"  # one file per dataset row i (speculators' FileTransfer reads this name)
@@ -92,9 +94,9 @@ class StateFormat:
         return cls(cfg.storage, cfg.dtype)
 
     @classmethod
-    def from_manifest(cls, manifest: Mapping) -> StateFormat:
+    def from_manifest(cls, manifest: ExtractManifest) -> StateFormat:
         """Stage 02's manifest (its `storage` and `dtype`)."""
-        return cls(manifest.get("storage", "dtype"), manifest.get("dtype", "bfloat16"))
+        return cls(manifest.storage, manifest.dtype)
 
     @classmethod
     def from_stored(cls, spelling: str) -> StateFormat:

@@ -40,6 +40,7 @@ from safetensors import safe_open
 from .errors import ConfigError, InputError, StageError
 from .files import atomic_write_json, remove_path
 from .hidden_states import StateFormat, hs_files
+from .manifest import PrepareManifest
 from .preflight import check_disk
 from .prepared import load_prepared
 from .target import load_target_info
@@ -260,7 +261,7 @@ def check_server(endpoint: str, target, layer_ids: list[int], layer_ids_stated: 
     return record
 
 
-def preflight(cfg, target, prepared: dict, layer_ids: list[int], layer_ids_stated: bool) -> dict:
+def preflight(cfg, target, prepared: PrepareManifest, layer_ids: list[int], layer_ids_stated: bool) -> dict:
     """Stage 04's online/hybrid preflight: the server check (logged), and disk for hybrid's cache."""
     probe_ids, longest = probe_row(cfg.data)
     server = check_server(cfg.vllm_endpoint, target, layer_ids, layer_ids_stated, probe_ids, longest)
@@ -268,7 +269,7 @@ def preflight(cfg, target, prepared: dict, layer_ids: list[int], layer_ids_state
     log.info("preflight vllm: %s", "; ".join(server["checked"]))
     if cfg.hidden_states == "hybrid":
         dtype = server["probe"]["dtype"]
-        need = cache_bytes_needed(prepared["counts"]["tokens"], len(layer_ids), target.hidden_size, dtype, cfg.output)
+        need = cache_bytes_needed(prepared.counts.tokens, len(layer_ids), target.hidden_size, dtype, cfg.output)
         log.info("preflight %s", check_disk("", need, f"the hybrid cache ({CACHE_DIRNAME}/: every row's states, {dtype})",
                                             Path(cfg.output)))
     return server

@@ -28,9 +28,10 @@ from .config.resolution import load_profile
 from .config.schema import TrainConfig
 from .contract import manifest_path
 from .disk_reads import READ_PROBE_MIN_TOTAL_BYTES, measure_cold_read_bandwidth, read_probe_sample
-from .errors import StageError
+from .errors import ContractError, StageError
 from .hidden_states import HS_DIRNAME, NUM_SLOTS, StateFormat
 from .machine import disk_free
+from .manifest import parse_manifest
 from .scaling import communication_line
 from .sizing import TRAIN_TOKENS_PER_S_PER_GPU, human_bytes
 from .target import load_target_info
@@ -190,23 +191,25 @@ def slice_lines(plan: Plan) -> list[str]:
 def measured_extract_rate(data: Path) -> tuple[float | None, str]:
     """Stage 02's own rate, from its manifest in DATA/hidden_states (a 10-sample run records it)."""
     manifest = manifest_path(data / HS_DIRNAME)
+    counts = getattr(_recorded(manifest), "counts", None)
+    if counts is None or not counts.extract_tokens_per_s:
+        return None, ""
+    return float(counts.extract_tokens_per_s), (f"measured: stage 02 on {counts.extracted_tokens or 0:,} tokens in "
+                                                f"{counts.extract_s or 0:.0f} s, engine start excluded ({manifest})")
+
+
+def _recorded(path: Path):
+    """A stage's manifest for the plan's figures, or None (none yet, or one this version cannot read)."""
     try:
-        counts = json.loads(manifest.read_text()).get("counts", {})
-    except (OSError, json.JSONDecodeError):
-        return None, ""
-    rate = counts.get("extract_tokens_per_s")
-    if not rate:
-        return None, ""
-    return float(rate), (f"measured: stage 02 on {counts.get('extracted_tokens', 0):,} tokens in "
-                         f"{counts.get('extract_s', 0):.0f} s, engine start excluded ({manifest})")
+        return parse_manifest(path) if path.is_file() else None
+    except ContractError:
+        return None
 
 
 def prepared_ratio(data: Path) -> float:
     """Stage 01's train_data_ratio (speculators validates on the rest), else 0.9 (01's default split)."""
-    try:
-        return float(json.loads(manifest_path(data).read_text())["train_data_ratio"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return 0.9
+    ratio = getattr(_recorded(manifest_path(data)), "train_data_ratio", None)
+    return 0.9 if ratio is None else float(ratio)
 
 
 def answer_tokens(data: Path, rows: int, tokens: int, answer_tokens_per_row: int | None) -> tuple[int, str]:
@@ -215,8 +218,8 @@ def answer_tokens(data: Path, rows: int, tokens: int, answer_tokens_per_row: int
     if answer_tokens_per_row is not None:
         return rows * answer_tokens_per_row, f"--answer-tokens-per-row {answer_tokens_per_row:,}"
     manifest = manifest_path(data)
-    if manifest.is_file():
-        loss = json.loads(manifest.read_text()).get("counts", {}).get("loss_tokens")
+    if (counts := getattr(_recorded(manifest), "counts", None)) is not None:
+        loss = counts.loss_tokens
         if loss:
             return int(loss), f"stage 01's loss tokens ({manifest})"
     return tokens // 2, "assumed: half of each row is answer (give --answer-tokens-per-row)"
@@ -225,10 +228,9 @@ def answer_tokens(data: Path, rows: int, tokens: int, answer_tokens_per_row: int
 def data_tokens(data: Path, rows: int | None, tokens_per_row: int | None) -> tuple[int, int, str]:
     """(rows, tokens, where from): stage 01's manifest in `data`, else the hypothetical figures."""
     manifest = manifest_path(data)
-    if rows is None and manifest.is_file():
-        counts = json.loads(manifest.read_text()).get("counts", {})
-        if counts.get("tokens"):
-            return int(counts["rows"]), int(counts["tokens"]), f"stage 01's {manifest}"
+    if rows is None and (counts := getattr(_recorded(manifest), "counts", None)) is not None:
+        if counts.tokens:
+            return counts.rows, counts.tokens, f"stage 01's {manifest}"
     if rows is None or tokens_per_row is None:
         raise StageError(f"{manifest}: no prepared data yet; give --rows and --tokens-per-row for the plan")
     return rows, rows * tokens_per_row, f"--rows {rows:,} x --tokens-per-row {tokens_per_row:,}"

@@ -78,8 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     target = load_target_info(cfg.target)
     prepared = read_manifest(cfg.data, "prepare", "--data")
     hint = "serve the --target stage 01 prepared the data for"
-    require_equal("target config", target.config_sha256, prepared["target"]["config_sha256"], prepared, hint)
-    require_equal("tokenizer", target.tokenizer_sha256, prepared["target"]["tokenizer_sha256"], prepared, hint)
+    require_equal("target config", target.config_sha256, prepared.target["config_sha256"], prepared, hint)
+    require_equal("tokenizer", target.tokenizer_sha256, prepared.target["tokenizer_sha256"], prepared, hint)
     layer_ids = extraction_layer_ids(target.num_layers, cfg.layer_ids)
     for problem in (layer_ids_problem(target, layer_ids),
                     vllm_version_problem(target, cfg.tensor_parallel_size, cfg.kv_cache_dtype)):
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if problem := gate_problem():
             raise StageError(problem)
-    max_model_len = cfg.max_model_len or prepared["max_seq_len"] + 1
+    max_model_len = cfg.max_model_len or prepared.max_seq_len + 1
     staging = Path(cfg.staging_dir or Path(cfg.data) / STAGING_DIRNAME).resolve()
     served = extra["served_model_name"] or target.path
     argv_server = server_command(cfg, target, layer_ids, staging, max_model_len, on_cpu=on_cpu, host=extra["host"],

@@ -32,10 +32,11 @@ from pathlib import Path
 from .checkpoints import complete, read_state
 from .config.resolution import resolve_stage_config
 from .config.schema import TrainConfig
-from .contract import manifest_path, read_manifest
+from .contract import manifest_path, read_manifest, write_manifest
 from .errors import ConfigError, ContractError, StageError
 from .files import FINGERPRINTS_NAME, atomic_write_json, remove_path
 from .hidden_states import FILE_GLOB, HS_DIRNAME, hs_file, row_of
+from .manifest import ExtractManifest, PrepareManifest
 from .prepared import load_prepared
 from .stage import first_difference, read_own_manifest
 
@@ -158,7 +159,7 @@ def sliced_argv(argv: list[str], view: Path, position: int, ratio: float, total_
     return argv + ["--scheduler-total-steps", str(total_steps), "--scheduler-warmup-steps", str(total_steps // 100)]
 
 
-def check_position(cfg, prepared: dict, extracted: dict | None) -> tuple[SlicePlan, int]:
+def check_position(cfg, prepared: PrepareManifest, extracted: ExtractManifest) -> tuple[SlicePlan, int]:
     """Stage 04 in a sliced run: the plan, and the run position it trains now, whose rows stage 02 must hold."""
 
     if cfg.hidden_states != "files":
@@ -168,27 +169,27 @@ def check_position(cfg, prepared: dict, extracted: dict | None) -> tuple[SlicePl
     if cfg.checkpoint_freq > 1 or cfg.max_steps is not None:
         raise ConfigError("--slice-rows: every run position ends in a checkpoint the next one resumes from; drop "
                           "--checkpoint-freq > 1 / --max-steps")
-    plan = make_plan(prepared["counts"]["rows"], prepared["train_data_ratio"], cfg.slice_rows, cfg.epochs)
+    plan = make_plan(prepared.counts.rows, prepared.train_data_ratio, cfg.slice_rows, cfg.epochs)
     g = cfg.slice_index
     if g >= plan.positions:
         raise ConfigError(f"--slice-index {g}: this run has {plan.positions} run positions ({plan.num_slices} slices x "
                           f"{plan.epochs} epochs)")
     where = Path(cfg.data) / HS_DIRNAME / "manifest.json"
-    if (extracted or {}).get("selection") != plan.selection(g):
-        raise ContractError(f"{where}: holds rows {extracted.get('selection') or 'all'}, run position {g} trains on "
+    if extracted.selection != plan.selection(g):  # files only (checked above): stage 02's manifest is there
+        raise ContractError(f"{where}: holds rows {extracted.selection or 'all'}, run position {g} trains on "
                             f"rows {plan.selection(g)}; run 02_extract_hidden_states.py --rows {plan.selection(g)} first")
     return plan, g
 
 
-def run_identity(position: tuple[SlicePlan, int], prepared: dict, identity_inputs: dict, out_dir: Path
+def run_identity(position: tuple[SlicePlan, int], prepared: PrepareManifest, identity_inputs: dict, out_dir: Path
                  ) -> tuple[dict, dict, dict]:
     """Stage 04's identity in a sliced run: the slices are the run's input one after another, so it is the plan
     over stage 01's rows (02's content is recorded per position instead). Returns the identity's inputs, its extra
     fields, and the manifest's slicing fields so far (the positions before this one)."""
     plan, g = position
     inputs = {name: sha for name, sha in identity_inputs.items() if name != "extract"}
-    trained = [r for r in (read_own_manifest(out_dir) or {}).get("slices_trained", []) if r["position"] < g]
-    return inputs, {"slicing": plan.record()}, {"slicing": {**plan.record(), "prepare": prepared["_content_sha256"]},
+    trained = [r for r in getattr(read_own_manifest(out_dir), "slices_trained", None) or [] if r["position"] < g]
+    return inputs, {"slicing": plan.record()}, {"slicing": {**plan.record(), "prepare": prepared.content_sha256},
                                                   "slices_trained": trained}
 
 
@@ -214,11 +215,11 @@ def position_argv(cfg, position: tuple[SlicePlan, int], spec_argv: list[str], ou
     return sliced_argv(spec_argv, view, g, plan.train_data_ratio(g), sum(steps)), steps
 
 
-def position_record(g: int, plan: SlicePlan, extracted: dict, steps: int) -> dict:
+def position_record(g: int, plan: SlicePlan, extracted: ExtractManifest, steps: int) -> dict:
     """What a run position trained on (stage 04's manifest lists one per position: the record once its files are gone)."""
     return {"position": g, "epoch": g // plan.num_slices, "slice": g % plan.num_slices, "rows": plan.selection(g),
-            "optimizer_steps": steps, "extract": {"content_sha256": extracted["_content_sha256"],
-                                                  "fingerprints": extracted.get("fingerprints")}}
+            "optimizer_steps": steps, "extract": {"content_sha256": extracted.content_sha256,
+                                                  "fingerprints": extracted.fingerprints}}
 
 
 # --- deleting a trained slice's states (stage 02's own files only) -------------------------------------
@@ -250,26 +251,23 @@ def release(hs_dir: Path, keep: set[int]) -> list[int]:
     at any point leaves a state a rerun finishes."""
 
     hs_dir = Path(hs_dir)
-    manifest = manifest_path(hs_dir)
-    if manifest.is_file():
-        data = json.loads(manifest.read_text())
-        if data.get("complete") and data.get("selection"):
-            try:
-                data["fingerprint_files"] = json.loads((hs_dir / FINGERPRINTS_NAME).read_text())
-            except (OSError, ValueError):
-                pass
-            name = data["selection"].replace(":", "-").replace(",", "_")
-            atomic_write_json(hs_dir / RECORDS_DIRNAME / f"{data.get('created', '')}_{name}.json".replace(":", ""), data)
+    manifest = read_own_manifest(hs_dir)
+    if manifest is not None and manifest.complete and manifest.selection:
+        data = manifest.model_dump(mode="json", exclude_none=True)  # a record: the manifest and its fingerprints
+        try:
+            data["fingerprint_files"] = json.loads((hs_dir / FINGERPRINTS_NAME).read_text())
+        except (OSError, ValueError):
+            pass
+        name = manifest.selection.replace(":", "-").replace(",", "_")
+        atomic_write_json(hs_dir / RECORDS_DIRNAME / f"{manifest.created or ''}_{name}.json".replace(":", ""), data)
     deleted = []
     for row in sorted(owned_rows(hs_dir)):
         if row not in keep and hs_file(hs_dir, row).is_file():
             hs_file(hs_dir, row).unlink(missing_ok=True)  # data-parallel ranks release side by side
             deleted.append(row)
-    if manifest.is_file() and deleted:  # the files it describes are gone: never a finished extraction again
-        data = json.loads(manifest.read_text())
-        data["complete"] = False
-        data["released"] = True
-        atomic_write_json(manifest, data)
+    if manifest is not None and deleted:  # the files it describes are gone: never a finished extraction again
+        write_manifest(hs_dir, read_own_manifest(hs_dir).model_copy(update={"complete": False, "released": True}),
+                       fresh=False)
     return deleted
 
 
@@ -288,11 +286,11 @@ def resolve(argv: list[str]) -> tuple[SlicePlan, dict, object]:
     if cfg.slice_rows is None:
         raise ConfigError("--slice-rows is needed for a sliced run")
     prepared = read_manifest(cfg.data, "prepare", "--data")
-    plan = make_plan(prepared["counts"]["rows"], prepared["train_data_ratio"], cfg.slice_rows, cfg.epochs)
-    recorded = (read_own_manifest(Path(cfg.output)) or {}).get("slicing")
+    plan = make_plan(prepared.counts.rows, prepared.train_data_ratio, cfg.slice_rows, cfg.epochs)
+    recorded = getattr(read_own_manifest(Path(cfg.output)), "slicing", None)
     if recorded:
         where = manifest_path(cfg.output)
-        if recorded.get("prepare") != prepared["_content_sha256"]:
+        if recorded.get("prepare") != prepared.content_sha256:
             raise ContractError(f"{where}: this sliced run was planned over another input: prepare (stage 01's output "
                                 f"in {cfg.data}) changed since; rerun 01 as it was, or choose another --output (a slice "
                                 f"size or input cannot change mid-run)")
@@ -318,7 +316,7 @@ def trained_positions(plan: SlicePlan, out_dir: Path) -> list[bool]:
     also needs stage 04's complete manifest: the report and the record are written after its checkpoint)."""
 
     newest = trained_through(out_dir)
-    finished = bool((read_own_manifest(out_dir) or {}).get("complete"))
+    finished = bool(getattr(read_own_manifest(out_dir), "complete", False))
     last = plan.positions - 1
     return [g <= newest and (g < last or finished) for g in range(plan.positions)]
 
@@ -342,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
     
         hs_dir = Path(args.data) / HS_DIRNAME
-        rows_total = json.loads(manifest_path(args.data).read_text())["counts"]["rows"]
+        rows_total = read_manifest(args.data, "prepare", "--data").counts.rows
         keep = set(parse_rows(args.keep, rows_total)) if args.keep else set()
         deleted = release(hs_dir, keep)
         print(f"released {len(deleted)} hidden-state file(s) in {hs_dir} (stage 02's manifest kept in "

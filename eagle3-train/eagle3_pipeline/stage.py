@@ -24,9 +24,10 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from .contract import STAGES, manifest_path
+from .contract import manifest_path
 from .errors import ConfigError, ContractError, StageError
 from .files import LOCK_NAME, LockedError, hold_lock, release_locks, sha256_file, sha256_json
+from .manifest import STAGES, Manifest, parse_manifest
 
 log = logging.getLogger("eagle3")
 
@@ -109,19 +110,13 @@ def lock_output(out_dir: Path, lock_file: Path | None = None, exclusive: bool = 
                          f"or stop it, then rerun") from None
 
 
-def read_own_manifest(out_dir: Path) -> dict | None:
-    """This stage's manifest in out_dir (None: none yet); an unreadable one is one line, not a traceback."""
+def read_own_manifest(out_dir: Path) -> Manifest | None:
+    """This stage's manifest in out_dir (None: none yet), finished or not; a bad one is one line, not a traceback."""
     path = manifest_path(out_dir)
     if not path.is_file():
         return None
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ContractError(f"{path}: unreadable manifest ({str(exc)[:80]}); move it away (the files beside it "
-                            f"are then treated as unfinished work) or choose another --output") from None
-    if not isinstance(manifest, dict):
-        raise ContractError(f"{path}: unreadable manifest (not a JSON object); move it away or choose another --output")
-    return manifest
+    return parse_manifest(path, hint="move it away (the files beside it are then treated as unfinished work) "
+                                     "or choose another --output")
 
 
 def finished(out_dir: Path, stage: str, identity: dict, overwrite: bool = False, check: bool = False,
@@ -143,23 +138,15 @@ def finished(out_dir: Path, stage: str, identity: dict, overwrite: bool = False,
     manifest = read_own_manifest(out_dir)
     if manifest is None:
         return False
-    if manifest.get("stage") != stage:
-        raise ConfigError(f"{path}: {out_dir} holds stage {manifest.get('stage')!r}'s output "
-                          f"({STAGES.get(manifest.get('stage'), 'not this pipeline')}); choose another --output "
-                          f"(--overwrite never replaces another stage's output)")
-    recorded = manifest.get("identity")
-    if not isinstance(recorded, dict):  # written by a version before identities: finished then, kept as such
-        if manifest.get("complete") and extra_done and not overwrite:
-            log.warning("%s: finished by an older version that recorded no identity; kept as finished (pass "
-                        "--overwrite to redo it with this version's checks)", out_dir)
-            return True
-        if overwrite:
-            return False
-        raise ContractError(f"{path}: an unfinished run by an older version that recorded no identity, so a resume "
-                            f"cannot be checked as safe; {remedy}")
+    if manifest.stage != stage:
+        raise ConfigError(f"{path}: {out_dir} holds stage {manifest.stage!r}'s output ({STAGES[manifest.stage]}); "
+                          f"choose another --output (--overwrite never replaces another stage's output)")
+    recorded = manifest.identity
+    if recorded is None:  # bench/benchlib/throughput.py's synthetic manifests: never a stage's own output
+        raise ContractError(f"{path}: records no identity (not written by {STAGES[stage]}); {remedy}")
     diff = first_difference(recorded, identity)
     if diff is None:
-        return bool(manifest.get("complete")) and extra_done
+        return manifest.complete and extra_done
     if input_change_redoes and diff[0].startswith("inputs") and \
             first_difference(recorded["settings"], identity["settings"]) is None:
         log.info("%s: an input changed since (%s); re-checking every existing file", out_dir, describe_difference(diff))
@@ -167,7 +154,7 @@ def finished(out_dir: Path, stage: str, identity: dict, overwrite: bool = False,
     if overwrite:
         log.info("%s: --overwrite: replacing this stage's outputs made with %s", out_dir, describe_difference(diff))
         return False
-    what = "a finished result" if manifest.get("complete") else "an unfinished run"
+    what = "a finished result" if manifest.complete else "an unfinished run"
     raise ContractError(f"{path}: {out_dir} holds {what} made with {describe_difference(diff)}; {remedy}")
 
 

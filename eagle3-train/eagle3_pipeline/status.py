@@ -12,40 +12,37 @@ itself says so when run (a finished stage is a no-op there, a stale one names th
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from .checkpoints import MODEL_NAME, unreadable_weights
-from .contract import MANIFEST_NAME, SCHEMA_VERSION
+from .errors import ContractError
 from .files import changed_fingerprints  # torch-free, as this module: run_all's python may have no torch
 from .hidden_states import hs_name
+from .manifest import MANIFEST_NAME, Manifest, parse_manifest
 
 STAGES = (("01", "prepare", "data"), ("02", "extract", "data/hidden_states"), ("03", "vocab", "vocab"),
           ("04", "train", "checkpoints"), ("05", "export", "draft"))
 
 
-def _manifest(directory: Path) -> dict | None:
-    try:
-        data = json.loads((directory / MANIFEST_NAME).read_text())
-    except (OSError, ValueError):
+def _manifest(directory: Path) -> Manifest | str | None:
+    """The typed manifest; None: none there; a string: one that cannot be read (its one-line problem)."""
+    if not (directory / MANIFEST_NAME).is_file():
         return None
-    return data if isinstance(data, dict) else None
+    try:
+        return parse_manifest(directory / MANIFEST_NAME)
+    except ContractError as exc:
+        return str(exc)
 
 
-def _content(manifest: dict) -> str | None:
-    """What downstream stages recorded of it (contract.read_manifest's `_content_sha256`)."""
-    return manifest.get("content_sha256")
-
-
-def _extra_problem(stage: str, directory: Path, manifest: dict) -> str | None:
+def _extra_problem(stage: str, directory: Path, manifest: Manifest) -> str | None:
     if stage == "extract":
-        rows = (manifest.get("counts") or {}).get("rows", 0)
+        rows = manifest.counts.rows if manifest.counts else 0
         changed = changed_fingerprints(directory, [hs_name(i) for i in range(rows)])
         if changed:
             name, how = next(iter(changed.items()))
             return f"{len(changed)} file(s) changed since written ({name}: {how})"
     if stage == "train":
-        best = manifest.get("best_checkpoint")
+        best = manifest.best_checkpoint.name if manifest.best_checkpoint else None
         if best and not (directory / best / MODEL_NAME).is_file():
             return f"best checkpoint {best} is gone"
         if best and (reason := unreadable_weights(directory / best / MODEL_NAME)):
@@ -61,15 +58,15 @@ def stage_states(work: Path) -> dict[str, dict]:
         directory = work / rel
         log = work / "logs" / f"{num}_{stage}.log"
         manifest = _manifest(directory)
-        if manifest is None or manifest.get("stage") != stage:
+        if manifest is None or (not isinstance(manifest, str) and manifest.stage != stage):
             state = "started, no output yet" if log.is_file() else "not started"
             states[stage] = {"num": num, "state": state, "log": str(log)}
             continue
-        if not manifest.get("complete") or manifest.get("schema_version") != SCHEMA_VERSION:
+        if isinstance(manifest, str) or not manifest.complete:  # a string: unreadable, or of another schema
             states[stage] = {"num": num, "state": "started, not finished", "log": str(log)}
             continue
-        contents[stage] = _content(manifest)
-        recorded = (manifest.get("identity") or {}).get("inputs") or {}
+        contents[stage] = manifest.content_sha256  # what downstream stages recorded of it
+        recorded = (manifest.identity or {}).get("inputs") or {}
         why = None
         for upstream, value in recorded.items():
             if upstream not in contents:

@@ -30,6 +30,7 @@ from .errors import ConfigError, InputError, Interrupted, StageError
 from .files import atomic_write_text, is_disk_full
 from .hidden_states import HS_DIRNAME
 from .machine import cuda_capabilities
+from .manifest import ExtractManifest, PrepareManifest, VocabManifest
 from .metrics import (
     COMPAT_KEY,
     is_rank_zero,
@@ -92,7 +93,7 @@ def fit_seq_len_to_run(cfg: TrainConfig, sources: Sources, counts: dict, train_d
     return cfg.model_copy(update={"total_seq_len": smaller}), note
 
 
-def read_upstream(cfg: TrainConfig, target, draft: DraftConfig) -> tuple[dict, dict | None, dict]:
+def read_upstream(cfg: TrainConfig, target, draft: DraftConfig) -> tuple[PrepareManifest, ExtractManifest | None, VocabManifest]:
     """Stages 01-03's manifests, checked against one another, the target and the draft config.
     Online/hybrid: no stage 02 (`extracted` is None); stage 01's tokenizer is checked here instead."""
     prepared = read_manifest(cfg.data, "prepare", "--data")
@@ -101,17 +102,17 @@ def read_upstream(cfg: TrainConfig, target, draft: DraftConfig) -> tuple[dict, d
     vocab = read_manifest(cfg.vocab, "vocab", "--vocab")
     hint = "all stages must use the same --target"
     for manifest in filter(None, (prepared, extracted, vocab)):
-        require_equal("target config", target.config_sha256, manifest["target"]["config_sha256"], manifest, hint)
+        require_equal("target config", target.config_sha256, manifest.target["config_sha256"], manifest, hint)
     if online:  # what stage 02 checks before it extracts: the rows were tokenized by this target's tokenizer
-        require_equal("tokenizer", target.tokenizer_sha256, prepared["target"]["tokenizer_sha256"], prepared, hint)
+        require_equal("tokenizer", target.tokenizer_sha256, prepared.target["tokenizer_sha256"], prepared, hint)
     else:
         require_upstream(extracted, "prepare", prepared)
-        if extracted.get("selection") and cfg.slice_rows is None:
-            raise ConfigError(f"{extracted['_path']}: holds only rows {extracted['selection']} (one slice of a sliced "
+        if extracted.selection and cfg.slice_rows is None:
+            raise ConfigError(f"{extracted.path}: holds only rows {extracted.selection} (one slice of a sliced "
                               f"run, 02 --rows); train on it with --slice-rows (run_all.sh --slice-rows), or rerun 02 "
                               f"without --rows")
-        if cfg.layer_ids and list(cfg.layer_ids) != extracted["layer_ids"][:-1]:
-            raise ConfigError(f"--layer-ids {cfg.layer_ids}: stage 02 extracted {extracted['layer_ids'][:-1]} (+ the final "
+        if cfg.layer_ids and list(cfg.layer_ids) != extracted.layer_ids[:-1]:
+            raise ConfigError(f"--layer-ids {cfg.layer_ids}: stage 02 extracted {extracted.layer_ids[:-1]} (+ the final "
                               f"layer) into {Path(cfg.data) / HS_DIRNAME}; with --hidden-states files the layer ids are "
                               f"stage 02's (drop --layer-ids, or rerun 02 with them)")
     require_upstream(vocab, "prepare", prepared)

@@ -389,6 +389,6 @@ def test_synthetic_manifests_satisfy_04_train_contracts(tmp_path):
     vocab = read_manifest(tmp_path / "vocab", "vocab", "--vocab")
     require_upstream(extracted, "prepare", prepared)
     require_upstream(vocab, "prepare", prepared)
-    assert extracted["layer_ids"] == [1, 2, 3, 4] and vocab["draft_vocab_size"] == 64
-    assert prepared["counts"] == {"rows": 12, "tokens": 12 * 32}  # what 04_train's preflight reads
+    assert extracted.layer_ids == [1, 2, 3, 4] and vocab.draft_vocab_size == 64
+    assert prepared.counts.model_dump(exclude_none=True) == {"rows": 12, "tokens": 12 * 32}  # what 04_train's preflight reads
     assert (tmp_path / "vocab" / "d2t.npy").is_file() and (tmp_path / "vocab" / "t2d.npy").is_file()

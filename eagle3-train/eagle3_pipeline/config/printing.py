@@ -62,7 +62,7 @@ def resolved_at_run_time(cfg: StageConfig, run_time_notes: RunTimeNotes | None =
         recorded = "the draft config's, as stage 04 recorded it in --checkpoints"
         try:
             trained = read_manifest(cfg.checkpoints, "train", "--checkpoints")
-            value = DraftConfig(**trained.get("draft_config", {})).num_speculative_tokens
+            value = DraftConfig(**(trained.draft_config or {})).num_speculative_tokens
         except (ContractError, OSError, ValidationError, TypeError):
             return {"num_speculative_tokens": recorded}
         return {"num_speculative_tokens": f"{value} (the draft config stage 04 recorded in {cfg.checkpoints})"}
