@@ -8,29 +8,30 @@ validator when they are not well formed.
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3_pipeline.extract.common import SCALES_KEY, BadHiddenStates, check_hidden_states, quantize_fp8
-from eagle3_pipeline.hidden_states import StateFormat, hs_file
+from eagle3_pipeline.files import LOCK_NAME
+from eagle3_pipeline.hidden_states import HS_DIRNAME, StateFormat, hs_file
 
-from conftest import SAMPLES, run_stage
+from conftest import run_stage
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def fp8_run(tmp_path_factory, kimi_target):
-    """The five stages on the miniature with fp8 hidden states, beside the same data's fp32 states."""
+def fp8_run(tmp_path_factory, kimi_target, kimi_run):
+    """Stages 02-05 on the miniature with fp8 hidden states, beside the same data's fp32 states: the shared run's
+    (read only), whose prepared rows, copied without its states, are the fp8 run's input (a moved stage-01 output
+    is the same input: contract.py)."""
     work = tmp_path_factory.mktemp("fp8")
-    data, ref = work / "data", work / "ref"
-    for out in (data, ref):
-        run_stage("prepare", "--profile", "cpu-mini", "--target", kimi_target, "--data", SAMPLES / "conversations.jsonl",
-                  "--output", out)
+    data, ref = work / "data", kimi_run["data"]  # ref: conftest.run_pipeline's cpu-mini run of the same samples
+    shutil.copytree(ref, data, ignore=shutil.ignore_patterns(HS_DIRNAME, LOCK_NAME))
     run_stage("extract", "--profile", "cpu-mini", "--target", kimi_target, "--data", data, "--storage", "fp8")
-    run_stage("extract", "--profile", "cpu-mini", "--target", kimi_target, "--data", ref)  # fp32 (cpu-mini)
     run_stage("vocab", "--profile", "cpu-mini", "--data", data, "--output", work / "vocab")
     run_stage("train", "--profile", "cpu-mini", "--target", kimi_target, "--data", data, "--vocab", work / "vocab",
               "--output", work / "checkpoints", "--logger", "")

@@ -63,6 +63,14 @@ def hs_file(hs_dir: Path, index: int) -> Path:
     return Path(hs_dir) / hs_name(index)
 
 
+def rows_label(rows, limit: int = 8) -> str:
+    """Rows as a one-line error names them: `hs_3, hs_7, ...` (their files' stems; the first `limit`)."""
+    rows = list(rows or [])
+    if not rows:
+        return "unknown"
+    return ", ".join(Path(hs_name(int(i))).stem for i in rows[:limit]) + (" ..." if len(rows) > limit else "")
+
+
 def hs_files(hs_dir: Path) -> list[Path]:
     """Every row file in `hs_dir`, sorted by name."""
     return sorted(Path(hs_dir).glob(FILE_GLOB))

@@ -23,6 +23,8 @@ import queue
 import threading
 from typing import Any
 
+from .samples_record import packed_batches
+
 
 class DevicePrefetchLoader:
     """Wraps a training DataLoader: batch i+1 is copied to the GPU while step i computes.
@@ -51,10 +53,8 @@ class DevicePrefetchLoader:
         """The dataset indices of each batch this iter() will yield, in order (speculators' packing
         sampler; after a mid-epoch resume its cache holds the epoch's remaining batches), or None."""
         sampler = getattr(self.loader, "batch_sampler", None)
-        try:
-            return list(sampler._generate_batches(sampler.epoch))
-        except Exception:  # another sampler: the check names no rows on a hit that no file explains
-            return None
+        # None (another sampler): the check names no rows on a hit that no file explains
+        return packed_batches(sampler, sampler.epoch) if hasattr(sampler, "epoch") else None
 
     def __len__(self) -> int:
         return len(self.loader)

@@ -15,11 +15,10 @@ speculators is 0.9.0 (private names: `_optimizers_step`, the sampler's `_generat
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from ..hidden_states import hs_name
+from ..hidden_states import rows_label
 from . import sample_check
 from .gate import require_speculators
+from .samples_record import packed_batches
 
 SUPPORTED_SPECULATORS = ("0.9.0",)
 _applied = False
@@ -66,21 +65,15 @@ def finite_loss_trainer(base: type) -> type:
             return super()._optimizers_step()
 
         def _eagle3_rows(self) -> list[int] | None:
-            sampler = getattr(self.train_loader, "batch_sampler", None)
-            try:
-                cached = getattr(sampler, "_cached_generated_batches", None)
-                batches = cached[1] if cached and cached[0] == self._eagle3_epoch else \
-                    sampler._generate_batches(self._eagle3_epoch)
-                return sorted(int(i) for i in batches[self._eagle3_step_in_epoch - 1])
-            except Exception:  # a sampler without that API: the step alone
-                return None
+            batches = packed_batches(getattr(self.train_loader, "batch_sampler", None), self._eagle3_epoch)
+            step = self._eagle3_step_in_epoch - 1
+            # a sampler without that API (or a step past its list): the step alone
+            return sorted(batches[step]) if batches is not None and 0 <= step < len(batches) else None
 
         def _eagle3_stop(self, loss):
             rows = self._eagle3_rows()
-            names = ("rows " + ", ".join(Path(hs_name(i)).stem for i in rows[:8]) + (" ..." if len(rows) > 8 else "")) if rows \
-                else "rows unknown"
             problem = (f"non-finite training loss ({loss.detach().float().item()}) at global step {self.global_step}, "
-                       f"epoch {self._eagle3_epoch} ({names}); stopped before its optimizer step, so no weight was "
+                       f"epoch {self._eagle3_epoch} (rows {rows_label(rows)}); stopped before its optimizer step, so no weight was "
                        f"changed by it")
             config = sample_check.settings() or {}
             sample_check.record(config.get("record"), {"file": None, "rows": rows, "reason": problem, "action": "stop"})

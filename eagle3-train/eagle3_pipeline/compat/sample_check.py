@@ -42,7 +42,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..hidden_states import HS_DIRNAME, hs_file, hs_name
+from ..hidden_states import HS_DIRNAME, hs_file, rows_label
 from .gate import require_speculators
 
 SUPPORTED_SPECULATORS = ("0.9.0",)
@@ -378,8 +378,7 @@ class DeviceBatchCheck:
         code = NON_FINITE if bool((codes[doc] == NON_FINITE).any()) else CONSTANT
         slots = (codes[doc] == code).nonzero().flatten().tolist()
         what = "NaN/Inf" if code == NON_FINITE else "one constant value"
-        names = ", ".join(Path(hs_name(i)).stem for i in files[:8]) + (" ..." if len(files) > 8 else "") if files else "unknown"
-        problem = (f"training batch (rows {names}): packed document {doc} of {codes.shape[0]} holds {what} in layer "
+        problem = (f"training batch (rows {rows_label(files)}): packed document {doc} of {codes.shape[0]} holds {what} in layer "
                    f"slot(s) {slots} as read for training, though each file passes the CPU check now")
         record(self.transfer.config.get("record"), {"file": None, "rows": files, "reason": problem, "action": "stop"})
         raise BadSample(f"{BAD_SAMPLE_TAG}{problem}")

@@ -26,6 +26,16 @@ SUPPORTED_SPECULATORS = ("0.9.0",)
 SAMPLES_DIRNAME = "samples"  # under <save-path>/logs/
 
 
+def packed_batches(sampler, epoch: int) -> list[list[int]] | None:
+    """The dataset indices of each batch of `epoch`, in order, from speculators' packing sampler (its
+    cache after a mid-epoch resume), or None for a sampler without that private API. The one reader of
+    `_generate_batches` (this record, device_prefetch's planned batches, finite_loss's step rows)."""
+    generate = getattr(sampler, "_generate_batches", None)
+    if generate is None:
+        return None
+    return [[int(i) for i in batch] for batch in generate(epoch)]  # noqa: SLF001
+
+
 def record_dir(save_path: str | Path) -> Path:
     return Path(save_path) / "logs" / SAMPLES_DIRNAME
 
@@ -42,12 +52,12 @@ def apply() -> bool:
 
     def train_epoch(self, epoch, *, step_callback=None):
         sampler = self.train_loader.batch_sampler
-        if not hasattr(sampler, "_generate_batches"):
+        if getattr(sampler, "_generate_batches", None) is None:
             return original_train_epoch(self, epoch, step_callback=step_callback)
         # Read before speculators clears it: the steps of this epoch a resume skips.
         skipped = getattr(self, "_resume_local_step", 0) if epoch == getattr(self, "current_epoch", epoch) else 0
         sampler.set_epoch(epoch)
-        batches = [[int(i) for i in batch] for batch in sampler._generate_batches(epoch)]  # noqa: SLF001
+        batches = packed_batches(sampler, epoch)
         rank = int(getattr(self, "rank", 0) or 0)
         path = record_dir(self.checkpointer.path) / f"rank-{rank}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
