@@ -81,7 +81,11 @@ def test_release_deletes_only_what_stage_02_recorded_and_keeps_its_manifest(tmp_
     record = json.loads(next((hs / "slices").glob("*.json")).read_text())
     assert record["selection"] == "0:2,5:6" and "hs_0.safetensors" in record["fingerprint_files"]
     assert json.loads((hs / "manifest.json").read_text())["complete"] is False  # its files are gone
+    # a file in the records folder that is not a slice record (an unknown key) owns nothing: hs_7 stays
+    (hs / "slices" / "zz-foreign.json").write_text(json.dumps({"stage": "extract", "mine": 1,
+                                                              "fingerprint_files": {"hs_7.safetensors": [10, "f", 1]}}))
     assert slices.release(hs, keep=set()) == [5]  # a rerun (a kill mid-deletion) finishes the job
+    assert (hs / "hs_7.safetensors").exists()
 
 
 def test_the_plan_picks_the_slice_size_from_the_free_disk(kimi_target, tmp_path):

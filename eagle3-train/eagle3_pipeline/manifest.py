@@ -244,6 +244,14 @@ class ExportManifest(Manifest):
         return None if self.checkpoint is None else ExportContent(checkpoint=self.checkpoint)
 
 
+class SliceRecord(ExtractManifest):
+    """A released slice's record in DATA/hidden_states/slices/ (slices.release): that slice's stage-02 manifest
+    with the fingerprints of the files it wrote (files.write_fingerprints: name -> [size, fingerprint, mtime_ns]),
+    so slices.owned_rows still knows which rows stage 02 wrote once the slice's own manifest is replaced."""
+
+    fingerprint_files: dict[str, list[Any]] | None = None
+
+
 MODELS: dict[str, type[Manifest]] = {
     "prepare": PrepareManifest, "extract": ExtractManifest, "vocab": VocabManifest,
     "train": TrainManifest, "export": ExportManifest,

@@ -36,7 +36,7 @@ from .contract import manifest_path, read_manifest, write_manifest
 from .errors import ConfigError, ContractError, StageError
 from .files import FINGERPRINTS_NAME, atomic_write_json, remove_path
 from .hidden_states import FILE_GLOB, HS_DIRNAME, hs_file, row_of
-from .manifest import ExtractManifest, PrepareManifest
+from .manifest import ExtractManifest, PrepareManifest, SliceRecord
 from .prepared import load_prepared
 from .stage import first_difference, read_own_manifest
 
@@ -225,23 +225,41 @@ def position_record(g: int, plan: SlicePlan, extracted: ExtractManifest, steps: 
 # --- deleting a trained slice's states (stage 02's own files only) -------------------------------------
 
 def owned_rows(hs_dir: Path) -> dict[int, str]:
-    """Rows whose file stage 02 says it wrote: its manifest's selection and fingerprints, and every kept record."""
+    """Rows whose file stage 02 says it wrote (row -> the record that says so): its manifest's selection, its
+    fingerprints, and every kept slice record. A record that cannot be read owns nothing (nothing is deleted
+    on its word)."""
 
     hs_dir = Path(hs_dir)
     owned: dict[int, str] = {}
-    sources = [manifest_path(hs_dir), hs_dir / FINGERPRINTS_NAME, *sorted((hs_dir / RECORDS_DIRNAME).glob("*.json"))]
-    for source in sources:
+
+    def own(rows, source: Path) -> None:
+        for row in rows:
+            owned.setdefault(row, str(source))
+
+    def named(names) -> list[int]:  # row 0 included
+        return [row for row in map(row_of, names) if row is not None]
+
+    def selected(record) -> list[int]:
+        return parse_rows(record.selection, record.rows_total) if record.selection and record.rows_total else []
+
+    try:
+        manifest = read_own_manifest(hs_dir)
+    except ContractError:
+        manifest = None
+    if isinstance(manifest, ExtractManifest):
+        own(selected(manifest), manifest_path(hs_dir))
+    try:
+        fingerprinted = json.loads((hs_dir / FINGERPRINTS_NAME).read_text())
+    except (OSError, ValueError):
+        fingerprinted = {}
+    own(named(fingerprinted), hs_dir / FINGERPRINTS_NAME)
+    for path in sorted((hs_dir / RECORDS_DIRNAME).glob("*.json")):
         try:
-            data = json.loads(source.read_text())
-        except (OSError, ValueError):
+            record = SliceRecord.model_validate_json(path.read_text())
+        except (OSError, ValueError):  # pydantic's ValidationError is a ValueError
             continue
-        names = data.get("fingerprint_files") or (data if source.name == FINGERPRINTS_NAME else {})
-        for name in names:
-            if (row := row_of(name)) is not None:
-                owned.setdefault(row, str(source))
-        if data.get("selection") and data.get("rows_total"):
-            for row in parse_rows(data["selection"], data["rows_total"]):
-                owned.setdefault(row, str(source))
+        own(named(record.fingerprint_files or {}), path)
+        own(selected(record), path)
     return owned
 
 
@@ -253,13 +271,14 @@ def release(hs_dir: Path, keep: set[int]) -> list[int]:
     hs_dir = Path(hs_dir)
     manifest = read_own_manifest(hs_dir)
     if manifest is not None and manifest.complete and manifest.selection:
-        data = manifest.model_dump(mode="json", exclude_none=True)  # a record: the manifest and its fingerprints
         try:
-            data["fingerprint_files"] = json.loads((hs_dir / FINGERPRINTS_NAME).read_text())
+            fingerprinted = json.loads((hs_dir / FINGERPRINTS_NAME).read_text())
         except (OSError, ValueError):
-            pass
+            fingerprinted = None
+        record = SliceRecord(**manifest.model_dump(exclude_none=True), fingerprint_files=fingerprinted)
         name = manifest.selection.replace(":", "-").replace(",", "_")
-        atomic_write_json(hs_dir / RECORDS_DIRNAME / f"{manifest.created or ''}_{name}.json".replace(":", ""), data)
+        atomic_write_json(hs_dir / RECORDS_DIRNAME / f"{manifest.created or ''}_{name}.json".replace(":", ""),
+                          record.model_dump(mode="json", exclude_none=True))
     deleted = []
     for row in sorted(owned_rows(hs_dir)):
         if row not in keep and hs_file(hs_dir, row).is_file():
