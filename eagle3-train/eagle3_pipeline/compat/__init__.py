@@ -25,8 +25,8 @@ installed (stage 04 logs them and records them in its manifest, via metrics.json
                        a dead endpoint stops training at that batch with one line; hybrid keeps each
                        generated sample (gate: online/hybrid mode; speculators 0.9.0, else it raises)
 
-Not applied here: `cpu_hidden_states_connector`, a vLLM KV connector class that vLLM's workers
-load by module path (stage 02 with vLLM's CPU build). This package's import stays light for them.
+Not applied here: `hidden_states_connector`, a vLLM KV connector class that vLLM's workers
+load by module path (every vLLM engine the pipeline starts). This package's import stays light for them.
 `gate` holds the speculators-version check the fixes share (`require_speculators`).
 """
 
@@ -35,7 +35,7 @@ from __future__ import annotations
 from pathlib import Path
 
 # Local imports: each fix imports torch/speculators/vLLM inside its functions (its gate checks speculators'
-# version first; vLLM's workers import cpu_hidden_states_connector light); apply() imports the fixes.
+# version first; vLLM's workers import hidden_states_connector light); apply() imports the fixes.
 
 FIXES = ("cpu_trainer", "fused_loss", "flex_forward_config", "interrupt_progress", "samples_record", "metrics_jsonl",
          "device_prefetch", "sample_check", "finite_loss", "online_generation")

@@ -16,8 +16,11 @@ directory); `land_sample` validates each one and renames it into place atomicall
 from __future__ import annotations
 
 import ctypes
+import json
+import math
 import os
 import shutil
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Protocol
@@ -29,7 +32,7 @@ from tqdm import tqdm
 from ..errors import InputError
 from ..files import atomic_path, atomic_save_safetensors, changed_fingerprints, remove_path, temp_path_for
 from ..files import write_fingerprints as write
-from ..hidden_states import hs_file
+from ..hidden_states import DTYPES, hs_file
 
 # Local imports: hs_connectors: imported for fp8 storage only.
 
@@ -70,6 +73,63 @@ CONSTANT_SLOT_RTOL = 1e-6
 CONSTANT_SLOT_RTOL_FP8 = 2.0**-3
 
 
+def token_ids_problem(token_ids: list[int], expected_ids: list[int], where: str) -> str | None:
+    if token_ids == list(expected_ids):
+        return None
+    first = next((i for i, (a, b) in enumerate(zip(token_ids, expected_ids)) if a != b),
+                 min(len(token_ids), len(expected_ids)))
+    return (f"{where}: token_ids do not equal the dataset row's input_ids (first difference at position {first}, "
+            f"{len(token_ids)} vs {len(expected_ids)} tokens: the file of another row, or the data was re-prepared)")
+
+
+def shape_problem(shape: list[int], expected_ids: list[int], num_slots: int, hidden_size: int, where: str) -> str | None:
+    expected_shape = [len(expected_ids), num_slots, hidden_size]
+    if list(shape) == expected_shape:
+        return None
+    detail = ""
+    if len(shape) == 3 and shape[1] == num_slots - 1:
+        detail = " (one layer slot short: the final layer is missing, as vLLM before PR #46973 did for DeepSeek backbones)"
+    return f"{where}: hidden_states shape {list(shape)} != expected {expected_shape}{detail}"
+
+
+def slot_checks(hidden_states: torch.Tensor, repeat_rtol: float = 0.0) -> torch.Tensor:
+    """What the value checks look at, per layer slot: [3, n] float32 = each slot's max, its min, and 1.0 where
+    every token holds the first token's vector (exactly, or within `repeat_rtol` of the slot's magnitude).
+
+    Two passes over the values in their own dtype (max/min of floats are exact, and NaN/Inf show in them) plus one
+    comparison with the first token: a few whole-tensor ops, so stage 02 can afford them per row. The same function
+    runs on the device inside vLLM (compat/hidden_states_connector.py, before the file is written) and here on a
+    file read back: one definition of what is checked."""
+    flat = hidden_states.reshape(hidden_states.shape[0], hidden_states.shape[1], -1)
+    highs, lows = flat.amax(dim=(0, 2)).float(), flat.amin(dim=(0, 2)).float()
+    if repeat_rtol == 0:
+        repeated = (flat == flat[:1]).all(dim=2).all(dim=0)
+    else:
+        scale = torch.maximum(highs.abs(), lows.abs()).clamp(min=1.0)
+        repeated = (flat - flat[:1]).abs().amax(dim=(0, 2)).float() <= repeat_rtol * scale
+    return torch.stack([highs, lows, repeated.float()])
+
+
+def judge_slot_checks(checks: list[list[float]], expected_ids: list[int], where: str,
+                      rtol: float = CONSTANT_SLOT_RTOL) -> None:
+    """Refuse NaN/Inf, all-zero slots, (near-)constant slots and one vector repeated for every token, from
+    `slot_checks`' three rows (as lists)."""
+    highs, lows, repeated = checks
+    if not all(math.isfinite(v) for v in highs + lows):
+        raise BadHiddenStates(f"{where}: hidden_states contain NaN/Inf")
+    zero_slots = [s for s, (high, low) in enumerate(zip(highs, lows)) if high == 0 and low == 0]
+    if zero_slots:
+        raise BadHiddenStates(f"{where}: hidden_states layer slot(s) {zero_slots} are all zero")
+    constant = [s for s, (high, low) in enumerate(zip(highs, lows)) if high - low <= rtol * max(abs(high), abs(low), 1.0)]
+    if constant:
+        raise BadHiddenStates(f"{where}: hidden_states layer slot(s) {constant} hold one constant value "
+                              f"({highs[constant[0]]:.6g}); not a model's states")
+    same = [s for s, flag in enumerate(repeated) if flag]
+    if same and len(set(expected_ids)) > 1:  # different tokens never share one state in every layer
+        raise BadHiddenStates(f"{where}: hidden_states layer slot(s) {same} are the same for every token "
+                              f"(one vector repeated); not a model's states")
+
+
 def check_hidden_states(
     hidden_states: torch.Tensor, token_ids: torch.Tensor, expected_ids: list[int],
     num_slots: int, hidden_size: int, where: str, dtype: torch.dtype | None = None,
@@ -79,23 +139,13 @@ def check_hidden_states(
     dtype than the directory's, NaN/Inf, zero or (near-)constant slots, every token the same state;
     for fp8 files also a missing, misshapen, non-finite or non-positive scale (checked on the
     dequantized values)."""
-    if token_ids.tolist() != list(expected_ids):
-        first = next((i for i, (a, b) in enumerate(zip(token_ids.tolist(), expected_ids)) if a != b),
-                     min(len(token_ids), len(expected_ids)))
-        raise BadHiddenStates(f"{where}: token_ids do not equal the dataset row's input_ids (first difference at "
-                              f"position {first}, {token_ids.numel()} vs {len(expected_ids)} tokens: the file of "
-                              f"another row, or the data was re-prepared)")
+    if problem := token_ids_problem(token_ids.tolist(), expected_ids, where):
+        raise BadHiddenStates(problem)
     if dtype is not None and hidden_states.dtype != dtype:
         raise BadHiddenStates(f"{where}: hidden_states dtype {str(hidden_states.dtype).removeprefix('torch.')}, the "
                               f"directory's is {str(dtype).removeprefix('torch.')} (--dtype): files are never mixed")
-    expected_shape = (len(expected_ids), num_slots, hidden_size)
-    if tuple(hidden_states.shape) != expected_shape:
-        detail = ""
-        if hidden_states.dim() == 3 and hidden_states.shape[1] == num_slots - 1:
-            detail = " (one layer slot short: the final layer is missing, as vLLM before PR #46973 did for DeepSeek backbones)"
-        raise BadHiddenStates(
-            f"{where}: hidden_states shape {list(hidden_states.shape)} != expected {list(expected_shape)}{detail}"
-        )
+    if problem := shape_problem(list(hidden_states.shape), expected_ids, num_slots, hidden_size, where):
+        raise BadHiddenStates(problem)
     is_fp8 = hidden_states.dtype == FP8
     # a slot this close to constant, and tokens this close to one repeated vector, are refused
     rtol, repeat_rtol = (CONSTANT_SLOT_RTOL_FP8, CONSTANT_SLOT_RTOL_FP8) if is_fp8 else (CONSTANT_SLOT_RTOL, 0.0)
@@ -104,32 +154,7 @@ def check_hidden_states(
     elif scales is not None:
         raise BadHiddenStates(f"{where}: {SCALES_KEY} beside {str(hidden_states.dtype).removeprefix('torch.')} states "
                               f"(only fp8 files carry scales)")
-    # Every value check below comes from each slot's max and min (two passes over the file's values in its own
-    # dtype; max/min of floats are exact, and NaN/Inf show in them) plus one comparison with the first token:
-    # stage 02 lands every row through here, so its cost per row is kept to a few whole-tensor ops.
-    flat = hidden_states.reshape(hidden_states.shape[0], num_slots, -1)
-    highs, lows = flat.amax(dim=(0, 2)).float(), flat.amin(dim=(0, 2)).float()
-    if not (torch.isfinite(highs).all() and torch.isfinite(lows).all()):
-        raise BadHiddenStates(f"{where}: hidden_states contain NaN/Inf")
-    highs_list, lows_list = highs.tolist(), lows.tolist()
-    zero_slots = [s for s in range(num_slots) if highs_list[s] == 0 and lows_list[s] == 0]
-    if zero_slots:
-        raise BadHiddenStates(f"{where}: hidden_states layer slot(s) {zero_slots} are all zero")
-    spread = highs - lows
-    scale = torch.maximum(highs.abs(), lows.abs()).clamp(min=1.0)
-    constant = (spread <= rtol * scale).nonzero().flatten().tolist()
-    if constant:
-        raise BadHiddenStates(f"{where}: hidden_states layer slot(s) {constant} hold one constant value "
-                              f"({flat[0, constant[0], 0].float().item():.6g}); not a model's states")
-    if len(set(expected_ids)) > 1:  # different tokens never share one state in every layer
-        if repeat_rtol == 0:  # exactly one vector repeated
-            repeated = (flat == flat[:1]).all(dim=2).all(dim=0)
-        else:
-            repeated = (flat - flat[:1]).abs().amax(dim=(0, 2)).float() <= repeat_rtol * scale
-        same = repeated.nonzero().flatten().tolist()
-        if same:
-            raise BadHiddenStates(f"{where}: hidden_states layer slot(s) {same} are the same for every token "
-                                  f"(one vector repeated); not a model's states")
+    judge_slot_checks(slot_checks(hidden_states, repeat_rtol).tolist(), expected_ids, where, rtol)
 
 
 def quantize_fp8(states: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -164,6 +189,73 @@ def load_hidden_states_file(path: Path) -> dict[str, torch.Tensor]:
     return data
 
 
+# Our vLLM connector (compat/hidden_states_connector.py) computes `slot_checks` on the device, from the very tensor it
+# copies out and writes, and stores them in the file's safetensors header under this key (JSON of the three rows).
+SLOT_CHECKS_KEY = "eagle3_slot_checks"
+_MAX_HEADER_BYTES = 1 << 24
+_TOKEN_IDS_DTYPE = "I64"
+
+
+def _read_header(handle, path: Path, size: int) -> tuple[dict, int]:
+    """A safetensors file's header (8-byte little-endian length, then JSON) and where its data starts."""
+    prefix = handle.read(8)
+    length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+    if not 0 < length <= min(_MAX_HEADER_BYTES, size - 8):
+        raise BadHiddenStates(f"{path}: unreadable safetensors (header length {length} in a {size}-byte file)")
+    try:
+        header = json.loads(handle.read(length))
+    except ValueError as exc:
+        raise BadHiddenStates(f"{path}: unreadable safetensors header ({exc})") from None
+    return header, 8 + length
+
+
+def land_checked_file(path: Path, expected_ids: list[int], num_slots: int, hidden_size: int, dtype: torch.dtype) -> bool:
+    """Check a file our connector wrote without reading its states back: the header (tensor names, dtype, shape, and
+    offsets that end exactly at the file's size: a truncated or padded file is refused), the token ids' bytes, and
+    the connector's slot checks judged as `check_hidden_states` judges them, in the same order. False: the header
+    carries no checks (vLLM's stock connector wrote it), so the caller reads the file back (`validate_file`)."""
+    where = str(path)
+    with open(path, "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        header, data_start = _read_header(handle, path, size)
+        checks = (header.get("__metadata__") or {}).get(SLOT_CHECKS_KEY)
+        if checks is None:
+            return False
+        entries = {name: entry for name, entry in header.items() if name != "__metadata__"}
+        if set(entries) != {"hidden_states", "token_ids"}:
+            raise BadHiddenStates(f"{where}: tensors {sorted(entries)}, expected ['hidden_states', 'token_ids']")
+        try:
+            states, ids = entries["hidden_states"], entries["token_ids"]
+            (begin, end), ends = ids["data_offsets"], [int(e["data_offsets"][1]) for e in entries.values()]
+            ids_dtype, ids_shape, states_dtype, states_shape = ids["dtype"], ids["shape"], states["dtype"], states["shape"]
+        except (KeyError, TypeError, ValueError):
+            raise BadHiddenStates(f"{where}: unreadable safetensors header (malformed tensor entries)") from None
+        if data_start + max(ends) != size:
+            raise BadHiddenStates(f"{where}: unreadable safetensors ({size} bytes, its header says "
+                                  f"{data_start + max(ends)}: truncated or padded)")
+        if ids_dtype != _TOKEN_IDS_DTYPE or len(ids_shape) != 1 or end - begin != 8 * ids_shape[0]:
+            raise BadHiddenStates(f"{where}: token_ids {ids_dtype} {ids_shape}, expected {_TOKEN_IDS_DTYPE} [T]")
+        handle.seek(data_start + begin)
+        raw = handle.read(end - begin)
+    if raw != array("q", expected_ids).tobytes():
+        raise BadHiddenStates(token_ids_problem(array("q", raw).tolist(), expected_ids, where))
+    expected_dtype = next(d.safetensors for d in DTYPES.values() if getattr(torch, d.torch) == dtype)
+    if states_dtype != expected_dtype:
+        raise BadHiddenStates(f"{where}: hidden_states dtype {states_dtype}, the directory's is {expected_dtype} "
+                              f"(--dtype): files are never mixed")
+    if problem := shape_problem(states_shape, expected_ids, num_slots, hidden_size, where):
+        raise BadHiddenStates(problem)
+    try:
+        rows = json.loads(checks)
+        valid = len(rows) == 3 and all(len(row) == num_slots for row in rows)
+    except (TypeError, ValueError):
+        valid = False
+    if not valid:
+        raise BadHiddenStates(f"{where}: malformed {SLOT_CHECKS_KEY} in the header")
+    judge_slot_checks([[float(v) for v in row] for row in rows], expected_ids, where)
+    return True
+
+
 def validate_file(path: Path, expected_ids: list[int], num_slots: int, hidden_size: int,
                   dtype: torch.dtype | None = None) -> None:
     data = load_hidden_states_file(path)
@@ -178,7 +270,8 @@ def land_sample(sample: ExtractedSample, hs_dir: Path, expected_ids: list[int], 
     if sample.ready is not None and (problem := sample.ready()):
         raise BadHiddenStates(problem)
     if sample.staged_file is not None and dtype != FP8:
-        validate_file(sample.staged_file, expected_ids, num_slots, hidden_size, dtype)
+        if not land_checked_file(sample.staged_file, expected_ids, num_slots, hidden_size, dtype):
+            validate_file(sample.staged_file, expected_ids, num_slots, hidden_size, dtype)
         _rename_into_place(sample.staged_file, final)
         remove_path(sample.staged_file.with_name(sample.staged_file.name + ".lock"))
         return final

