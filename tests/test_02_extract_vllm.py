@@ -303,12 +303,12 @@ def test_landed_files_load_in_speculators_arrow_dataset(kimi_vllm_run):
 
 # --- land_sample refuses bad vLLM files ----------------------------------------------------------
 
-def _copy_with(src: Path, dst: Path, **changes) -> Path:
+def _copy_with(src: Path, dst: Path, metadata: dict | None = None, **changes) -> Path:
     from safetensors.torch import load_file, save_file
 
     data = load_file(str(src))
     data.update(changes)
-    save_file({k: v.contiguous() for k, v in data.items()}, str(dst))
+    save_file({k: v.contiguous() for k, v in data.items()}, str(dst), metadata=metadata)
     return dst
 
 
@@ -356,15 +356,12 @@ def test_vllm_files_carry_the_device_checks_of_their_own_states(kimi_vllm_run):
 def _rewrite(src: Path, dst: Path, checks=None, **changes) -> Path:
     """A copy of a landed file with some tensors changed, and its header's checks kept (or replaced)."""
     from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
 
     with safe_open(str(src), "pt") as handle:
         metadata = dict(handle.metadata())
     if checks is not None:
         metadata[SLOT_CHECKS_KEY] = json.dumps(checks)
-    data = {**load_file(str(src)), **changes}
-    save_file({k: v.contiguous() for k, v in data.items()}, str(dst), metadata=metadata)
-    return dst
+    return _copy_with(src, dst, metadata=metadata, **changes)
 
 
 def test_landing_from_the_header_refuses_what_a_read_back_refuses(kimi_vllm_run, tmp_path):

@@ -38,7 +38,6 @@ from .online import CARD_NAME, STAGING_DIRNAME, write_card
 from .stage import log, stage_main
 from .target import extraction_layer_ids, load_target_info
 
-
 SERVE_LOCK = ".serve_target.lock"
 EXAMPLE = ("python -m eagle3_pipeline.serve_target --profile b300-8x --target /models/Kimi-K2.5 --trust-remote-code \\\n"
            "    --data /shared/eagle3/data --staging-dir /shared/eagle3/staging --host 0.0.0.0 --server-port 8000")

@@ -32,7 +32,7 @@ from tqdm import tqdm
 from ..errors import InputError
 from ..files import atomic_path, atomic_save_safetensors, changed_fingerprints, remove_path, temp_path_for
 from ..files import write_fingerprints as write
-from ..hidden_states import DTYPES, hs_file
+from ..hidden_states import DTYPES, dtype_name, hs_file
 
 # Local imports: hs_connectors: imported for fp8 storage only.
 
@@ -239,7 +239,7 @@ def land_checked_file(path: Path, expected_ids: list[int], num_slots: int, hidde
         raw = handle.read(end - begin)
     if raw != array("q", expected_ids).tobytes():
         raise BadHiddenStates(token_ids_problem(array("q", raw).tolist(), expected_ids, where))
-    expected_dtype = next(d.safetensors for d in DTYPES.values() if getattr(torch, d.torch) == dtype)
+    expected_dtype = DTYPES[dtype_name(str(dtype))].safetensors
     if states_dtype != expected_dtype:
         raise BadHiddenStates(f"{where}: hidden_states dtype {states_dtype}, the directory's is {expected_dtype} "
                               f"(--dtype): files are never mixed")
