@@ -168,8 +168,10 @@ def prefill_child(request_path: Path, result_path: Path) -> None:
     if extraction:
         shutil.rmtree(staging, ignore_errors=True)
     tokens = sum(len(ids) for ids in rows)
-    # What the engine resolved (None -> on or off by vLLM's own rules: off for extract_hidden_states).
-    async_scheduling = llm.llm_engine.vllm_config.scheduler_config.async_scheduling
+    # What the engine resolved by vLLM's own rules (off for extract_hidden_states); "unknown" where a vLLM keeps it
+    # elsewhere (the measurement still stands).
+    scheduler_config = getattr(getattr(llm.llm_engine, "vllm_config", None), "scheduler_config", None)
+    async_scheduling = getattr(scheduler_config, "async_scheduling", "unknown")
     Path(result_path).write_text(json.dumps({"rows": len(rows), "tokens": tokens, "seconds": seconds,
                                              "tokens_per_s": tokens / seconds, "engine_start_s": engine_start_s,
                                              "async_scheduling": async_scheduling,
