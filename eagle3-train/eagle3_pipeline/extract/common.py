@@ -82,6 +82,23 @@ def token_ids_problem(token_ids: list[int], expected_ids: list[int], where: str)
             f"{len(token_ids)} vs {len(expected_ids)} tokens: the file of another row, or the data was re-prepared)")
 
 
+def _spelled(dtype) -> str:
+    """A dtype as torch spells it, from a torch dtype or a safetensors header name ('BF16' -> 'bfloat16')."""
+    text = str(dtype).removeprefix("torch.")
+    try:
+        return DTYPES[dtype_name(text)].torch
+    except ValueError:
+        return text
+
+
+def dtype_problem(found, expected, where: str) -> str | None:
+    """The states stored in another dtype than the directory's (torch dtypes or safetensors names), or None."""
+    found, expected = _spelled(found), _spelled(expected)
+    if found == expected:
+        return None
+    return f"{where}: hidden_states dtype {found}, the directory's is {expected} (--dtype): files are never mixed"
+
+
 def shape_problem(shape: list[int], expected_ids: list[int], num_slots: int, hidden_size: int, where: str) -> str | None:
     expected_shape = [len(expected_ids), num_slots, hidden_size]
     if list(shape) == expected_shape:
@@ -141,9 +158,8 @@ def check_hidden_states(
     dequantized values)."""
     if problem := token_ids_problem(token_ids.tolist(), expected_ids, where):
         raise BadHiddenStates(problem)
-    if dtype is not None and hidden_states.dtype != dtype:
-        raise BadHiddenStates(f"{where}: hidden_states dtype {str(hidden_states.dtype).removeprefix('torch.')}, the "
-                              f"directory's is {str(dtype).removeprefix('torch.')} (--dtype): files are never mixed")
+    if dtype is not None and (problem := dtype_problem(hidden_states.dtype, dtype, where)):
+        raise BadHiddenStates(problem)
     if problem := shape_problem(list(hidden_states.shape), expected_ids, num_slots, hidden_size, where):
         raise BadHiddenStates(problem)
     is_fp8 = hidden_states.dtype == FP8
@@ -239,10 +255,8 @@ def land_checked_file(path: Path, expected_ids: list[int], num_slots: int, hidde
         raw = handle.read(end - begin)
     if raw != array("q", expected_ids).tobytes():
         raise BadHiddenStates(token_ids_problem(array("q", raw).tolist(), expected_ids, where))
-    expected_dtype = DTYPES[dtype_name(str(dtype))].safetensors
-    if states_dtype != expected_dtype:
-        raise BadHiddenStates(f"{where}: hidden_states dtype {states_dtype}, the directory's is {expected_dtype} "
-                              f"(--dtype): files are never mixed")
+    if problem := dtype_problem(states_dtype, dtype, where):
+        raise BadHiddenStates(problem)
     if problem := shape_problem(states_shape, expected_ids, num_slots, hidden_size, where):
         raise BadHiddenStates(problem)
     try:
