@@ -60,6 +60,7 @@ import numpy as np
 from pydantic_core import PydanticUndefined
 
 from benchlib import curves as lc
+from benchlib import screen as sc
 from benchlib.acceptance import (
     VllmSettings,
     draft_vocab_coverage,
@@ -69,6 +70,7 @@ from benchlib.acceptance import (
     read_val_metrics,
 )
 from benchlib.curves import HostMemory, process_tree_rss
+from eagle3_pipeline.compat import val_depth
 from eagle3_pipeline.manifest import parse_manifest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -270,13 +272,20 @@ class Bench:
         draft_vocab = recipe.get("draft_vocab", "default")
         vocab_args = [] if draft_vocab == "default" else ["--draft-vocab-size", draft_vocab or self.vocab_size()]
         times = {}
+        draft_args = []
+        if recipe.get("draft"):  # a draft architecture change (the screen's layers-2): the draft config, changed
+            from eagle3_pipeline.config import DEFAULT_DRAFT_CONFIG
+
+            draft_file = out / "draft_config.json"
+            draft_file.write_text(json.dumps({**json.loads(Path(DEFAULT_DRAFT_CONFIG).read_text()), **recipe["draft"]}, indent=2))
+            draft_args = ["--draft-config", draft_file]
         if vocab is None:
             vocab = out / "vocab"
             times["03_vocab"] = run(stage("03_build_vocab_mapping.py", "--data", data, "--output", vocab, *vocab_args),
                                     self.logs / f"{name}-03.log", f"03 vocab {name}")
         times["04_train"] = run(stage("04_train.py", "--target", self.target, "--data", data, "--vocab", vocab,
                                       "--output", out / "checkpoints", "--epochs", epochs, "--logger", "",
-                                      *(CPU_04_FLAGS if self.cpu else []), *extra, *recipe.get("train", [])),
+                                      *(CPU_04_FLAGS if self.cpu else []), *draft_args, *extra, *recipe.get("train", [])),
                                 self.logs / f"{name}-04.log", f"04 train {name} ({epochs} epochs)",
                                 memory=self.memory, kind="training")
         if export:
@@ -289,9 +298,13 @@ class Bench:
             "checkpoints": str(out / "checkpoints"),
             "offline": {"full_acc": summary.get("full_acc"), "expected_accepted_length": summary.get("expected_accepted_length")}})
 
-    def train_plain(self, name: str, data: Path, epochs: int) -> dict:
-        """`speculators train` with its defaults: only what the CPU and the prepared split force is passed."""
+    def train_plain(self, name: str, data: Path, epochs: int, extra: list | tuple = (), env: dict | None = None) -> dict:
+        """`speculators train` with its defaults: only what the CPU and the prepared split force is passed.
+        `extra`: flags that change how, not what, it learns (the screen's loader workers, a timing run's
+        --max-steps); `env`: the compat settings (the screen's validation depth, compat/val_depth.py)."""
         settings = {"data": str(data), "epochs": epochs, "speculators": version("speculators")}
+        if extra or env:
+            settings.update(extra=list(map(str, extra)), env=env)
         if done := self.finished_run(name, settings):
             return done
         prepared = parse_manifest(data / "manifest.json")
@@ -299,10 +312,10 @@ class Bench:
         out.mkdir(parents=True, exist_ok=True)
         argv = ["--verifier-name-or-path", self.target, "--data-path", data, "--save-path", out, "--epochs", epochs,
                 "--train-data-ratio", repr(prepared.train_data_ratio), "--logger", "",
-                *(CPU_TRAIN_FLAGS if self.cpu else []), *self.forced_by_states(data)]
+                *(CPU_TRAIN_FLAGS if self.cpu else []), *self.forced_by_states(data), *map(str, extra)]
         # speculators' own CLI through the pipeline's entry point, which adds only the gated CPU trainer fix.
         seconds = run([sys.executable, "-m", "eagle3_pipeline.train_entry", *argv], self.logs / f"{name}.log",
-                      f"plain speculators train {name} ({epochs} epochs)", memory=self.memory, kind="training")
+                      f"plain speculators train {name} ({epochs} epochs)", env=env, memory=self.memory, kind="training")
         best = out / "checkpoint_best"
         return self.record_run(name, settings, {
             "draft": str(best.resolve() if best.exists() else out / str(epochs - 1)), "epochs": epochs,
@@ -548,6 +561,206 @@ def run_curves(args, bench: Bench, target: dict, started: float, load_start) -> 
     return 0
 
 
+def val_positions(data: Path) -> int:
+    """Loss-masked tokens of the validation rows (speculators' split: the last rows), the offline tau's n."""
+    from datasets import load_from_disk
+
+    prepared = parse_manifest(data / "manifest.json")
+    rows = load_from_disk(str(data))
+    first_val = prepared.counts.rows - prepared.counts.val_rows
+    return int(sum(sum(mask) for mask in rows.select(range(first_val, prepared.counts.rows))["loss_mask"]))
+
+
+def step_ms_of(metrics_jsonl: Path) -> list[float]:
+    from eagle3_pipeline.plots import read_curves
+
+    profile = read_curves(metrics_jsonl).profile
+    return [float(profile[step]["step_ms"]) for step in sorted(profile)]
+
+
+def run_screen(args, bench: Bench, target: dict, started: float, load_start) -> int:
+    """--screen (issue 37): per data size one dataset, every --screen-recipes trained on it (--jobs at once: equal
+    epochs do not need a quiet GPU), validated on the held-out rows to --screen-val-depth TTT steps at every epoch;
+    then each step shape timed alone (--screen-timing-steps: the equal-GPU-time x); then the --screen-vllm-top
+    recipes by offline tau, plus ours and plain, in vLLM. Results merge into one JSON across invocations."""
+    output = args.output or REPO / "bench" / "results" / f"{'cpu' if bench.cpu else 'h200'}-screen-smollm2.json"
+    names = list(dict.fromkeys(["ours", "plain", *args.screen_recipes]))
+    recipes = {n: sc.resolve_recipe(n) for n in names}
+    ks = list(range(1, args.screen_val_depth + 1))
+    bench.build_data()
+    chat = bench.work / "chat"
+    val_env = {val_depth.ENV: str(args.screen_val_depth)}
+    flags = [*CURVE_04_FLAGS, "--val-ttt-steps", args.screen_val_depth, "--num-workers", args.screen_workers]
+    plain_flags = ["--num-workers", args.screen_workers]
+
+    def name_of(f: int) -> str:  # the curves' datasets: a --work shared with --curves extracts once
+        return f"curves-{f}x"
+
+    def train(run: str, data: Path, vocab: Path, epochs: int, recipe: dict, extra: list) -> dict:
+        if recipe.get("plain"):
+            return bench.train_plain(run, data, epochs, extra=plain_flags + extra, env=val_env)
+        return bench.train_ours(run, data, epochs, recipe, vocab=vocab, export=False, extra=flags + extra)
+
+    # 1. datasets and one vocabulary per size (the first training must not build it while the others wait)
+    tasks = {f: ((), lambda done, f=f: bench.prepared(name_of(f), chat / "train_tokens.jsonl",
+                                                     args.train_conversations * f)) for f in args.screen_data}
+    datasets = in_dependency_order(tasks, args.jobs)
+    for f, result in datasets.items():
+        if isinstance(result, BaseException):
+            raise SystemExit(f"bench-acceptance --screen: dataset {f}x failed: {result}")
+    vocabs = {}
+    for f in args.screen_data:
+        vocabs[f] = bench.work / f"{name_of(f)}-vocab"
+        run(stage("03_build_vocab_mapping.py", "--data", datasets[f], "--output", vocabs[f]),
+            bench.logs / f"{name_of(f)}-vocab.log", f"03 vocab {name_of(f)}")
+
+    # 2. every recipe, --jobs at once
+    jobs = {(f, n): ((), lambda done, f=f, n=n: train(f"screen-{f}x-{n}", datasets[f], vocabs[f], args.screen_epochs,
+                                                       recipes[n], []))
+            for f in args.screen_data for n in names}
+    trained = in_dependency_order(jobs, args.jobs)
+    failed = {f"{f}x/{n}": f"{type(r).__name__}: {str(r)[-400:]}" for (f, n), r in trained.items() if isinstance(r, BaseException)}
+    for key, why in failed.items():
+        log(f"  FAILED {key}: {why}")
+    t_train = time.perf_counter() - started
+
+    # 3. offline curves: every epoch's validation, tau at k = 1..depth with a standard error; gpu_s once timed (5.)
+    timing_path = bench.work / "screen-timing.json"
+    timing = json.loads(timing_path.read_text()) if timing_path.is_file() else {}
+    positions = {f: val_positions(datasets[f]) for f in args.screen_data}
+
+    def offline_curves() -> dict[str, dict]:
+        curves: dict[str, dict] = {}
+        for f in args.screen_data:
+            for n in names:
+                done = trained[(f, n)]
+                if isinstance(done, BaseException):
+                    continue
+                ckpts = Path(done["checkpoints"])
+                costs = lc.read_gpu_seconds(ckpts / "metrics.jsonl")
+                step_s = timing.get(f"{f}x/{sc.cost_class(n)}", {}).get("step_s")
+                points = [sc.offline_point(e, costs[e], offline_estimate(read_val_metrics(ckpts / str(e)))["full_acc"],
+                                           positions[f], ks, step_s) for e in range(args.screen_epochs)]
+                curves.setdefault(str(f), {})[n] = {"recipe": recipes[n], "cost_class": sc.cost_class(n), "step_s": step_s,
+                                                    "val_positions": positions[f], "checkpoints": str(ckpts), "points": points}
+        return curves
+
+    curves = offline_curves()
+
+    # 4. vLLM: the top recipes by offline tau at the largest k, plus ours and plain, last checkpoint each
+    settings = vllm_settings(args, bench)
+    cache_path = bench.work / "vllm-screen.json"
+    cache = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
+    vllm: dict[str, dict] = {}
+    k_top = max(args.ks)
+    for size, by_name in curves.items():
+        order = [n for n, _ in sc.ranking(by_name, min(k_top, args.screen_val_depth)) if n not in ("ours", sc.PLAIN)]
+        chosen = ["ours", sc.PLAIN, *order[:args.screen_vllm_top]] if args.screen_vllm_top else []
+        drafts = {n: str(Path(by_name[n]["checkpoints"]) / str(args.screen_epochs - 1)) for n in chosen if n in by_name}
+        todo = {n: d for n, d in drafts.items() if cache.get(f"{size}x/{n}-k{k_top}", {}).get("stamp") != draft_stamp(d)}
+        known = (cache["baseline"], cache["baseline_token_ids"]) if "baseline" in cache else None
+
+        def measure(label: str, draft: str, known=known) -> dict:
+            return measure_acceptance(bench.target, {label: draft}, chat / "eval_prompts.jsonl", ks=[k_top], settings=settings,
+                                      log_dir=bench.logs, log=log, baseline=known, jobs=1)
+
+        if todo and known is None:  # the target alone once, with the first draft
+            first = next(iter(todo))
+            measured = measure(first, todo.pop(first))
+            cache["baseline"], cache["baseline_token_ids"] = measured["baseline"], measured["baseline_token_ids"]
+            cache[f"{size}x/{first}-k{k_top}"] = {"stamp": draft_stamp(drafts[first]), "run": measured["runs"][f"{first}-k{k_top}"]}
+            known = (cache["baseline"], cache["baseline_token_ids"])
+        outcome = in_dependency_order({n: ((), lambda done, n=n, d=d: measure(n, d, known)) for n, d in todo.items()}, args.jobs)
+        for n, measured in outcome.items():
+            if isinstance(measured, BaseException):
+                failed[f"{size}x/{n} vllm"] = f"{type(measured).__name__}: {str(measured)[-400:]}"
+                continue
+            cache[f"{size}x/{n}-k{k_top}"] = {"stamp": draft_stamp(drafts[n]), "run": measured["runs"][f"{n}-k{k_top}"]}
+        tmp = cache_path.with_name(cache_path.name + ".tmp")
+        tmp.write_text(json.dumps(cache, default=str))
+        os.replace(tmp, cache_path)
+        for n in drafts:
+            entry = cache.get(f"{size}x/{n}-k{k_top}")
+            if entry:
+                taus = lc.checkpoint_taus({k_top: entry["run"]}, [k for k in (3, 5, k_top) if k <= k_top])
+                vllm.setdefault(size, {})[n] = {k: v for k, v in taus.items() if k != "by_kind"}
+    t_vllm = time.perf_counter() - started - t_train
+    # 5. each step shape alone, after vLLM (a hold that runs out of time still has the rest): its median step after
+    # compilation is the recipe's cost per step; kept in screen-timing.json, so a rerun times only what is missing
+    if args.screen_timing_steps:
+        for f in args.screen_data:
+            for cls in dict.fromkeys(sc.cost_class(n) for n in names if (f, n) in trained and (f"{f}x/{n}" not in failed)):
+                key = f"{f}x/{cls}"
+                if timing.get(key, {}).get("steps") == args.screen_timing_steps:
+                    continue
+                # the screen's epochs (stage 04's short-run packing rule sees the same run), cut by --max-steps
+                done = train(f"screen-{f}x-timing-{cls}", datasets[f], vocabs[f], args.screen_epochs,
+                             recipes.get(cls) or sc.resolve_recipe(cls), ["--max-steps", args.screen_timing_steps])
+                metrics = Path(done["checkpoints"]) / "metrics.jsonl"
+                step_ms = step_ms_of(metrics)
+                timing[key] = {"steps": args.screen_timing_steps, "step_s": sc.solo_step_seconds(step_ms), "step_ms": step_ms}
+                log(f"  timing {key}: {1000 * timing[key]['step_s']:.1f} ms/step alone")
+                timing_path.write_text(json.dumps(timing, indent=2))
+    curves = offline_curves()
+    t_timing = time.perf_counter() - started - t_train - t_vllm
+
+    # 6. the tables, offline against vLLM, and the curves JSON's own check of the same (issue 37 item 1)
+    report_ks = [k for k in (3, 5) if k <= args.screen_val_depth] or [args.screen_val_depth]
+    rows = sc.screen_table(curves, report_ks, vllm)
+    agreement = {}
+    for size, measured in vllm.items():
+        both = [n for n in measured if str(k_top) in measured[n] and n in curves[size]]
+        agreement[size] = {"k": k_top, "recipes": both, "spearman": sc.spearman(
+            [sc.last_point(curves[size][n])["tau"][str(k_top)]["tau"] for n in both],
+            [measured[n][str(k_top)]["tau"] for n in both])}
+    curves_file = REPO / "bench" / "results" / "h200-acceptance-curves-smollm2.json"
+    on_curves = sc.curves_offline_vs_vllm(json.loads(curves_file.read_text())["curves"], 3) if curves_file.is_file() else None
+    for line in sc.format_screen(rows, report_ks):
+        log(line)
+    for size, a in agreement.items():
+        log(f"offline vs vLLM at {size}x, k={a['k']}: Spearman {a['spearman']} over {a['recipes']}")
+    if on_curves:
+        log(f"offline vs vLLM on {curves_file.name} (k=3): Spearman {on_curves['spearman_all_checkpoints']:.3f} over "
+            f"{on_curves['points']} checkpoints")
+    merged_curves, merged_from = curves, []
+    if output.is_file():
+        earlier = json.loads(output.read_text())
+        if earlier.get("benchmark") == "screen-smollm2":
+            merged_curves = {**earlier["curves"], **curves}
+            vllm = {**earlier.get("vllm", {}), **vllm}
+            merged_from = earlier.get("invocations", [])
+            rows = sc.screen_table(merged_curves, report_ks, vllm)
+    invocation = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                  "command": shlex.join([sys.executable, *sys.argv]), "commit": git_commit(), "data_sizes": args.screen_data,
+                  "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "device": args.device,
+                              "load_average_start": load_start, "load_average_end": os.getloadavg()},
+                  "wall_s": {"train": t_train, "timing": t_timing, "vllm": t_vllm, "total": time.perf_counter() - started},
+                  "setup": {"train_conversations_1x": args.train_conversations, "epochs": args.screen_epochs,
+                            "val_depth": args.screen_val_depth, "jobs": args.jobs, "loader_workers": args.screen_workers,
+                            "timing_steps": args.screen_timing_steps, "vllm_top": args.screen_vllm_top, "vllm_k": k_top,
+                            "recipes": recipes, "ours_04_flags": list(map(str, flags)), "plain_flags": plain_flags,
+                            "vllm_settings": settings.__dict__}, "failed": failed}
+    results = {
+        "benchmark": "screen-smollm2",
+        "method": ("every recipe trained on the same rows and states, --jobs at once, for the same epochs; offline tau = "
+                   "1 + sum of the trainer's validation full_acc_i (draft steps 0..i all right) on the held-out rows at "
+                   "each epoch's checkpoint, validation unrolled to val_depth TTT steps for every recipe "
+                   "(compat/val_depth.py); stderr treats the held-out positions as independent (a lower bound); "
+                   "gpu_s = optimizer steps x the recipe's solo median step (its step shape timed alone, "
+                   "timing_steps steps, the first 3 left out); vLLM measures the top recipes' last checkpoints"),
+        "invocations": merged_from + [invocation], "target": target, "data": bench.build_data(),
+        "timing": timing, "curves": merged_curves, "vllm": vllm, "table": rows,
+        "offline_vs_vllm": {"screen": agreement, "curves_1x": on_curves and {k: v for k, v in on_curves.items() if k != "pairs"},
+                            "curves_pairs": on_curves and on_curves["pairs"]},
+    }
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_name(output.name + ".tmp")
+    tmp.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    os.replace(tmp, output)
+    log(f"wrote {output}")
+    return 0
+
+
 def curves_report(path: Path) -> int:
     """--curves-report FILE: print a curves JSON's tables again (recomputed from its curves) and draw its PNG."""
     results = json.loads(path.read_text())
@@ -621,6 +834,24 @@ def main() -> int:
                              "forward / the draft's fwd+bwd, %.2f)" % lc.EXTRACT_COST_RATIO)
     curves.add_argument("--curves-report", type=Path, default=None, metavar="FILE",
                         help="print a curves JSON's tables and draw its PNG; runs nothing else")
+    screen = parser.add_argument_group("recipe screen (--screen, issue 37): many recipes ranked by offline tau")
+    screen.add_argument("--screen", action="store_true",
+                        help="train every --screen-recipes on one dataset per --screen-data size (--jobs at once), rank "
+                             "them by the trainer's offline tau on held-out rows, time each step shape alone, measure "
+                             "the top few in vLLM; results bench/results/<cpu|h200>-screen-smollm2.json")
+    screen.add_argument("--screen-recipes", nargs="+", default=sc.DEFAULT_SCREEN,
+                        help="recipe names (benchlib/screen.py SCREEN_RECIPES), 'a+b' combines two; ours and plain "
+                             "always run")
+    screen.add_argument("--screen-data", type=int, nargs="+", default=[1], help="data sizes (multiples of --train-conversations)")
+    screen.add_argument("--screen-epochs", type=int, default=6, help="epochs of every screened recipe")
+    screen.add_argument("--screen-val-depth", type=int, default=5,
+                        help="TTT steps every recipe's validation unrolls (offline tau at k = 1..this)")
+    screen.add_argument("--screen-workers", type=int, default=2,
+                        help="loader workers per training (several trainings share the host; not a learning setting)")
+    screen.add_argument("--screen-timing-steps", type=int, default=30,
+                        help="steps of each step shape's solo timing run (0: no timing, no equal-GPU-time column)")
+    screen.add_argument("--screen-vllm-top", type=int, default=3,
+                        help="recipes measured in vLLM besides ours and plain (0: none)")
     args = parser.parse_args()
     if args.curves_report:
         return curves_report(args.curves_report)
@@ -636,6 +867,8 @@ def main() -> int:
         raise SystemExit(f"bench-acceptance: {refusal}")
     if args.curves:
         return run_curves(args, bench, target, started, load_start)
+    if args.screen:
+        return run_screen(args, bench, target, started, load_start)
     data_summary = bench.build_data()
     chat = bench.work / "chat"
     t_data = time.perf_counter() - started

@@ -31,6 +31,10 @@
 #                                                  the working tree has it (one data size per device hold)
 #   bash bench/h200_vllm_gpu.sh curves-start [flags]   the same, detached like acceptance-start; wait with
 #                                                  acceptance-wait (results + PNG + records in $OUT)
+#   bash bench/h200_vllm_gpu.sh screen [flags]     bench/acceptance.py --device cuda --screen (recipe screen, issue 37),
+#                                                  in the curves' work dir (their datasets are shared); merges into
+#                                                  bench/results/h200-screen-smollm2.json when the working tree has it
+#   bash bench/h200_vllm_gpu.sh screen-start [flags]   the same, detached; wait with acceptance-wait
 # Training benches need no vLLM: one call carrying [.whl, .dev/trainwhl] (~20 MB; `prepare-train` here takes
 # speculators' own imports out of the vLLM bundle: pydantic, openai and theirs):
 #   bash bench/h200_vllm_gpu.sh install-train          .whl + .dev/trainwhl wheels -> /root/site
@@ -62,7 +66,7 @@ wait_for() {  # wait_for DIR SECONDS NAME: until DIR/rc exists (at most SECONDS)
   cp "$dir"/*.json "$dir"/*.png "$dir"/*.log "$dir"/*.txt "$dir"/*.tgz "$dir"/rc "$OUT"/ 2>/dev/null
   if [ -f "$dir/rc" ]; then echo "$name finished, rc $(cat "$dir/rc")"; else echo "$name still running after ${waited}s"; fi
 }
-cmd=${1:?usage: h200_vllm_gpu.sh wheels|prepare|stash|install|run|acceptance|acceptance-start|acceptance-wait|extract-vs-prefill|extract-vs-prefill-start|curves|curves-start|curves-wait|prepare-train|install-train|train-start|train-wait}
+cmd=${1:?usage: h200_vllm_gpu.sh wheels|prepare|stash|install|run|acceptance|acceptance-start|acceptance-wait|extract-vs-prefill|extract-vs-prefill-start|curves|curves-start|curves-wait|screen|screen-start|prepare-train|install-train|train-start|train-wait}
 shift
 case "$cmd" in
   wheels)  # here: .whl/, what the image lacks beside the vLLM bundle (pure-Python wheels for its Python 3.12);
@@ -95,13 +99,17 @@ case "$cmd" in
     detach "$BG_OUT" bash "$0" acceptance "$@" ;;
   curves-start)
     detach "$BG_OUT" bash "$0" curves "$@" ;;
+  screen-start)
+    detach "$BG_OUT" bash "$0" screen "$@" ;;
   extract-vs-prefill-start)
     detach "$BG_OUT" bash "$0" extract-vs-prefill "$@" ;;
   acceptance-wait|curves-wait)
     wait_for "$BG_OUT" "${1:?seconds}" bench-acceptance
     (cd work/bench-acceptance-gpu 2>/dev/null && tar czf "$OUT/records.tgz" logs */bench-run.json vllm-k*.json 2>/dev/null)
     (cd work/bench-curves-gpu 2>/dev/null && tar czf "$OUT/curves-records.tgz" logs */bench-run.json */checkpoints/metrics.jsonl \
-      curves-*-plain/metrics.jsonl vllm-curves.json host-memory.json 2>/dev/null)
+      curves-*-plain/metrics.jsonl vllm-curves.json host-memory.json screen-*/bench-run.json screen-*/checkpoints/metrics.jsonl \
+      screen-*-plain/metrics.jsonl screen-*/checkpoints/*/val_metrics.json screen-*-plain/*/val_metrics.json \
+      screen-timing.json vllm-screen.json 2>/dev/null)
     tail -n 40 "$BG_OUT/bench.log" 2>/dev/null ;;
   prepare-train)  # here: speculators' imports that the image lacks, out of the vLLM bundle's parts
     rm -rf .dev/trainwhl && mkdir -p .dev/trainwhl
@@ -119,7 +127,7 @@ case "$cmd" in
   train-wait)
     wait_for "$TRAIN_OUT" "${1:?seconds}" bench-train
     tail -n 60 "$TRAIN_OUT/driver.log" 2>/dev/null ;;
-  run|acceptance|extract-vs-prefill|curves)
+  run|acceptance|extract-vs-prefill|curves|screen)
     export PYTHONPATH=$SITE VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
       VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
     OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /root/gguf
@@ -142,6 +150,12 @@ case "$cmd" in
       gguf=(); [ -f "/root/gguf/$GGUF_NAME" ] && gguf=(--gguf "/root/gguf/$GGUF_NAME")  # its prompts are not used
       python3 bench/extraction_vs_prefill.py --work $work --results "$OUT/h200-extraction-vs-prefill.json" "${gguf[@]}" \
         "$@" 2>&1 | tee "$OUT/bench.log"
+    elif [ "$cmd" = screen ]; then
+      work=work/bench-curves-gpu
+      results=h200-screen-smollm2.json
+      [ -f "bench/results/$results" ] && cp "bench/results/$results" "$OUT/$results"
+      timeout "${BENCH_TIMEOUT_S:-0}" python3 bench/acceptance.py --device cuda --screen --work $work --output "$OUT/$results" \
+        "${flags[@]}" "$@" 2>&1 | tee "$OUT/bench.log"
     elif [ "$cmd" = curves ]; then
       work=work/bench-curves-gpu
       results=h200-acceptance-curves-smollm2.json

@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     sample_spec = {"slots": len(layer_ids), "hidden": target.hidden_size,
                    "dtype": stored.dtype if stored and not stored.is_fp8 else None,
                    "storage": stored.storage if stored else "any"}
-    export_compat_settings(cfg, sample_spec)
+    export_compat_settings(cfg, sample_spec, draft)
     if trained_already:
         log.info("run position %d already trained; writing the run's report and manifest", position)
     elif launch is None:

@@ -119,3 +119,32 @@ def test_resume_with_another_optimizer_is_refused(tmp_path, kimi_run, kimi_targe
     assert result.stderr.strip().splitlines()[-1].startswith(
         f"error: {work / 'manifest.json'}: {work} holds a finished result made with settings.optimizer = \"adamw\" "
         f"there, \"muon\" in this run; a resume restores the old optimizer")
+
+
+@pytest.mark.slow
+def test_validation_unrolls_the_served_depth_while_training_keeps_its_ttt_steps(tmp_path, kimi_run, kimi_target):
+    """--val-ttt-steps 5 on a draft trained 3 TTT steps deep (compat/val_depth.py): every epoch's validation has
+    full_acc for 5 positions, so the offline tau reaches k = 5; the training steps still unroll 3."""
+    out = tmp_path / "ckpt"
+    run_stage("train", "--profile", "cpu-mini", "--target", kimi_target, "--data", kimi_run["data"], "--vocab",
+              kimi_run["vocab"], "--output", out, "--epochs", "1", "--val-ttt-steps", "5", "--logger", "")
+    records = read_metrics(out / "metrics.jsonl")
+    val = [r["val"] for r in records if "val" in r]
+    assert val and all(f"full_acc_{i}_epoch" in v for v in val for i in range(5)) and "full_acc_5_epoch" not in val[-1]
+    trained = {key for r in records if "train" in r for key in r["train"]}
+    assert "full_acc_2" in trained and "full_acc_3" not in trained  # the training forward: 3 steps
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert "val_depth" in manifest["compat_applied"]
+    assert len(manifest["summary"]["full_acc"]) == 5 and "5" in {str(k) for k in manifest["summary"]["expected_accepted_length"]}
+    assert "--ttt-steps 3" in (out / "command.txt").read_text()
+
+
+def test_validation_depth_is_the_served_k_unless_given():
+    from eagle3_pipeline.training import val_ttt_steps
+
+    required = {"target": "t", "data": "d", "vocab": "v", "output": "o"}
+    draft = DraftConfig(num_speculative_tokens=5, ttt_steps=3)
+    assert val_ttt_steps(TrainConfig(**required), draft) == 5
+    assert val_ttt_steps(TrainConfig(**required, ttt_steps=7), draft) == 7  # never shallower than training
+    assert val_ttt_steps(TrainConfig(**required, val_ttt_steps=2), draft) == 3
+    assert val_ttt_steps(TrainConfig(**required, val_ttt_steps=6), DraftConfig()) == 6

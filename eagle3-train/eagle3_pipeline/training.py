@@ -19,7 +19,7 @@ from pathlib import Path
 
 from . import compat, online, resume
 from .checkpoints import latest_progress
-from .compat import flex_forward_config
+from .compat import flex_forward_config, val_depth
 from .compat import sample_check as checks
 from .compat.flex_forward_config import traced_calls_summary
 from .compat.sample_check import read_records, stop_line
@@ -72,6 +72,12 @@ def hidden_states_dtype(cfg: TrainConfig, gpu: bool | None = None) -> str:
 def ttt_steps(cfg: TrainConfig, draft: DraftConfig) -> int:
     """The test-time-training steps of this run: --ttt-steps, else the draft config's."""
     return cfg.ttt_steps or draft.ttt_steps
+
+
+def val_ttt_steps(cfg: TrainConfig, draft: DraftConfig) -> int:
+    """The TTT steps validation unrolls: --val-ttt-steps, else the deeper of training's and the served k
+    (compat/val_depth.py: speculators validates at training's depth, so positions past it had no offline figure)."""
+    return max(cfg.val_ttt_steps or draft.num_speculative_tokens, ttt_steps(cfg, draft))
 
 
 def fit_seq_len_to_run(cfg: TrainConfig, sources: Sources, counts: dict, train_data_ratio: float):
@@ -190,6 +196,9 @@ def resolved_for_print_config(cfg: TrainConfig) -> dict[str, str]:
                                   f"an explicit --total-seq-len (the preflight line says which)")
     if cfg.ttt_steps is None:
         notes["ttt_steps"] = f"{sent('--ttt-steps')} ({cfg.draft_config}'s ttt_steps)"
+    if cfg.val_ttt_steps is None:
+        notes["val_ttt_steps"] = (f"{val_ttt_steps(cfg, draft)} (the deeper of the TTT steps and {cfg.draft_config}'s "
+                                  f"num_speculative_tokens: the offline acceptance length covers the served k)")
     if cfg.attn_impl == "auto":
         notes["attn_impl"] = f'"{sent("--draft-attn-impl")}" ({device}: flex_attention on GPUs; sdpa on the CPU, no flex backward there)'
     if cfg.loss_impl == "auto":
@@ -256,11 +265,17 @@ def _split_endpoint(endpoint: str) -> tuple[str, str]:
     return host.strip("[]"), port
 
 
-def export_compat_settings(cfg: TrainConfig, sample_check: dict | None = None) -> None:
+def export_compat_settings(cfg: TrainConfig, sample_check: dict | None = None, draft: DraftConfig | None = None) -> None:
     """Settings of the compat fixes, for this process and every training process it starts
     (`run_in_process` only gets speculators' flags, which have no place for them). `sample_check`:
-    what every sample must be (compat/sample_check.py: slots, hidden, dtype, storage)."""
+    what every sample must be (compat/sample_check.py: slots, hidden, dtype, storage); `draft`: the draft
+    config, for the validation depth (compat/val_depth.py, set only when deeper than training)."""
     os.environ[flex_forward_config.ENV] = cfg.flex_forward_config
+    depth = val_ttt_steps(cfg, draft) if draft is not None else 0
+    if draft is not None and depth > ttt_steps(cfg, draft):
+        os.environ[val_depth.ENV] = str(depth)
+    else:
+        os.environ.pop(val_depth.ENV, None)
     if sample_check is None:
         os.environ.pop(checks.ENV, None)
     else:

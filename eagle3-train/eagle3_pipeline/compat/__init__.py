@@ -21,6 +21,8 @@ installed (stage 04 logs them and records them in its manifest, via metrics.json
   sample_check         every sample is checked as the loader reads it (shape, storage, finite, token ids);
                        a bad one stops training with one line, or is skipped and listed (gate: stage 04)
   finite_loss          a non-finite loss stops training before its optimizer step (gate: stage 04)
+  val_depth            validation unrolls --val-ttt-steps TTT steps (the served k), deeper than training's
+                       (gate: stage 04 asked for more steps than it trains; speculators 0.9.0)
   online_generation    on-demand generation from a vLLM server (04 --hidden-states online/hybrid):
                        a dead endpoint stops training at that batch with one line; hybrid keeps each
                        generated sample (gate: online/hybrid mode; speculators 0.9.0, else it raises)
@@ -38,7 +40,7 @@ from pathlib import Path
 # version first; vLLM's workers import hidden_states_connector light); apply() imports the fixes.
 
 FIXES = ("cpu_trainer", "fused_loss", "flex_forward_config", "interrupt_progress", "samples_record", "metrics_jsonl",
-         "device_prefetch", "sample_check", "finite_loss", "online_generation")
+         "device_prefetch", "sample_check", "finite_loss", "val_depth", "online_generation")
 
 
 def apply(metrics_path: str | Path) -> list[str]:
@@ -58,6 +60,7 @@ def apply(metrics_path: str | Path) -> list[str]:
         online_generation,
         sample_check,
         samples_record,
+        val_depth,
     )
 
     gates = {
@@ -70,6 +73,7 @@ def apply(metrics_path: str | Path) -> list[str]:
         "device_prefetch": device_prefetch.apply,
         "sample_check": sample_check.apply,
         "finite_loss": finite_loss.apply,
+        "val_depth": val_depth.apply,
         "online_generation": online_generation.apply,
     }
     return [name for name in FIXES if gates[name]()]

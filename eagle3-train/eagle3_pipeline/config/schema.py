@@ -267,6 +267,10 @@ class TrainConfig(StageConfig):
     optimizer: Literal["muon", "adamw"] = _field("adamw", "optimizer (Muon's ~113 TFLOP per step is 41 percent of a Kimi-size step at 8K tokens)", identity=True, speculators="--optimizer")
     # not identity: recorded resolved (this flag, else the draft config's)
     ttt_steps: Optional[int] = _field(None, "test-time-training steps (default: draft_config.json's)", ge=1, identity=False)
+    # not identity: validation only (recorded resolved: the manifest's summary has one full_acc per step validated)
+    val_ttt_steps: Optional[int] = _field(None, "TTT steps validation unrolls, so the offline acceptance length covers "
+                                                "the served k (default: the deeper of the training TTT steps and "
+                                                "draft_config.json's num_speculative_tokens)", ge=1, identity=False)
     attn_impl: Literal["auto", "simple_flex_attention", "sdpa", "eager"] = _field("auto", "draft attention; auto = flex_attention on GPU, sdpa on CPU", identity=False)
     loss_impl: Literal["auto", "fused", "eager"] = _field("auto", "loss kernel; auto = fused (Triton) on GPU, eager on CPU", identity=False)
     hidden_states_dtype: Literal["auto", "bfloat16", "float32"] = _field("auto", "training compute dtype for hidden states (speculators autocast); auto = bfloat16 on GPU, float32 on CPU", identity=True)
