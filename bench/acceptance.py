@@ -389,6 +389,8 @@ def jobs_refusal(args, bench: Bench, kinds: list[str]) -> str | None:
     hidden = json.loads((bench.target / "config.json").read_text())["hidden_size"]
     # (tokens per step, loader workers, prefetch per worker): ours (04's defaults) and plain (speculators')
     shapes = [(CPU_TOTAL_SEQ_LEN, 0, 1)] if bench.cpu else [(CURVE_SEQ["cuda"][1], 8, 2), (8192, 12, 4)]
+    if args.screen and not bench.cpu:  # the screen's trainings: the short-run packing, --screen-workers loaders each
+        shapes = [(CURVE_SEQ["cuda"][0], args.screen_workers, 2)]
     estimates = {"dataset": lc.engine_job_bytes(target_bytes) if not bench.cpu else 3 * lc.GIB + 2 * target_bytes,
                  "engine": lc.engine_job_bytes(target_bytes),
                  "training": max(lc.training_job_bytes(seq, 4, hidden, workers, prefetch, target_bytes)
@@ -578,6 +580,38 @@ def step_ms_of(metrics_jsonl: Path) -> list[float]:
     return [float(profile[step]["step_ms"]) for step in sorted(profile)]
 
 
+SCREEN_POSITIONS = "screen-positions.json"
+
+
+def screen_run_dir(work: Path, size: int | str, name: str) -> Path:
+    return work / f"screen-{size}x-{name}"
+
+
+def screen_curves(work: Path, sizes, names, ks, timing: dict, positions: dict, whole: bool = True) -> dict[str, dict]:
+    """The offline curves of the screen's runs in `work`: each epoch with a validation, tau at `ks` (benchlib.screen);
+    `whole`: every run must have all its epochs (a finished screen), else the epochs there are (a cut hold's records)."""
+    curves: dict[str, dict] = {}
+    for f in sizes:
+        for n in names:
+            run_dir = screen_run_dir(work, f, n)
+            ckpts = run_dir if sc.resolve_recipe(n).get("plain") else run_dir / "checkpoints"
+            try:
+                costs = lc.read_gpu_seconds(ckpts / "metrics.jsonl")
+            except (OSError, ValueError) as exc:  # a run that never trained a step (a cut hold's records: skipped)
+                if whole:
+                    raise SystemExit(f"bench-acceptance --screen: {ckpts}: {exc}") from None
+                continue
+            step_s = timing.get(f"{f}x/{sc.cost_class(n)}", {}).get("step_s")
+            points = [sc.offline_point(e, costs[e], offline_estimate(read_val_metrics(ckpts / str(e)))["full_acc"],
+                                       positions[str(f)], ks, step_s)
+                      for e in sorted(costs) if whole or (ckpts / str(e) / "val_metrics.json").is_file()]
+            if points:
+                curves.setdefault(str(f), {})[n] = {"recipe": sc.resolve_recipe(n), "cost_class": sc.cost_class(n),
+                                                    "step_s": step_s, "val_positions": positions[str(f)],
+                                                    "checkpoints": str(ckpts), "points": points}
+    return curves
+
+
 def run_screen(args, bench: Bench, target: dict, started: float, load_start) -> int:
     """--screen (issue 37): per data size one dataset, every --screen-recipes trained on it (--jobs at once: equal
     epochs do not need a quiet GPU), validated on the held-out rows to --screen-val-depth TTT steps at every epoch;
@@ -627,23 +661,14 @@ def run_screen(args, bench: Bench, target: dict, started: float, load_start) -> 
     # 3. offline curves: every epoch's validation, tau at k = 1..depth with a standard error; gpu_s once timed (5.)
     timing_path = bench.work / "screen-timing.json"
     timing = json.loads(timing_path.read_text()) if timing_path.is_file() else {}
-    positions = {f: val_positions(datasets[f]) for f in args.screen_data}
+    positions_path = bench.work / SCREEN_POSITIONS  # travels with the records: a cut hold's records report alone
+    positions = {str(f): val_positions(datasets[f]) for f in args.screen_data}
+    positions_path.write_text(json.dumps(positions))
+
+    finished = [n for n in names if not any(isinstance(trained[(f, n)], BaseException) for f in args.screen_data)]
 
     def offline_curves() -> dict[str, dict]:
-        curves: dict[str, dict] = {}
-        for f in args.screen_data:
-            for n in names:
-                done = trained[(f, n)]
-                if isinstance(done, BaseException):
-                    continue
-                ckpts = Path(done["checkpoints"])
-                costs = lc.read_gpu_seconds(ckpts / "metrics.jsonl")
-                step_s = timing.get(f"{f}x/{sc.cost_class(n)}", {}).get("step_s")
-                points = [sc.offline_point(e, costs[e], offline_estimate(read_val_metrics(ckpts / str(e)))["full_acc"],
-                                           positions[f], ks, step_s) for e in range(args.screen_epochs)]
-                curves.setdefault(str(f), {})[n] = {"recipe": recipes[n], "cost_class": sc.cost_class(n), "step_s": step_s,
-                                                    "val_positions": positions[f], "checkpoints": str(ckpts), "points": points}
-        return curves
+        return screen_curves(bench.work, args.screen_data, finished, ks, timing, positions)
 
     curves = offline_curves()
 
@@ -761,6 +786,32 @@ def run_screen(args, bench: Bench, target: dict, started: float, load_start) -> 
     return 0
 
 
+def screen_records_report(records: Path, output: Path | None, val_depth: int) -> int:
+    """--screen-records DIR: the screen's table from a hold's records alone (acceptance-wait's curves-records.tgz,
+    unpacked): what a hold cut short had trained, each run's epochs with a validation; no engine, no training."""
+    positions = json.loads((records / SCREEN_POSITIONS).read_text())
+    timing = json.loads((records / "screen-timing.json").read_text()) if (records / "screen-timing.json").is_file() else {}
+    found: dict[str, list[str]] = {}
+    for run_dir in sorted(records.glob("screen-*x-*")):
+        size, _, name = run_dir.name.removeprefix("screen-").partition("x-")
+        if not name.startswith("timing-"):
+            found.setdefault(size, []).append(name)
+    ks = list(range(1, val_depth + 1))
+    curves = {}
+    for size, names in found.items():
+        curves.update(screen_curves(records, [size], names, ks, timing, positions, whole=False))
+    report_ks = [k for k in (3, 5) if k <= val_depth]
+    rows = sc.screen_table(curves, report_ks)
+    for line in sc.format_screen(rows, report_ks):
+        log(line)
+    if output:
+        results = {"benchmark": "screen-smollm2", "partial": f"from the records in {records.name}: the epochs each run "
+                   "had validated when they were copied", "curves": curves, "timing": timing, "table": rows}
+        output.write_text(json.dumps(results, indent=2, default=str) + "\n")
+        log(f"wrote {output}")
+    return 0
+
+
 def curves_report(path: Path) -> int:
     """--curves-report FILE: print a curves JSON's tables again (recomputed from its curves) and draw its PNG."""
     results = json.loads(path.read_text())
@@ -852,7 +903,11 @@ def main() -> int:
                         help="steps of each step shape's solo timing run (0: no timing, no equal-GPU-time column)")
     screen.add_argument("--screen-vllm-top", type=int, default=3,
                         help="recipes measured in vLLM besides ours and plain (0: none)")
+    screen.add_argument("--screen-records", type=Path, default=None, metavar="DIR",
+                        help="print the screen table of a hold's unpacked records (its runs' epochs so far); runs nothing")
     args = parser.parse_args()
+    if args.screen_records:
+        return screen_records_report(args.screen_records, args.output, args.screen_val_depth)
     if args.curves_report:
         return curves_report(args.curves_report)
     output = args.output or REPO / "bench" / "results" / f"{args.device}-acceptance-smollm2.json"

@@ -109,7 +109,7 @@ case "$cmd" in
     (cd work/bench-curves-gpu 2>/dev/null && tar czf "$OUT/curves-records.tgz" logs */bench-run.json */checkpoints/metrics.jsonl \
       curves-*-plain/metrics.jsonl vllm-curves.json host-memory.json screen-*/bench-run.json screen-*/checkpoints/metrics.jsonl \
       screen-*-plain/metrics.jsonl screen-*/checkpoints/*/val_metrics.json screen-*-plain/*/val_metrics.json \
-      screen-timing.json vllm-screen.json 2>/dev/null)
+      screen-timing.json screen-positions.json vllm-screen.json 2>/dev/null)
     tail -n 40 "$BG_OUT/bench.log" 2>/dev/null ;;
   prepare-train)  # here: speculators' imports that the image lacks, out of the vLLM bundle's parts
     rm -rf .dev/trainwhl && mkdir -p .dev/trainwhl

@@ -26,7 +26,10 @@ SCREEN_RECIPES: dict[str, dict] = {
     "ttt-5": {"train": ["--ttt-steps", "5"]},
     "ttt-7": {"train": ["--ttt-steps", "7"]},
     "decay-0.8": {"train": ["--extra-args=--ttt-step-loss-decay", "--extra-args=0.8"], "cost_as": "ours"},
-    "lk-hybrid": {"train": ["--extra-args=--loss-fn", "--extra-args=lk_hybrid"]},
+    # eager loss: lk_hybrid launches the fused forward kernel twice (KL and TV) in one compiled region, and torch
+    # 2.11's Dynamo tracks its autotune configs twice ("ListVariable ... already tracked for mutation", the bug
+    # compat/fused_loss.py mends for the backward kernel; H200 image, 2026-12-03)
+    "lk-hybrid": {"train": ["--extra-args=--loss-fn", "--extra-args=lk_hybrid", "--loss-impl", "eager"]},
     "tv": {"train": ["--extra-args=--loss-fn", "--extra-args=tv"]},
     # EAGLE 3.1's per-layer norm of each aux state instead of 0.9.0's default single norm over their concatenation
     "fc-norm": {"train": ["--extra-args=--fc-norm", "--extra-args=--no-norm-before-fc"]},

@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_recipes_combine_and_say_whose_step_they_cost():
     both = sc.resolve_recipe("ttt-7+lk-hybrid")
-    assert both["train"] == ["--ttt-steps", "7", "--extra-args=--loss-fn", "--extra-args=lk_hybrid"]
+    assert both["train"] == ["--ttt-steps", "7", "--extra-args=--loss-fn", "--extra-args=lk_hybrid", "--loss-impl", "eager"]
     assert "cost_as" not in both  # two changes of the step's kernels: timed on its own
     assert sc.resolve_recipe("ttt-5+decay-0.8+warmup-10")["cost_as"] == "ttt-5"
     assert sc.resolve_recipe("layers-2+decay-0.8") == {"draft": {"num_layers": 2}, "train": [
