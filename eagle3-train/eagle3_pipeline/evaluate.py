@@ -322,15 +322,16 @@ def in_dependency_order(tasks: Mapping[str, tuple[Sequence[str], Callable[[dict]
 def measure_acceptance(target_dir, drafts: Mapping[str, str], prompts: list[list[int]],
                        groups: list[str] | None = None, ks: Sequence[int] = (1, 2, 3),
                        settings: VllmSettings | None = None, log_dir: str | os.PathLike | None = None,
-                       log=print, baseline: tuple[dict, list[list[int]]] | None = None, jobs: int = 1) -> dict:
+                       log=print, baseline: tuple[dict, list[list[int]]] | None = None, jobs: int = 1,
+                       with_baseline: bool = True) -> dict:
     """Baseline (no draft) plus every (draft, k): tau, per-position acceptance, tokens/s.
 
     `prompts`: token ids (already rendered with the chat template); `groups`: one label per prompt (its
     category), for tau and tokens/s per group. `drafts` maps a label to an exported EAGLE-3 draft directory.
-    `baseline` = (the "baseline"
-    and "baseline_token_ids" of an earlier call on the same prompts and settings) skips measuring
-    the target alone again. Returns a JSON-ready dict; generated token ids are dropped after
-    comparing each run with the baseline. `jobs` engines run at once after the baseline (on one GPU
+    `baseline` = (the "baseline" and "baseline_token_ids" of an earlier call on the same prompts and
+    settings) skips measuring the target alone again. Returns a JSON-ready dict; generated token ids are dropped after
+    comparing each run with the baseline; `with_baseline=False` serves no target alone (no tokens/s without
+    the draft, no agreement: "baseline" is None). `jobs` engines run at once after the baseline (on one GPU
     each needs a fixed KV cache, `kv_cache_memory_bytes`); their tokens/s then include each other's load.
     """
     settings = settings or VllmSettings()
@@ -342,7 +343,9 @@ def measure_acceptance(target_dir, drafts: Mapping[str, str], prompts: list[list
     def _log_path(name):
         return str(log_dir / f"vllm-{name}.log") if log_dir else None
 
-    if baseline is None:
+    if not with_baseline:
+        baseline, reference = None, None
+    elif baseline is None:
         log(f"vllm: baseline (no draft), {len(prompts)} prompts, max_tokens {settings.max_tokens}")
         baseline = run_engine_isolated(target_dir, None, 0, prompts, settings, _log_path("baseline"), groups=kinds)
         reference = baseline.pop("generated_token_ids")
@@ -352,14 +355,17 @@ def measure_acceptance(target_dir, drafts: Mapping[str, str], prompts: list[list
     def one(label: str, draft_dir: str, k: int) -> dict:
         name = f"{label}-k{k}"
         result = run_engine_isolated(target_dir, draft_dir, k, prompts, settings, _log_path(name), groups=kinds)
-        result["agreement_with_baseline"] = agreement(reference, result.pop("generated_token_ids"))
-        result["speedup_tokens_per_s"] = result["tokens_per_s"] / baseline["tokens_per_s"]
+        generated = result.pop("generated_token_ids")
+        if baseline is not None:
+            result["agreement_with_baseline"] = agreement(reference, generated)
+            result["speedup_tokens_per_s"] = result["tokens_per_s"] / baseline["tokens_per_s"]
         result["concurrent_engines"] = jobs
         sd = result["spec_decode"]
         log(
             f"vllm: {name}: tau {sd['mean_acceptance_length']:.3f}, per-position "
             f"{[round(x, 3) for x in sd['acceptance_rate_per_pos']]}, "
-            f"{result['tokens_per_s']:.1f} tokens/s (x{result['speedup_tokens_per_s']:.2f})"
+            f"{result['tokens_per_s']:.1f} tokens/s"
+            + (f" (x{result['speedup_tokens_per_s']:.2f})" if baseline is not None else "")
         )
         return {"label": label, **result}
 
@@ -378,8 +384,6 @@ def measure_acceptance(target_dir, drafts: Mapping[str, str], prompts: list[list
         # large for a results file, drop before writing.
         "baseline_token_ids": reference,
     }
-
-
 
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--child":
