@@ -22,7 +22,7 @@ from safetensors import safe_open
 from eagle3_pipeline.chat_rows import ChatTokenizer
 from eagle3_pipeline.config import EvaluateConfig, resolve_stage_config
 from eagle3_pipeline.contract import input_record, read_manifest, read_recorded_input, write_manifest
-from eagle3_pipeline.errors import ContractError, DraftRejected
+from eagle3_pipeline.errors import ContractError, DraftRejected, PreflightError
 from eagle3_pipeline.eval_prompts import render_prompts
 from eagle3_pipeline.eval_report import REPORT_JSON, REPORT_PNG, REPORT_TEXT, build_report, format_report, write_plot
 from eagle3_pipeline.evaluate import VllmSettings, measure_acceptance
@@ -104,9 +104,16 @@ def main(argv: list[str] | None = None) -> int:
     if finished(out_dir, "evaluate", identity, cfg.overwrite, cfg.check):
         log.info("%s: already evaluated with these settings and inputs; its report:", out_dir)
         return report_outcome(json.loads((out_dir / REPORT_JSON).read_text()))
-    for line in preflight_evaluate(target, tensor_parallel):
+    try:
+        preflight = preflight_evaluate(target, tensor_parallel)
+    except PreflightError as exc:
+        if cfg.check:  # what ran and what cannot run here, in one line (make smoke prints it)
+            print(check_line(findings, len(prompts), f"skipped: {getattr(exc, 'why', '') or exc}"))
+        raise
+    for line in preflight:
         log.info("preflight %s", line)
     if cfg.check:
+        print(check_line(findings, len(prompts), "can run here"))
         return 0
 
     # 3. Work: the target with the draft, then alone (each engine in its own process: vLLM's counters are global).
@@ -143,6 +150,11 @@ def main(argv: list[str] | None = None) -> int:
         mean_acceptance_length_stderr=spec["mean_acceptance_length_stderr"], verdict=judged, outputs=outputs))
     log.info("report -> %s", out_dir)
     return report_outcome(report)
+
+
+def check_line(findings, num_prompts: int, measurement: str) -> str:
+    checks = "; ".join(f"{f.check} {f.status}" for f in findings)
+    return f"06 --check: ran the self-checks ({checks}) and rendered {num_prompts} prompts; tau in vLLM {measurement}"
 
 
 def report_outcome(report: dict) -> int:

