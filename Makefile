@@ -40,7 +40,7 @@ smoke: venv
 	PYTHON=$(PY) eagle3-train/run_all.sh --profile cpu-mini --target "$$target" \
 	    --data eagle3-train/samples/conversations.jsonl --work $(WORK) --args-02 "--backend $(BACKEND)" && \
 	{ $(PY) eagle3-train/06_evaluate.py --profile cpu-mini --draft $(WORK)/draft --output $(WORK)/eval --check \
-	    2> $(WORK)/logs/06_evaluate.log | tail -n 1; true; }
+	    2> $(WORK)/logs/06_evaluate_check.log | tail -n 1; true; }
 
 # The same five stages on one CUDA device (HF extraction on the GPU; flex_attention + fused loss).
 # Uses the machine's Python (GPU_PY), not the CPU venv: on a GPU box, install requirements.txt there.

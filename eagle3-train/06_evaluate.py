@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # 3. Work: the target with the draft, then alone (each engine in its own process: vLLM's counters are global).
     remove_stale_temps(out_dir)
-    retire_manifest(out_dir)
+    retire_manifest(out_dir)  # an old report (--overwrite) stops being finished only now
+    write_manifest(out_dir, EvaluateManifest(complete=False, identity=identity))  # logs/ is this stage's from here
     extra = {"tensor_parallel_size": tensor_parallel, "trust_remote_code": cfg.trust_remote_code}
     if target.is_multimodal_wrapper:
         extra["language_model_only"] = True  # Kimi-K2.5: text only, no vision tower (as the serve command)
