@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     trained = read_recorded_input(exported, "train", cfg.checkpoints, "--checkpoints", relation="exported from")
     prepared = read_recorded_input(trained, "prepare", cfg.data, "--data", relation="trained on")
     vocab = read_recorded_input(trained, "vocab", cfg.vocab, "--vocab", relation="trained with")
-    target = load_target_info(cfg.target or exported.target["path"])
+    tokenizer_dir = prepared.config.get("tokenizer")  # stage 01's own --tokenizer, if it had one
+    target = load_target_info(cfg.target or exported.target["path"], tokenizer_dir)
     if target.config_sha256 != exported.target["config_sha256"]:
         raise ContractError(f"{Path(target.path) / 'config.json'}: not the target {draft_dir} was trained for (its "
                             f"config differs from the one {exported.path} records); pass --target with that model")
@@ -86,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         (log.warning if finding.status == "problem" else log.info)("self-check %s: %s: %s", finding.check,
                                                                     finding.status, finding.detail)
     # Rendered as stage 01 rendered its rows: its tokenizer, end-of-turn tokens and (unless given) template kwargs.
-    chat = ChatTokenizer(prepared.config.get("tokenizer") or prepared.target["path"], cfg.trust_remote_code,
-                         template_kwargs, prepared.config.get("end_of_turn_tokens") or [])
+    chat = ChatTokenizer(tokenizer_dir or target.path, cfg.trust_remote_code, template_kwargs,
+                         prepared.config.get("end_of_turn_tokens") or [])
     prompts = render_prompts(Path(cfg.prompts), chat, cfg.max_model_len, cfg.max_tokens, cfg.max_prompts)
     categories = [p.category for p in prompts]
     log.info("%d prompts from %s (%s), chat_template_kwargs %s", len(prompts), cfg.prompts,
