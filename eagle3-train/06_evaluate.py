@@ -70,11 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     if target.config_sha256 != exported.target["config_sha256"]:
         raise ContractError(f"{Path(target.path) / 'config.json'}: not the target {draft_dir} was trained for (its "
                             f"config differs from the one {exported.path} records); pass --target with that model")
-    k = cfg.num_speculative_tokens or exported.num_speculative_tokens
+    draft_config = json.loads((draft_dir / "config.json").read_text())
+    k = cfg.num_speculative_tokens or draft_speculative_tokens(draft_config) or exported.num_speculative_tokens
     tensor_parallel = cfg.tensor_parallel_size or exported.config["tensor_parallel_size"]
     trained_kwargs = json.loads(prepared.config.get("chat_template_kwargs") or "{}")
     template_kwargs = json.loads(cfg.chat_template_kwargs) if cfg.chat_template_kwargs else trained_kwargs
-    draft_config = json.loads((draft_dir / "config.json").read_text())
 
     # The causes of "acceptance ~1" that the files show, checked before any engine starts (verdict.py).
     findings = [
@@ -165,6 +165,12 @@ def report_outcome(report: dict) -> int:
     if not report["verdict"]["passed"]:
         raise DraftRejected(report["verdict"]["line"])
     return 0
+
+
+def draft_speculative_tokens(draft_config: dict) -> int | None:
+    """k as the draft's config proposes it (speculators_config.proposal_methods, what stage 05 wrote)."""
+    methods = (draft_config.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    return methods[0].get("speculative_tokens")
 
 
 def draft_d2t(draft_dir: Path) -> np.ndarray | None:

@@ -350,7 +350,8 @@ class EvaluateConfig(StageConfig):
         "value measures another serving mode and is named in the verdict", identity=True)
     checkpoints: Optional[str] = _field(None, "stage 04's output the draft was exported from (default: the path stage "
                                               "05 recorded)", identity=False)
-    num_speculative_tokens: Optional[int] = _field(None, "draft tokens per step (default: stage 05's)", ge=1, identity=True)
+    num_speculative_tokens: Optional[int] = _field(None, "draft tokens per step (default: the draft config's, as stage 05 "
+                                                          "wrote it)", ge=1, identity=True)
     tensor_parallel_size: Optional[int] = _field(None, "vLLM tensor parallel size (default: stage 05's, i.e. the "
                                                        "profile's export.tensor_parallel_size)", ge=1, identity=True)
     temperature: float = _field(0.0, "sampling temperature (0 = greedy; > 0: vLLM's rejection sampling)", ge=0, identity=True)
