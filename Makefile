@@ -32,11 +32,15 @@ $(VENV)/.installed: requirements-cpu.txt
 miniature: venv
 	$(PY) -m eagle3_pipeline.miniature --cache-dir $(CACHE)
 
-# The five stages on the Kimi-K2.5-shaped miniature, on the CPU (BACKEND=vllm extracts with vLLM's CPU build).
+# The five stages on the Kimi-K2.5-shaped miniature, on the CPU (BACKEND=vllm extracts with vLLM's CPU build),
+# then stage 06's --check on its draft: one line saying what ran (self-checks, prompt rendering) and what is
+# skipped (vLLM's CPU build cannot serve EAGLE-3 on an MLA target; tests/test_06_evaluate.py measures a Llama one).
 smoke: venv
 	@target=$$($(PY) -m eagle3_pipeline.miniature --cache-dir $(CACHE) --print kimi) && \
 	PYTHON=$(PY) eagle3-train/run_all.sh --profile cpu-mini --target "$$target" \
-	    --data eagle3-train/samples/conversations.jsonl --work $(WORK) --args-02 "--backend $(BACKEND)"
+	    --data eagle3-train/samples/conversations.jsonl --work $(WORK) --args-02 "--backend $(BACKEND)" && \
+	{ $(PY) eagle3-train/06_evaluate.py --profile cpu-mini --draft $(WORK)/draft --output $(WORK)/eval --check \
+	    2> $(WORK)/logs/06_evaluate_check.log | tail -n 1; true; }
 
 # The same five stages on one CUDA device (HF extraction on the GPU; flex_attention + fused loss).
 # Uses the machine's Python (GPU_PY), not the CPU venv: on a GPU box, install requirements.txt there.

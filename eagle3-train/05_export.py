@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 
 from eagle3_pipeline.config import DraftConfig, ExportConfig, resolve_stage_config
-from eagle3_pipeline.contract import input_record, manifest_path, read_manifest, write_manifest
-from eagle3_pipeline.errors import ConfigError, ContractError
+from eagle3_pipeline.contract import input_record, manifest_path, read_manifest, read_recorded_input, write_manifest
+from eagle3_pipeline.errors import ConfigError
 from eagle3_pipeline.export import (
     choose_checkpoint,
     require_finite_weights,
@@ -94,16 +94,7 @@ def lock_file_for(out_dir: Path) -> Path:
 def trained_vocab_dir(trained: TrainManifest, flag: str | None) -> Path:
     """Stage 03's output that stage 04 trained with: --vocab, else the (resolved) path 04 recorded,
     checked by content either way (a moved work directory needs --vocab, never a guess from the cwd)."""
-    recorded = trained.inputs["vocab"]
-    vocab_dir = Path(flag) if flag else Path(recorded["path"])
-    if not manifest_path(vocab_dir).is_file():
-        raise ContractError(f"{vocab_dir}: stage 03's output that {trained.path} was trained with is not there "
-                            f"(moved?); pass --vocab with its new place")
-    found = read_manifest(vocab_dir, "vocab", "--vocab")
-    if recorded["content_sha256"] != found.content_sha256:
-        raise ContractError(f"{found.path}: not the vocab mapping {trained.path} was trained with (other "
-                            f"data or settings, or rebuilt since); pass --vocab with the one it used")
-    return vocab_dir
+    return read_recorded_input(trained, "vocab", flag, "--vocab", relation="trained with").directory
 
 
 def refuse_foreign_output(out_dir: Path) -> None:

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Run the five stages in order for one profile, target, data and work directory.
+# Run the five stages in order for one profile, target, data and work directory; with --eval or
+# --eval-prompts, then stage 06 (the exported draft's acceptance in vLLM, and its verdict) into WORK/eval.
 #
 #   eagle3-train/run_all.sh --profile rtx-pro-6000-8x --target /models/Kimi-K2.5 --trust-remote-code \
 #       --data mlabonne/open-perfectblend --work /nvme/eagle3-run
@@ -7,6 +8,10 @@
 # options:  --python PY            interpreter (default: $PYTHON, else python3)
 #           --trust-remote-code    passed to the stages that load the target (01, 02, 04)
 #           --args-0N "FLAGS"      extra flags for stage N, e.g. --args-04 "--epochs 3 --lr 5e-4"
+#           --eval                 after 05, run 06_evaluate.py on its default prompts (eagle3-train/samples/
+#                                  eval_prompts.jsonl: chat, code, maths, tool calls, multi-turn) into WORK/eval
+#           --eval-prompts FILE    the same on your prompts (jsonl of OpenAI messages, optional `category`);
+#                                  a verdict that fails (tau ~1: a broken draft) stops the run with its line
 #           --from NN              start at stage NN (earlier ones must be finished: their manifest complete)
 #           --slice-rows N         a run larger than the disk: the training rows in slices of N; per slice 02
 #                                  extracts it (+ the validation rows), 04 trains on it continuing one run (one
@@ -55,17 +60,22 @@ trap '' HUP PIPE  # an SSH drop must not stop the run; a closed terminal must no
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 python="${PYTHON:-python3}"
 profile="" target="" data="" work="" from="" trust="" mode=run rows="" tokens_per_row="" slice_rows=""
+evaluate="" eval_prompts=""
 plan_rates=()  # --plan's rate flags, passed to eagle3_pipeline.plan as given
-declare -A extra=([01]="" [02]="" [03]="" [04]="" [05]="")
+declare -A extra=([01]="" [02]="" [03]="" [04]="" [05]="" [06]="")
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --profile|--target|--data|--work|--python|--from)
       [[ $# -ge 2 ]] || { echo "run_all.sh: $1 needs a value (see --help)" >&2; exit 2; }
       declare "${1#--}=$2"; shift 2 ;;
     --trust-remote-code) trust="--trust-remote-code"; shift ;;
-    --args-0[1-5])
+    --args-0[1-6])
       [[ $# -ge 2 ]] || { echo "run_all.sh: $1 needs a value (see --help)" >&2; exit 2; }
       extra[${1#--args-}]="$2"; shift 2 ;;
+    --eval) evaluate=1; shift ;;
+    --eval-prompts)
+      [[ $# -ge 2 ]] || { echo "run_all.sh: $1 needs a value (see --help)" >&2; exit 2; }
+      evaluate=1 eval_prompts="$2"; shift 2 ;;
     --status) mode=status; shift ;;
     --print-config) mode=print; shift ;;
     --plan) mode=plan; shift ;;
@@ -84,17 +94,20 @@ case $mode in status) ;; plan) required+=(profile target) ;; *) required+=(profi
 for opt in "${required[@]}"; do
   [[ -n "${!opt}" ]] || { echo "run_all.sh: --$opt is required (see --help)" >&2; exit 2; }
 done
-[[ -z "$from" || "$from" =~ ^0[1-5]$ ]] || { echo "run_all.sh: --from takes 01..05" >&2; exit 2; }
+[[ -z "$from" || "$from" =~ ^0[1-6]$ ]] || { echo "run_all.sh: --from takes 01..06" >&2; exit 2; }
+[[ "$from" != 06 || -n "$evaluate" ]] || { echo "run_all.sh: --from 06 needs --eval or --eval-prompts" >&2; exit 2; }
 [[ -z "$slice_rows" || "$slice_rows" =~ ^[1-9][0-9]*$ ]] || { echo "run_all.sh: --slice-rows takes a row count" >&2; exit 2; }
 [[ -z "$slice_rows" || -z "$from" || $mode == plan ]] || { echo "run_all.sh: --from does not combine with --slice-rows (each slice resumes by itself)" >&2; exit 2; }
 [[ -z "$slice_rows" || $mode == plan ]] || extra[04]+=" --slice-rows $slice_rows"
 
 # stage table: number, name, output dir (its manifest.json says whether it is finished), script
 nums=(01 02 03 04 05)
-declare -A name=([01]=prepare [02]=extract [03]=vocab [04]=train [05]=export)
-declare -A out=([01]="$work/data" [02]="$work/data/hidden_states" [03]="$work/vocab" [04]="$work/checkpoints" [05]="$work/draft")
+declare -A name=([01]=prepare [02]=extract [03]=vocab [04]=train [05]=export [06]=evaluate)
+declare -A out=([01]="$work/data" [02]="$work/data/hidden_states" [03]="$work/vocab" [04]="$work/checkpoints" [05]="$work/draft"
+                [06]="$work/eval")
 declare -A script=([01]=01_prepare_dataset.py [02]=02_extract_hidden_states.py [03]=03_build_vocab_mapping.py
-                   [04]=04_train.py [05]=05_export.py)
+                   [04]=04_train.py [05]=05_export.py [06]=06_evaluate.py)
+[[ -z "$evaluate" ]] || nums+=(06)
 stage_args() {  # the flags of stage $1, one per line (values may hold spaces)
   case "$1" in
     01) printf '%s\n' --target "$target" --data "$data" --output "$work/data" ;;
@@ -102,8 +115,10 @@ stage_args() {  # the flags of stage $1, one per line (values may hold spaces)
     03) printf '%s\n' --data "$work/data" --output "$work/vocab" ;;
     04) printf '%s\n' --target "$target" --data "$work/data" --vocab "$work/vocab" --output "$work/checkpoints" ;;
     05) printf '%s\n' --checkpoints "$work/checkpoints" --output "$work/draft" ;;
+    06) printf '%s\n' --draft "$work/draft" --output "$work/eval"
+        [[ -z "$eval_prompts" ]] || printf '%s\n' --prompts "$eval_prompts" ;;
   esac
-  [[ -n "$trust" && "$1" =~ ^0[124]$ ]] && printf '%s\n' "$trust"
+  [[ -n "$trust" && "$1" =~ ^0[1246]$ ]] && printf '%s\n' "$trust"
   return 0
 }
 stage_command() {  # fills the array `cmd` for stage $1
@@ -282,6 +297,7 @@ run_sliced() {  # --slice-rows: 01 and 03 once; per run position (epoch x slice)
   done
   extra[02]="$base02" extra[04]="$base04"
   run_stage 05
+  [[ -z "$evaluate" ]] || run_stage 06
 }
 
 say "run_all: profile $profile, target $target, data $data, work $work (driver pid $$)"
@@ -301,7 +317,8 @@ for n in "${nums[@]}"; do
   fi
 done
 rm -f "$work/logs/current_stage"
-say "run_all: all five stages finished"
+say "run_all: all five stages finished${evaluate:+, then 06 evaluate}"
 [[ -f "$work/checkpoints/summary.txt" ]] && say "training summary: $work/checkpoints/summary.txt; curves: $work/checkpoints/plots/"
 say "exported draft: $work/draft"
 cat "$work/draft/serve_command.txt" 2>/dev/null || true
+[[ -z "$evaluate" ]] || say "evaluation: $work/eval/report.txt, report.png (tau in vLLM, per position and category)"

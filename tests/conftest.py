@@ -30,10 +30,11 @@ SCRIPTS = REPO / "eagle3-train"
 SAMPLES = SCRIPTS / "samples"
 BENCH_TESTS = REPO / "tests" / "bench"  # tests of bench/ (benchlib, the bench scripts): marked `bench`
 STAGE_SCRIPTS = STAGES  # stage name -> script, in pipeline order
+TRAINING_STAGES = ("prepare", "extract", "vocab", "train", "export")  # 01-05: data to exported draft (06 measures it)
 
 # Fixtures that run stages (a module's own ones too). pytest's item.fixturenames is the whole closure,
 # so a test reaching one through another fixture (`ref`, `work`) is marked as well.
-STAGE_RUN_FIXTURES = frozenset({"kimi_run", "fp8_run", "kimi_vllm_run", "llama_vllm_run"})
+STAGE_RUN_FIXTURES = frozenset({"kimi_run", "fp8_run", "kimi_vllm_run", "llama_vllm_run", "llama_run"})
 # Flags with which a stage script does no work (reads, checks, prints): allowed in the fast lane.
 NO_WORK_FLAGS = frozenset({"--check", "--print-config", "--help"})
 
@@ -122,7 +123,7 @@ def llama_target(miniature) -> Path:
 
 
 def run_pipeline(work: Path, target: Path, data: Path = SAMPLES / "conversations.jsonl",
-                 profile: str = "cpu-mini", stages: tuple[str, ...] = tuple(STAGE_SCRIPTS)) -> dict[str, Path]:
+                 profile: str = "cpu-mini", stages: tuple[str, ...] = TRAINING_STAGES) -> dict[str, Path]:
     """The five stages (or a prefix of them) with the cpu-mini profile; returns the output dirs."""
     dirs = {"data": work / "data", "vocab": work / "vocab", "checkpoints": work / "checkpoints", "draft": work / "draft"}
     args = {

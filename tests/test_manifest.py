@@ -73,7 +73,8 @@ def test_no_key_can_be_written_twice_or_undeclared(stage, tmp_path):
             model(**extra)
     derived = {"prepare": {"counts", "max_seq_len", "train_data_ratio"}, "extract": {"dtype", "storage", "selection", "shapes"},
                "vocab": {"draft_vocab_size", "target_vocab_size", "shapes", "coverage"},
-               "train": {"best_checkpoint", "epochs"}, "export": {"checkpoint"}}[stage]
+               "train": {"best_checkpoint", "epochs"}, "export": {"checkpoint"},
+               "evaluate": {"num_speculative_tokens", "mean_acceptance_length", "verdict"}}[stage]
     assert derived <= set(model.model_fields)  # content() is built from the manifest's own fields: each exists once
     assert not list(tmp_path.iterdir())
 

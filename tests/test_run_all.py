@@ -67,7 +67,7 @@ STUB = textwrap.dedent(r'''
         while True:
             time.sleep(0.1)
     out = {{"01": flag("--output"), "02": f"{{flag('--data')}}/hidden_states", "03": flag("--output"),
-           "04": flag("--output"), "05": flag("--output")}}[num]
+           "04": flag("--output"), "05": flag("--output"), "06": flag("--output")}}[num]
     previous = Path(out) / "manifest.json"
     if mode == "ok" and previous.is_file() and json.loads(previous.read_text()).get("complete"):
         print(f"stage {{num}}: already done with these settings; nothing to do", flush=True)  # as a real stage
@@ -248,6 +248,29 @@ def test_from_reruns_finished_stages_and_print_config_asks_every_stage(tmp_path,
     # --status asks the stages' own rule (eagle3_pipeline.status): the stubs' manifests record no inputs, so no
     # stage counts as finished there (tests/test_reliability_trust_bytes.py checks "finished" on real stages)
     assert [line.split()[2] for line in status.stdout.splitlines()] == ["started,"] * 5
+
+
+def test_eval_runs_stage_06_after_05_on_the_default_or_given_prompts(tmp_path, stub):
+    work = tmp_path / "w"
+    plain = driver(work, stub)
+    assert plain.returncode == 0 and started(work) == STAGES  # no --eval: five stages, no engine started
+    default = driver(work, stub, "--eval")
+    assert default.returncode == 0, default.stdout + default.stderr
+    assert started(work)[-1] == "06"
+    call = [line for line in calls(work) if line.startswith("06 start")][-1]
+    assert f"--draft {work / 'draft'} --output {work / 'eval'}" in call and "--prompts" not in call
+    assert "06 evaluate" in (work / "logs" / "run_all.log").read_text() and (work / "logs" / "06_evaluate.log").is_file()
+    mine = driver(tmp_path / "w2", stub, "--eval-prompts", "mine.jsonl", "--args-06", "--temperature 0.7")
+    assert mine.returncode == 0
+    call = [line for line in calls(tmp_path / "w2") if line.startswith("06 start")][-1]
+    assert call.endswith("--prompts mine.jsonl --temperature 0.7")
+
+
+def test_a_failed_verdict_stops_the_run_with_its_line(tmp_path, stub):
+    work = tmp_path / "w"
+    result = driver(work, stub, "--eval", env={"FAKE_06": "fail"})
+    assert result.returncode == 4 and "06 evaluate failed (exit 4)" in result.stderr
+    assert "stub failure" in result.stderr  # the stage's own error line (06: the verdict) in the driver's
 
 
 def test_help_shows_an_example_and_the_tmux_pattern():

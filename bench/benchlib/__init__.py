@@ -2,7 +2,8 @@
 
 - `throughput`: FLOP count, head-only Kimi-K2.5 verifier, synthetic prepared data, plain
   speculators with step timing (bench/train_throughput.py, bench/learning_parity.py);
-- `acceptance`: acceptance length measured in vLLM (bench/acceptance.py);
+- `acceptance`: the offline tau estimate, and the bench's prompt files measured in vLLM by the product's
+  `eagle3_pipeline.evaluate` (stage 06 measures with the same code) (bench/acceptance.py);
 - `organism`: the small real chat model acceptance is measured on (bench/acceptance.py).
 
 The benchmarks use the pipeline's library, `eagle3_pipeline`, installed by `make venv`

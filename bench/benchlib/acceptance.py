@@ -10,35 +10,33 @@ Two sources:
 * offline, from speculators' validation metrics (`offline_estimate`, with stage 04's formula
   `eagle3_pipeline.train_report.expected_accepted_length`): cheap, printed by training, but an
   estimate (see that docstring for the assumptions);
-* in vLLM (`measure_acceptance`): the target and the exported draft loaded with
-  `speculative_config={"method": "eagle3", ...}`, greedy generation on held-out prompts, and
-  vLLM's own spec-decode counters read back through `LLM.get_metrics()`:
-
-      vllm:spec_decode_num_drafts                   target steps that verified a draft
-      vllm:spec_decode_num_draft_tokens             draft tokens proposed
-      vllm:spec_decode_num_accepted_tokens          draft tokens accepted
-      vllm:spec_decode_num_accepted_tokens_per_pos  accepted tokens at draft position i
-
-  tau = 1 + accepted / drafts (vLLM's own "mean acceptance length"), and the acceptance rate
-  at position i is accepted_per_pos[i] / drafts, i.e. P(draft tokens 0..i all accepted).
-
-Each vLLM engine runs in a fresh interpreter: the counters live in the process-global
-Prometheus registry, and a second engine in one process would share (or fight over) them.
+* in vLLM (`measure_acceptance`): the measurement itself lives in the product's library
+  (`eagle3_pipeline.evaluate`, which stage 06 runs too: vLLM's spec-decode counters, tau = 1 +
+  accepted / drafts, per-position acceptance, standard errors); this module renders the bench's
+  prompt files for it and re-exports its names, so the bench and stage 06 measure the same way.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import tempfile
-import threading
-import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from eagle3_pipeline import evaluate
+from eagle3_pipeline.evaluate import (  # noqa: F401  (re-exported: the bench's scripts and tests import them here)
+    SPEC_DECODE_COUNTERS,
+    SPEC_DECODE_PER_POS,
+    VllmSettings,
+    agreement,
+    counters_delta,
+    in_dependency_order,
+    repeated_ngram_fraction,
+    run_engine,
+    run_engine_isolated,
+    spec_decode_counters,
+    summarize_spec_decode,
+)
 from eagle3_pipeline.train_report import expected_accepted_lengths, full_acc_by_step
 
 # ---------------------------------------------------------------------------------------------
@@ -72,87 +70,7 @@ def offline_estimate(val_metrics: Mapping[str, float]) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-# In vLLM
-
-SPEC_DECODE_COUNTERS = {
-    "vllm:spec_decode_num_drafts": "num_drafts",
-    "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
-    "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens",
-}
-SPEC_DECODE_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
-
-
-@dataclass(frozen=True)
-class VllmSettings:
-    """How the engine is run for a measurement; the same for the baseline and the drafts."""
-
-    max_tokens: int = 128
-    max_model_len: int = 1024
-    # float32 keeps greedy outputs with and without the draft comparable token for token;
-    # bf16 argmax ties flip between batch shapes. (The organism is tiny: speed is not the point.)
-    dtype: str = "float32"
-    max_num_seqs: int = 16
-    kv_cache_gib: int = 1
-    seed: int = 0
-    # CPU torch.compile of the draft and target costs minutes on 2 cores; eager is what we measure.
-    enforce_eager: bool = True
-    warmup_prompts: int = 2
-    extra_engine_args: dict = field(default_factory=dict)
-
-
-def spec_decode_counters(metrics: Sequence) -> dict:
-    """Sum vLLM's spec-decode counters over engines from `LLM.get_metrics()` output.
-
-    Returns {"num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos"};
-    zeros and [] when the engine has no speculative decoding.
-    """
-    counts = {name: 0 for name in SPEC_DECODE_COUNTERS.values()}
-    per_pos: list[int] = []
-    for metric in metrics:
-        name = getattr(metric, "name", None)
-        if name in SPEC_DECODE_COUNTERS:
-            counts[SPEC_DECODE_COUNTERS[name]] += int(metric.value)
-        elif name == SPEC_DECODE_PER_POS:
-            values = list(metric.values)
-            if len(per_pos) < len(values):
-                per_pos.extend([0] * (len(values) - len(per_pos)))
-            for i, v in enumerate(values):
-                per_pos[i] += int(v)
-    counts["accepted_per_pos"] = per_pos
-    return counts
-
-
-def counters_delta(before: Mapping, after: Mapping) -> dict:
-    """after - before, so warm-up requests do not count."""
-    delta = {k: after[k] - before.get(k, 0) for k in SPEC_DECODE_COUNTERS.values()}
-    prior = list(before.get("accepted_per_pos", []))
-    prior += [0] * (len(after["accepted_per_pos"]) - len(prior))
-    delta["accepted_per_pos"] = [a - b for a, b in zip(after["accepted_per_pos"], prior)]
-    return delta
-
-
-def summarize_spec_decode(counts: Mapping) -> dict:
-    """tau and per-position acceptance from counter values (see the module docstring)."""
-    drafts = counts["num_drafts"]
-    if drafts <= 0:
-        raise ValueError("no drafts were verified: is speculative decoding on?")
-    per_pos = counts["accepted_per_pos"]
-    # With greedy chain verification, position i is accepted only when 0..i-1 were, so
-    # per_pos[i] / drafts = P(accepted >= i + 1): the whole distribution of the accepted count,
-    # hence its variance. The standard error treats drafts as independent (they are not quite:
-    # neighbouring drafts of one request share context), so read it as a lower bound.
-    survival = [a / drafts for a in per_pos]
-    mean = sum(survival)
-    second_moment = sum((2 * i + 1) * p for i, p in enumerate(survival))  # E[L^2] = sum (2i+1) P(L > i)
-    variance = max(0.0, second_moment - mean * mean)
-    return {
-        **{k: counts[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")},
-        "accepted_per_pos": list(per_pos),
-        "mean_acceptance_length": 1.0 + counts["num_accepted_tokens"] / drafts,
-        "mean_acceptance_length_stderr": (variance / drafts) ** 0.5,
-        "acceptance_rate_per_pos": survival,
-        "draft_acceptance_rate": counts["num_accepted_tokens"] / max(1, counts["num_draft_tokens"]),
-    }
+# In vLLM: the bench's prompt files, measured by eagle3_pipeline.evaluate
 
 
 def prompt_token_ids(target_dir: str | os.PathLike, prompts_path: str | os.PathLike,
@@ -188,260 +106,17 @@ def prompt_kinds(prompts_path: str | os.PathLike, limit: int | None = None) -> l
     return kinds if all(kinds) else None
 
 
-def repeated_ngram_fraction(outputs: Sequence[Sequence[int]], n: int = 4) -> float:
-    """Fraction of generated tokens that end an n-gram already seen earlier in the same output.
-
-    A looping target (small greedy models repeat themselves) makes drafting easy, so tau on
-    repetitive text overstates what a draft does on fresh text; this says how much of the
-    measured text was repetition.
-    """
-    repeated, total = 0, 0
-    for tokens in outputs:
-        seen: set[tuple[int, ...]] = set()
-        for i in range(n - 1, len(tokens)):
-            gram = tuple(tokens[i - n + 1 : i + 1])
-            repeated += gram in seen
-            seen.add(gram)
-        total += len(tokens)
-    return repeated / max(1, total)
-
-
-def run_engine(target_dir: str, draft_dir: str | None, num_speculative_tokens: int,
-               prompts: list[list[int]], settings: VllmSettings, groups: list[str] | None = None) -> dict:
-    """One engine, in this process: greedy generation on `prompts`, timed, with counters.
-
-    `groups` (one label per prompt, e.g. the prompt's kind) adds `by_group`: each group is
-    generated on its own, so vLLM's counters and tokens/s can be read per group.
-    Call it through `run_engine_isolated` unless this process runs nothing else with vLLM.
-    """
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    engine_args = dict(
-        model=target_dir,
-        tokenizer=target_dir,
-        dtype=settings.dtype,
-        max_model_len=settings.max_model_len,
-        max_num_seqs=settings.max_num_seqs,
-        seed=settings.seed,
-        enforce_eager=settings.enforce_eager,
-        disable_log_stats=False,  # LLM() turns stats off by default; the counters need them
-        **settings.extra_engine_args,
-    )
-    if draft_dir is not None:
-        engine_args["speculative_config"] = {
-            "method": "eagle3",
-            "model": draft_dir,
-            "num_speculative_tokens": num_speculative_tokens,
-        }
-    t0 = time.perf_counter()
-    llm = LLM(**engine_args)
-    engine_start_s = time.perf_counter() - t0
-
-    greedy = SamplingParams(temperature=0.0, max_tokens=settings.max_tokens, seed=settings.seed)
-    requests = [TokensPrompt(prompt_token_ids=ids) for ids in prompts]
-    if settings.warmup_prompts:
-        llm.generate(requests[: settings.warmup_prompts], greedy, use_tqdm=False)
-    before = spec_decode_counters(llm.get_metrics()) if draft_dir else None
-    labels = groups if groups is not None else ["all"] * len(prompts)
-    generated: list[list[int]] = [[] for _ in prompts]
-    by_group, generate_s = {}, 0.0
-    for group in sorted(set(labels)):
-        members = [i for i, label in enumerate(labels) if label == group]
-        group_before = spec_decode_counters(llm.get_metrics()) if draft_dir else None
-        t0 = time.perf_counter()
-        outputs = llm.generate([requests[i] for i in members], greedy, use_tqdm=False)
-        seconds = time.perf_counter() - t0
-        generate_s += seconds
-        for i, output in zip(members, outputs):
-            generated[i] = list(output.outputs[0].token_ids)
-        tokens = sum(len(generated[i]) for i in members)
-        by_group[group] = {"num_prompts": len(members), "generated_tokens": tokens, "generate_s": seconds,
-                           "tokens_per_s": tokens / seconds}
-        if draft_dir:
-            delta = counters_delta(group_before, spec_decode_counters(llm.get_metrics()))
-            by_group[group]["spec_decode"] = summarize_spec_decode(delta)
-    num_tokens = sum(len(g) for g in generated)
-    result = {
-        "draft": draft_dir,
-        "num_speculative_tokens": num_speculative_tokens if draft_dir else 0,
-        "num_prompts": len(prompts),
-        "prompt_tokens": sum(len(p) for p in prompts),
-        "generated_tokens": num_tokens,
-        "generate_s": generate_s,
-        "tokens_per_s": num_tokens / generate_s,
-        "engine_start_s": engine_start_s,
-        "repeated_4gram_fraction": repeated_ngram_fraction(generated, 4),
-        "generated_token_ids": generated,
-    }
-    if groups is not None:
-        result["by_group"] = by_group
-    if draft_dir:
-        after = spec_decode_counters(llm.get_metrics())
-        result["spec_decode"] = summarize_spec_decode(counters_delta(before, after))
-    return result
-
-
-def _child_main() -> None:
-    """Entry point of the isolated engine process: request JSON on argv[2], result to argv[3]."""
-    request = json.loads(Path(sys.argv[2]).read_text())
-    settings = VllmSettings(**request.pop("settings"))
-    result = run_engine(settings=settings, **request)
-    tmp = Path(sys.argv[3] + ".tmp")
-    tmp.write_text(json.dumps(result))
-    os.replace(tmp, sys.argv[3])
-
-
-def run_engine_isolated(target_dir, draft_dir, num_speculative_tokens, prompts,
-                        settings: VllmSettings, log_path: str | os.PathLike | None = None,
-                        env: Mapping[str, str] | None = None, groups: list[str] | None = None) -> dict:
-    """`run_engine` in a fresh Python process; vLLM's output goes to `log_path`."""
-    package_parent = str(Path(__file__).resolve().parents[1])
-    with tempfile.TemporaryDirectory(prefix="acceptance-") as tmp:
-        request_path, result_path = Path(tmp) / "request.json", Path(tmp) / "result.json"
-        request_path.write_text(json.dumps({
-            "target_dir": str(target_dir),
-            "draft_dir": str(draft_dir) if draft_dir else None,
-            "num_speculative_tokens": num_speculative_tokens,
-            "prompts": prompts,
-            "settings": asdict(settings),
-            "groups": groups,
-        }))
-        child_env = dict(os.environ)
-        child_env["PYTHONPATH"] = os.pathsep.join(
-            [package_parent] + [p for p in child_env.get("PYTHONPATH", "").split(os.pathsep) if p]
-        )
-        child_env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.kv_cache_gib))
-        child_env.update(env or {})
-        log_file = open(log_path, "ab") if log_path else subprocess.DEVNULL
-        try:
-            proc = subprocess.run(
-                [sys.executable, "-m", "benchlib.acceptance", "--child",
-                 str(request_path), str(result_path)],
-                env=child_env, stdout=log_file, stderr=subprocess.STDOUT, check=False,
-            )
-        finally:
-            if log_path:
-                log_file.close()
-        if proc.returncode != 0 or not result_path.exists():
-            raise RuntimeError(
-                f"vLLM engine (draft={draft_dir}, k={num_speculative_tokens}) exited "
-                f"{proc.returncode}; see {log_path or 'a log_path'}"
-            )
-        return json.loads(result_path.read_text())
-
-
-def agreement(reference: list[list[int]], other: list[list[int]]) -> dict:
-    """How closely two greedy runs agree: identical outputs, and mean shared-prefix fraction.
-
-    Spec decoding with greedy acceptance should not change the output; numerics of batched
-    verification can, rarely, flip a near-tie. This reports how often that happened.
-    """
-    identical, prefix_frac = 0, 0.0
-    for a, b in zip(reference, other):
-        identical += a == b
-        n = 0
-        for x, y in zip(a, b):
-            if x != y:
-                break
-            n += 1
-        prefix_frac += n / max(1, max(len(a), len(b)))
-    count = max(1, len(reference))
-    return {"identical_fraction": identical / count, "mean_shared_prefix_fraction": prefix_frac / count}
-
-
-def in_dependency_order(tasks: Mapping[str, tuple[Sequence[str], Callable[[dict], object]]], workers: int) -> dict:
-    """Run named tasks, each once the tasks it names are finished, at most `workers` at once (a task still
-    waiting for others holds no slot, so a training starts as soon as its own dataset is ready instead of
-    after every dataset). A task is `name: (names it needs, fn(results of those))`; slots go out in the
-    order given. Returns name -> result, or the exception it raised (also for the tasks needing it)."""
-    slots = threading.Semaphore(max(1, workers))
-    results: dict = {}
-    finished = {name: threading.Event() for name in tasks}
-
-    def work(name: str) -> None:
-        needs, fn = tasks[name]
-        try:
-            for need in needs:
-                finished[need].wait()
-            failed = [n for n in needs if isinstance(results[n], BaseException)]
-            if failed:
-                raise RuntimeError(f"{name} not run: {', '.join(failed)} failed")
-            with slots:
-                results[name] = fn({n: results[n] for n in needs})
-        except BaseException as exc:  # SystemExit too (a failed stage): reported, the caller decides
-            results[name] = exc
-        finally:
-            finished[name].set()
-
-    threads = [threading.Thread(target=work, args=(name,), name=f"task-{name}") for name in tasks]
-    for thread in threads:
-        thread.start()
-        time.sleep(0.05)  # start in the given order, so the slots are handed out in it
-    for thread in threads:
-        thread.join()
-    return {name: results[name] for name in tasks}
-
-
 def measure_acceptance(target_dir, drafts: Mapping[str, str], prompts_path,
                        ks: Sequence[int] = (1, 2, 3), settings: VllmSettings | None = None,
                        num_prompts: int | None = None, log_dir: str | os.PathLike | None = None,
                        log=print, baseline: tuple[dict, list[list[int]]] | None = None, jobs: int = 1) -> dict:
-    """Baseline (no draft) plus every (draft, k): tau, per-position acceptance, tokens/s.
-
-    `drafts` maps a label to an exported EAGLE-3 draft directory. `baseline` = (the "baseline"
-    and "baseline_token_ids" of an earlier call on the same prompts and settings) skips measuring
-    the target alone again. Returns a JSON-ready dict; generated token ids are dropped after
-    comparing each run with the baseline. `jobs` engines run at once after the baseline (on one GPU
-    each needs a fixed KV cache, `kv_cache_memory_bytes`); their tokens/s then include each other's load.
-    """
-    settings = settings or VllmSettings()
+    """`eagle3_pipeline.evaluate.measure_acceptance` on a bench prompt file (jsonl rows with OpenAI
+    `messages`, optional `kind`), rendered by `prompt_token_ids`; the result also names the file."""
     prompts = prompt_token_ids(target_dir, prompts_path, num_prompts)
-    kinds = prompt_kinds(prompts_path, num_prompts)
-    log_dir = Path(log_dir) if log_dir else None
-    if log_dir:
-        log_dir.mkdir(parents=True, exist_ok=True)
-
-    def _log_path(name):
-        return str(log_dir / f"vllm-{name}.log") if log_dir else None
-
-    if baseline is None:
-        log(f"vllm: baseline (no draft), {len(prompts)} prompts, max_tokens {settings.max_tokens}")
-        baseline = run_engine_isolated(target_dir, None, 0, prompts, settings, _log_path("baseline"), groups=kinds)
-        reference = baseline.pop("generated_token_ids")
-        log(f"vllm: baseline {baseline['tokens_per_s']:.1f} tokens/s")
-    else:
-        baseline, reference = baseline
-    def one(label: str, draft_dir: str, k: int) -> dict:
-        name = f"{label}-k{k}"
-        result = run_engine_isolated(target_dir, draft_dir, k, prompts, settings, _log_path(name), groups=kinds)
-        result["agreement_with_baseline"] = agreement(reference, result.pop("generated_token_ids"))
-        result["speedup_tokens_per_s"] = result["tokens_per_s"] / baseline["tokens_per_s"]
-        result["concurrent_engines"] = jobs
-        sd = result["spec_decode"]
-        log(
-            f"vllm: {name}: tau {sd['mean_acceptance_length']:.3f}, per-position "
-            f"{[round(x, 3) for x in sd['acceptance_rate_per_pos']]}, "
-            f"{result['tokens_per_s']:.1f} tokens/s (x{result['speedup_tokens_per_s']:.2f})"
-        )
-        return {"label": label, **result}
-
-    # each engine is its own process, so threads suffice; a failed engine is raised once the others finish
-    runs = in_dependency_order({f"{label}-k{k}": ((), lambda done, job=(label, draft_dir, k): one(*job))
-                                for label, draft_dir in drafts.items() for k in ks}, jobs)
-    for result in runs.values():
-        if isinstance(result, BaseException):
-            raise result
-    return {
-        "target": str(target_dir),
-        "prompts": str(prompts_path),
-        "settings": asdict(settings),
-        "baseline": baseline,
-        "runs": runs,
-        # The target's own greedy tokens, for diagnostics such as draft_vocab_coverage; too
-        # large for a results file, drop before writing.
-        "baseline_token_ids": reference,
-    }
+    result = evaluate.measure_acceptance(target_dir, drafts, prompts, groups=prompt_kinds(prompts_path, num_prompts),
+                                         ks=ks, settings=settings, log_dir=log_dir, log=log, baseline=baseline,
+                                         jobs=jobs)
+    return {"target": result.pop("target"), "prompts": str(prompts_path), **result}
 
 
 def draft_vocab_coverage(token_ids: Sequence[Sequence[int]], t2d) -> float:
@@ -455,6 +130,3 @@ def draft_vocab_coverage(token_ids: Sequence[Sequence[int]], t2d) -> float:
     inside = sum(bool(t2d[i]) for tokens in token_ids for i in tokens)
     return inside / max(1, total)
 
-
-if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--child":
-    _child_main()

@@ -101,6 +101,26 @@ def read_manifest(directory: Path, stage: str, flag: str) -> Manifest:
     return manifest
 
 
+def read_recorded_input(manifest: Manifest, stage: str, override: str | None, flag: str,
+                        relation: str = "made from") -> Manifest:
+    """The `stage` output that `manifest` records among its inputs: at `override` (the user's flag) or at the
+    recorded (resolved) path, checked by content either way, so a moved work directory needs the flag, never a
+    guess from the current directory, and a rebuilt output is refused in one line naming it."""
+    recorded = (manifest.inputs or {}).get(stage)
+    number = STAGES[stage][:2]
+    if not recorded:
+        raise ContractError(f"{manifest.path}: records no stage {number} input; pass {flag}")
+    directory = Path(override) if override else Path(recorded["path"])
+    if not manifest_path(directory).is_file():
+        raise ContractError(f"{directory}: stage {number}'s output that {manifest.path} was {relation} is not there "
+                            f"(moved?); pass {flag} with its new place")
+    found = read_manifest(directory, stage, flag)
+    if recorded["content_sha256"] != found.content_sha256:
+        raise ContractError(f"{found.path}: not the stage {number} output {manifest.path} was {relation} (other data "
+                            f"or settings, or rebuilt since); pass {flag} with the one it used")
+    return found
+
+
 def require_equal(what: str, expected: Any, found: Any, manifest: Manifest, hint: str) -> None:
     """One-line error when an upstream manifest disagrees with what this run uses."""
     if expected != found:

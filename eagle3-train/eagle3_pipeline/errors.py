@@ -35,3 +35,9 @@ class Interrupted(StageError):
     """SIGTERM/Ctrl-C stopped the work after saving what it could; rerunning continues it."""
 
     exit_code = 130
+
+
+class DraftRejected(StageError):
+    """Stage 06: the draft's acceptance in vLLM is ~1 (verdict.py); the message is the verdict line."""
+
+    exit_code = 6

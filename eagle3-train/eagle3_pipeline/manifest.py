@@ -30,6 +30,7 @@ STAGES = {
     "vocab": "03_build_vocab_mapping.py",
     "train": "04_train.py",
     "export": "05_export.py",
+    "evaluate": "06_evaluate.py",
 }
 
 
@@ -245,6 +246,33 @@ class ExportManifest(Manifest):
         return None if self.checkpoint is None else ExportContent(checkpoint=self.checkpoint)
 
 
+# --- 06 evaluate ------------------------------------------------------------------------------------------
+
+class EvaluateContent(_Strict):
+    num_speculative_tokens: int
+    mean_acceptance_length: float
+    passed: bool
+
+
+class EvaluateManifest(Manifest):
+    stage: Literal["evaluate"] = "evaluate"
+    draft: str | None = None  # the export measured (resolved path; by content in inputs/identity)
+    num_speculative_tokens: int | None = None
+    tensor_parallel_size: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # what rendered the prompts
+    prompts: int | None = None
+    mean_acceptance_length: float | None = None
+    mean_acceptance_length_stderr: float | None = None
+    verdict: dict[str, Any] | None = None  # eval_checks.verdict: passed, line, the self-checks' findings
+    outputs: list[str] | None = None
+
+    def content(self) -> EvaluateContent | None:
+        if self.num_speculative_tokens is None or self.mean_acceptance_length is None or self.verdict is None:
+            return None
+        return EvaluateContent(num_speculative_tokens=self.num_speculative_tokens,
+                               mean_acceptance_length=self.mean_acceptance_length, passed=bool(self.verdict["passed"]))
+
+
 class SliceRecord(ExtractManifest):
     """A released slice's record in DATA/hidden_states/slices/ (slices.release): that slice's stage-02 manifest
     with the fingerprints of the files it wrote (files.write_fingerprints: name -> [size, fingerprint, mtime_ns]),
@@ -255,7 +283,7 @@ class SliceRecord(ExtractManifest):
 
 MODELS: dict[str, type[Manifest]] = {
     "prepare": PrepareManifest, "extract": ExtractManifest, "vocab": VocabManifest,
-    "train": TrainManifest, "export": ExportManifest,
+    "train": TrainManifest, "export": ExportManifest, "evaluate": EvaluateManifest,
 }
 
 

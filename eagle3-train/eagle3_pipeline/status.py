@@ -21,7 +21,8 @@ from .hidden_states import hs_name
 from .manifest import MANIFEST_NAME, Manifest, parse_manifest
 
 STAGES = (("01", "prepare", "data"), ("02", "extract", "data/hidden_states"), ("03", "vocab", "vocab"),
-          ("04", "train", "checkpoints"), ("05", "export", "draft"))
+          ("04", "train", "checkpoints"), ("05", "export", "draft"), ("06", "evaluate", "eval"))
+OPTIONAL = {"evaluate"}  # run_all.sh --eval only: listed once it has a directory or a log
 
 
 def _manifest(directory: Path) -> Manifest | str | None:
@@ -57,6 +58,8 @@ def stage_states(work: Path) -> dict[str, dict]:
     for num, stage, rel in STAGES:
         directory = work / rel
         log = work / "logs" / f"{num}_{stage}.log"
+        if stage in OPTIONAL and not directory.exists() and not log.is_file():
+            continue
         manifest = _manifest(directory)
         if manifest is None or (not isinstance(manifest, str) and manifest.stage != stage):
             state = "started, no output yet" if log.is_file() else "not started"

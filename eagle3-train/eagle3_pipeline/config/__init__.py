@@ -9,6 +9,7 @@ from .schema import (
     SCRIPTS_DIR,
     STAGE_CONFIGS,
     DraftConfig,
+    EvaluateConfig,
     ExportConfig,
     ExtractConfig,
     PrepareConfig,
@@ -18,7 +19,8 @@ from .schema import (
 )
 
 __all__ = [
-    "DEFAULT_DRAFT_CONFIG", "PROFILES_DIR", "SCRIPTS_DIR", "STAGE_CONFIGS", "DraftConfig", "ExportConfig", "ExtractConfig",
+    "DEFAULT_DRAFT_CONFIG", "PROFILES_DIR", "SCRIPTS_DIR", "STAGE_CONFIGS", "DraftConfig", "EvaluateConfig",
+    "ExportConfig", "ExtractConfig",
     "PrepareConfig", "TrainConfig", "VocabConfig", "build_config", "build_parser", "load_draft_config", "load_profile",
     "profile_path", "resolve_stage_config",
 ]

@@ -66,6 +66,18 @@ def flag_name(name: str, cls: type[StageConfig] | None = None) -> str:
     return "--" + name.replace("_", "-")
 
 
+def json_object_or_none(value: Optional[str]) -> Optional[str]:
+    """A --chat-template-kwargs value: None or the text of a JSON object (the stage parses it where it uses it)."""
+    if value is not None:
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"not JSON ({exc.msg} at column {exc.colno})") from None
+        if not isinstance(parsed, dict):
+            raise ValueError("must be a JSON object, e.g. '{\"thinking\": true}'")
+    return value
+
+
 def speculators_pass_through(cfg: StageConfig) -> list[str]:
     """The `speculators train` flags of the fields declared with `speculators=`, in field order."""
     argv: list[str] = []
@@ -126,17 +138,8 @@ class PrepareConfig(StageConfig):
     report_problems: int = _field(20, "how many bad rows --check lists (all are counted)", ge=1, identity=False)
 
 
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _chat_template_kwargs_is_a_json_object(cls, value: Optional[str]) -> Optional[str]:
-        if value is not None:
-            try:
-                parsed = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"not JSON ({exc.msg} at column {exc.colno})") from None
-            if not isinstance(parsed, dict):
-                raise ValueError("must be a JSON object, e.g. '{\"thinking\": true}'")
-        return value
+    _chat_template_kwargs_is_a_json_object = field_validator("chat_template_kwargs")(
+        classmethod(lambda cls, value: json_object_or_none(value)))
 
     def template_kwargs(self) -> dict:
         return json.loads(self.chat_template_kwargs) if self.chat_template_kwargs else {}
@@ -322,8 +325,67 @@ class ExportConfig(StageConfig):
     check: bool = _field(False, "preflight only: print the disk/GPU/version estimate and exit", identity=False)
 
 
+class EvaluateConfig(StageConfig):
+    STAGE: ClassVar[str] = "evaluate"
+    DESCRIPTION: ClassVar[str] = (
+        "Stage 06: serve the target with the exported draft in vLLM (method eagle3) and alone, on chat prompts "
+        "rendered as stage 01 rendered its rows; report tau (1 + accepted/drafts), per-position acceptance and tau "
+        "per category with standard errors, and tokens/s with and without the draft (report.json, report.txt, "
+        "report.png). A tau at or below --min-tau (or a first-position acceptance below --min-first-acceptance) "
+        "exits 1 with one line naming the causes it checked."
+    )
+    EXAMPLE: ClassVar[str] = (
+        "python eagle3-train/06_evaluate.py --draft work/draft --output work/eval \\\n"
+        "    --prompts eagle3-train/samples/eval_prompts.jsonl --temperature 0"
+    )
+    draft: str = _field(..., "stage 05's output (the exported draft)", identity=False)
+    output: str = _field(..., "report directory to write (report.json, report.txt, report.png, vLLM logs)", identity=False)
+    prompts: str = _field(str(SCRIPTS_DIR / "samples" / "eval_prompts.jsonl"),
+                          "jsonl of OpenAI `messages` (optional `category`, `tools`); a final assistant message is "
+                          "dropped (the prompt is everything before it)", identity=False)
+    target: Optional[str] = _field(None, "target model directory (default: the one the draft was trained for, from "
+                                         "stage 05's manifest); its config must be that one", identity=False)
+    data: Optional[str] = _field(None, "stage 01's output the draft was trained on (default: the path stage 04 "
+                                       "recorded): its chat template kwargs render the prompts", identity=False)
+    vocab: Optional[str] = _field(None, "stage 03's output (default: the path stage 04 recorded): the draft's d2t is "
+                                        "compared with its d2t.npy", identity=False)
+    chat_template_kwargs: Optional[str] = _field(
+        None, "JSON object for the chat template (default: stage 01's, what the draft was trained with); another "
+        "value measures another serving mode and is named in the verdict", identity=True)
+    checkpoints: Optional[str] = _field(None, "stage 04's output the draft was exported from (default: the path stage "
+                                              "05 recorded)", identity=False)
+    num_speculative_tokens: Optional[int] = _field(None, "draft tokens per step (default: the draft config's, as stage 05 "
+                                                          "wrote it)", ge=1, identity=True)
+    tensor_parallel_size: Optional[int] = _field(None, "vLLM tensor parallel size (default: stage 05's, i.e. the "
+                                                       "profile's export.tensor_parallel_size)", ge=1, identity=True)
+    temperature: float = _field(0.0, "sampling temperature (0 = greedy; > 0: vLLM's rejection sampling)", ge=0, identity=True)
+    max_tokens: int = _field(256, "tokens generated per prompt", ge=1, identity=True)
+    max_model_len: int = _field(4096, "vLLM max-model-len (a prompt longer than this less --max-tokens is refused)",
+                                ge=2, identity=True)
+    max_prompts: Optional[int] = _field(None, "use only the first N prompts", ge=1, identity=True)
+    seed: int = _field(0, "vLLM's seed (sampling at --temperature > 0)", identity=True)
+    dtype: str = _field("auto", "vLLM dtype (auto: the target's)", identity=True)
+    baseline: bool = _field(True, "also serve the target alone on the same prompts (tokens/s without the draft, and "
+                                  "whether the draft changed greedy outputs)", identity=True)
+    min_tau: float = _field(1.05, "verdict: a mean acceptance length at or below this fails (exit 1)", ge=1, identity=True)
+    min_first_acceptance: float = _field(0.05, "verdict: an acceptance rate at draft position 1 below this fails "
+                                               "(exit 1)", ge=0, le=1, identity=True)
+    max_num_seqs: int = _field(16, "vLLM max_num_seqs (prompts decoded at once)", ge=1, identity=False)
+    gpu_memory_utilization: float = _field(0.9, "vLLM gpu_memory_utilization (GPU only)", gt=0, le=1, identity=False)
+    enforce_eager: bool = _field(False, "no CUDA graphs / torch.compile in vLLM (the CPU profile sets it: compiling "
+                                        "costs minutes on a few cores)", identity=False)
+    cpu_kv_cache_gib: int = _field(1, "vLLM's CPU KV cache in GiB (CPU only: VLLM_CPU_KVCACHE_SPACE)", ge=1, identity=False)
+    trust_remote_code: bool = _field(False, "allow the target's own code (Kimi-K2.5 needs it)", identity=False)
+    overwrite: bool = _field(False, "replace a report made with other settings or another draft", identity=False)
+    check: bool = _field(False, "preflight only: check the inputs' manifests, render every prompt, run the draft's "
+                                "self-checks (layer ids, d2t, method, template) and exit; writes nothing", identity=False)
+
+    _chat_template_kwargs_is_a_json_object = field_validator("chat_template_kwargs")(
+        classmethod(lambda cls, value: json_object_or_none(value)))
+
+
 STAGE_CONFIGS: dict[str, type[StageConfig]] = {
-    cls.STAGE: cls for cls in (PrepareConfig, ExtractConfig, VocabConfig, TrainConfig, ExportConfig)
+    cls.STAGE: cls for cls in (PrepareConfig, ExtractConfig, VocabConfig, TrainConfig, ExportConfig, EvaluateConfig)
 }
 
 

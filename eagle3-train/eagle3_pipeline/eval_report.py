@@ -1,0 +1,121 @@
+"""Stage 06's report: what `evaluate.measure_acceptance` measured, as one JSON, one screen of text and a PNG.
+
+The JSON (`report.json`) is the record; the text (`report.txt`, also printed) and the PNG (`report.png`:
+acceptance by draft position and tau by prompt category, each with its standard error) are drawn from it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .files import atomic_path
+
+# Local imports: matplotlib: imported where the plot is drawn (heavy, optional).
+
+REPORT_JSON, REPORT_TEXT, REPORT_PNG = "report.json", "report.txt", "report.png"
+
+
+def build_report(measured: dict, *, draft: str, target: str, k: int, tensor_parallel_size: int, prompts_file: str,
+                 categories: list[str], template_kwargs: dict, verdict: dict) -> dict:
+    """The JSON record: the draft's run, the baseline's (or None), per category side by side, and the verdict."""
+    run = next(iter(measured["runs"].values()))
+    baseline = measured.get("baseline")
+    by_category = {}
+    for category, group in run["by_group"].items():
+        spec = group.get("spec_decode")
+        alone = (baseline or {}).get("by_group", {}).get(category)
+        by_category[category] = {
+            "num_prompts": group["num_prompts"],
+            "mean_acceptance_length": spec["mean_acceptance_length"] if spec else None,
+            "mean_acceptance_length_stderr": spec["mean_acceptance_length_stderr"] if spec else None,
+            "acceptance_rate_per_pos": spec["acceptance_rate_per_pos"] if spec else None,
+            "num_drafts": spec["num_drafts"] if spec else 0,
+            "tokens_per_s": group["tokens_per_s"],
+            "baseline_tokens_per_s": alone["tokens_per_s"] if alone else None,
+        }
+    return {
+        "draft": draft, "target": target, "num_speculative_tokens": k, "tensor_parallel_size": tensor_parallel_size,
+        "prompts": {"file": prompts_file, "count": len(categories),
+                    "categories": {c: categories.count(c) for c in sorted(set(categories))}},
+        "chat_template_kwargs": template_kwargs, "settings": measured["settings"],
+        "spec_decode": run["spec_decode"], "tokens_per_s": run["tokens_per_s"],
+        "baseline_tokens_per_s": baseline["tokens_per_s"] if baseline else None,
+        "speedup_tokens_per_s": run.get("speedup_tokens_per_s"),
+        "agreement_with_baseline": run.get("agreement_with_baseline"),
+        "repeated_4gram_fraction": run["repeated_4gram_fraction"],
+        "engine_start_s": {"draft": run["engine_start_s"], "baseline": baseline["engine_start_s"] if baseline else None},
+        "by_category": by_category, "verdict": verdict,
+    }
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def format_report(report: dict) -> str:
+    """One screen: the run, tau, per position, per category, tokens/s, the self-checks, the verdict."""
+    spec, settings = report["spec_decode"], report["settings"]
+    sampling = "greedy" if settings["temperature"] == 0 else f"temperature {settings['temperature']}"
+    lines = [
+        f"draft {report['draft']} (k={report['num_speculative_tokens']}) on {report['target']} "
+        f"(TP {report['tensor_parallel_size']})",
+        f"prompts: {report['prompts']['count']} from {report['prompts']['file']}, chat_template_kwargs "
+        f"{report['chat_template_kwargs']}, {sampling}, max_tokens {settings['max_tokens']}",
+        f"tau (mean acceptance length, 1 + accepted/drafts): {spec['mean_acceptance_length']:.3f} ± "
+        f"{spec['mean_acceptance_length_stderr']:.3f} over {spec['num_drafts']} drafts",
+        "acceptance by draft position: " + "   ".join(
+            f"{i + 1}: {_pct(p)} ± {_pct(se)}"
+            for i, (p, se) in enumerate(zip(spec["acceptance_rate_per_pos"], spec["acceptance_rate_per_pos_stderr"]))),
+        "",
+        f"{'category':<16} {'prompts':>7} {'tau':>15} {'pos-1':>7} {'tokens/s draft':>15} {'alone':>8}",
+    ]
+    for category, row in report["by_category"].items():
+        tau = (f"{row['mean_acceptance_length']:.3f} ± {row['mean_acceptance_length_stderr']:.3f}"
+               if row["mean_acceptance_length"] is not None else "no drafts")
+        first = _pct(row["acceptance_rate_per_pos"][0]) if row["acceptance_rate_per_pos"] else "-"
+        alone = f"{row['baseline_tokens_per_s']:.1f}" if row["baseline_tokens_per_s"] is not None else "-"
+        lines.append(f"{category:<16} {row['num_prompts']:>7} {tau:>15} {first:>7} {row['tokens_per_s']:>15.1f} {alone:>8}")
+    lines.append("")
+    if report["baseline_tokens_per_s"] is not None:
+        agreement = report["agreement_with_baseline"]["identical_fraction"]
+        lines.append(f"output tokens/s: {report['tokens_per_s']:.1f} with the draft, {report['baseline_tokens_per_s']:.1f} "
+                     f"alone (x{report['speedup_tokens_per_s']:.2f}); outputs identical to the target alone's: "
+                     f"{_pct(agreement)}")
+    else:
+        lines.append(f"output tokens/s: {report['tokens_per_s']:.1f} with the draft (target alone not run: --no-baseline)")
+    lines.append(f"repeated 4-grams in the outputs: {_pct(report['repeated_4gram_fraction'])} (looping text inflates tau)")
+    lines.append("self-checks: " + "; ".join(f"{f['check']} {f['status']}" for f in report["verdict"]["findings"]))
+    lines.append(report["verdict"]["line"])
+    return "\n".join(lines)
+
+
+def write_plot(report: dict, path: Path) -> Path | None:
+    """Acceptance by position and tau by category with standard-error bars; None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # headless: SSH sessions, CI
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    spec = report["spec_decode"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    positions = list(range(1, len(spec["acceptance_rate_per_pos"]) + 1))
+    left.bar(positions, spec["acceptance_rate_per_pos"], yerr=spec["acceptance_rate_per_pos_stderr"], capsize=4)
+    left.set(xlabel="draft position", ylabel="P(accepted up to here)", ylim=(0, 1), xticks=positions,
+             title=f"tau {spec['mean_acceptance_length']:.3f} ± {spec['mean_acceptance_length_stderr']:.3f} "
+                   f"(k={report['num_speculative_tokens']})")
+    rows = {c: r for c, r in report["by_category"].items() if r["mean_acceptance_length"] is not None}
+    names = list(rows) + ["all"]
+    taus = [r["mean_acceptance_length"] for r in rows.values()] + [spec["mean_acceptance_length"]]
+    errors = [r["mean_acceptance_length_stderr"] for r in rows.values()] + [spec["mean_acceptance_length_stderr"]]
+    right.bar(names, taus, yerr=errors, capsize=4, color=["C0"] * len(rows) + ["C1"])
+    right.axhline(1.0, color="grey", linewidth=0.8)
+    right.set(ylabel="mean acceptance length", ylim=(0, report["num_speculative_tokens"] + 1), title="tau by category")
+    right.tick_params(axis="x", labelrotation=30)
+    fig.suptitle(report["verdict"]["line"][:110], fontsize=9)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
+    plt.close(fig)
+    return path
