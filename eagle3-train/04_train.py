@@ -41,7 +41,7 @@ from eagle3_pipeline.stage import (
     stage_main,
 )
 from eagle3_pipeline.target import extraction_layer_ids, load_target_info
-from eagle3_pipeline.train_report import summarize, write_summary
+from eagle3_pipeline.train_report import choose_checkpoint, summarize, write_summary
 from eagle3_pipeline.training import (
     bad_sample_error,
     endpoint_down_error,
@@ -208,14 +208,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     # 4. Report (plots/*.png, summary.txt), then 5. the contract.
-    best = checkpoints.best(out_dir)
+    best, choice = choose_checkpoint(out_dir, draft.num_speculative_tokens)  # by offline tau at the served k
     if best is None:
         raise StageError(f"{out_dir}: training finished without a checkpoint")
     try:
         write_plots(out_dir / METRICS_FILE, out_dir / PLOTS_DIRNAME)
     except Exception as exc:  # curves are a convenience: never fail a finished training on them
         log.warning("plots not written (%s: %s); retry with python -m eagle3_pipeline.plots %s", type(exc).__name__, exc, out_dir)
-    summary = summarize(out_dir / METRICS_FILE, best, draft.num_speculative_tokens)
+    summary = {**summarize(out_dir / METRICS_FILE, best, draft.num_speculative_tokens), "checkpoint_choice": choice}
+    if choice.get("lowest_val_loss") not in (None, choice["chosen"]):
+        log.info("checkpoint_best: epoch folder %s (offline tau at k=%d), not %s (lowest validation loss)",
+                 choice["chosen"], draft.num_speculative_tokens, choice["lowest_val_loss"])
     print(write_summary(out_dir, summary), flush=True)
     written = sorted(p.name for p in checkpoints.own_outputs(out_dir)) + [MANIFEST_NAME]
     write_manifest(out_dir, TrainManifest(

@@ -148,3 +148,29 @@ def test_validation_depth_is_the_served_k_unless_given():
     assert val_ttt_steps(TrainConfig(**required, ttt_steps=7), draft) == 7  # never shallower than training
     assert val_ttt_steps(TrainConfig(**required, val_ttt_steps=2), draft) == 3
     assert val_ttt_steps(TrainConfig(**required, val_ttt_steps=6), DraftConfig()) == 6
+
+
+def test_the_exported_checkpoint_is_the_best_offline_tau_not_the_lowest_loss(tmp_path, kimi_run):
+    """An epoch with the higher offline tau at the served k but a higher validation loss wins; checkpoint_best
+    follows it; the choice and every epoch's figures are recorded (train_report.choose_checkpoint)."""
+    import os
+
+    from eagle3_pipeline.train_report import choose_checkpoint
+
+    work = tmp_path / "ckpt"
+    shutil.copytree(kimi_run["checkpoints"], work, symlinks=True)
+    for epoch, (acc, loss) in {"0": (0.9, 9.0), "1": (0.1, 1.0)}.items():
+        val = json.loads((work / epoch / "val_metrics.json").read_text())
+        val.update({key: acc for key in val if key.startswith("full_acc_")}, loss_epoch=loss)
+        (work / epoch / "val_metrics.json").write_text(json.dumps(val))
+    (work / "checkpoint_best").unlink()
+    (work / "checkpoint_best").symlink_to("1")  # speculators' choice: the lowest loss
+    best, choice = choose_checkpoint(work, 3)
+    assert best == work / "0" and os.readlink(work / "checkpoint_best") == "0"
+    assert choice["chosen"] == "0" and choice["lowest_val_loss"] == "1" and choice["by_epoch"]["0"]["k"] == 3
+    assert choice["by_epoch"]["0"]["tau"] == pytest.approx(1 + 3 * 0.9) and choice["by_epoch"]["1"]["val_loss"] == 1.0
+    for epoch in ("0", "1"):  # a tie in tau: the lower loss
+        val = json.loads((work / epoch / "val_metrics.json").read_text())
+        val.update({key: 0.5 for key in val if key.startswith("full_acc_")})
+        (work / epoch / "val_metrics.json").write_text(json.dumps(val))
+    assert choose_checkpoint(work, 3)[0] == work / "1" and os.readlink(work / "checkpoint_best") == "1"

@@ -18,6 +18,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from .checkpoints import BEST_LINK, complete
 from .checkpoints import best as best_checkpoint
 from .files import atomic_write_json, atomic_write_text
 from .metrics import METRICS_FILE, read_metrics
@@ -102,6 +103,38 @@ def expected_accepted_lengths(full_acc: Sequence[float]) -> dict[int, float]:
 
 
 # --- the summary ------------------------------------------------------------------------------
+
+def choose_checkpoint(out_dir: Path, num_speculative_tokens: int) -> tuple[Path | None, dict]:
+    """The checkpoint to export: the highest offline tau at the served k (its validation's full_acc; validation
+    unrolls at least k steps, compat/val_depth.py), the lower validation loss breaking ties; then speculators'
+    `checkpoint_best` (the lowest validation loss) points at it too. Tau can peak before the loss does (DeepSpec
+    reports EAGLE-3 tau falling ~5% from epoch 5 to 10 while the loss kept dropping). Without any checkpoint's
+    validation metrics: speculators' choice. Returns (checkpoint, the record of the choice)."""
+    out_dir = Path(out_dir)
+    by_epoch: dict[str, dict] = {}
+    for folder in complete(out_dir):
+        try:
+            val = {k.removesuffix("_epoch"): v for k, v in json.loads((folder / "val_metrics.json").read_text()).items()}
+            full_acc = full_acc_by_step(val)
+        except (OSError, ValueError, KeyError, AttributeError):
+            continue
+        k = min(num_speculative_tokens, len(full_acc))
+        by_epoch[folder.name] = {"tau": expected_accepted_length(full_acc, k), "k": k, "val_loss": val.get("loss")}
+    by_loss = best_checkpoint(out_dir)
+    if not by_epoch:
+        return by_loss, {"rule": "lowest validation loss (speculators' checkpoint_best): no checkpoint has validation "
+                                 "accuracies", "chosen": by_loss.name if by_loss else None}
+    chosen = max(by_epoch, key=lambda e: (by_epoch[e]["tau"], -(by_epoch[e]["val_loss"] or 0.0)))
+    link = out_dir / BEST_LINK
+    if not link.exists() or link.resolve().name != chosen:  # one best for users and tools alike; atomic
+        tmp = out_dir / f".{BEST_LINK}.tmp"
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(chosen)
+        tmp.replace(link)
+    return out_dir / chosen, {
+        "rule": f"highest offline tau at k={num_speculative_tokens} (validation full_acc), lower validation loss on a tie",
+        "chosen": chosen, "lowest_val_loss": by_loss.name if by_loss else None, "by_epoch": by_epoch}
+
 
 def summarize(metrics_path: Path, best: Path, num_speculative_tokens: int | None = None) -> dict:
     """The summary of one training run; `best` is the chosen checkpoint directory."""
