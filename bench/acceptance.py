@@ -71,6 +71,7 @@ from benchlib.acceptance import (
 )
 from benchlib.curves import HostMemory, process_tree_rss
 from eagle3_pipeline.compat import val_depth
+from eagle3_pipeline.files import atomic_write_text
 from eagle3_pipeline.manifest import parse_manifest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -338,6 +339,12 @@ class Bench:
         return json.loads((self.target / "config.json").read_text())["vocab_size"]
 
 
+def write_results(output: Path, results: dict) -> None:
+    """A results JSON, atomically (a killed bench never leaves half a file where the last one was)."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(output, json.dumps(results, indent=2, default=str) + "\n")
+
+
 def draft_stamp(path: str) -> str:
     """A draft directory and the newest modification time of its files."""
     return f"{path}@{max((p.stat().st_mtime_ns for p in Path(path).iterdir() if p.is_file()), default=0)}"
@@ -554,10 +561,7 @@ def run_curves(args, bench: Bench, target: dict, started: float, load_start) -> 
         "analysis": analysis,
         "run_plan_line": lc.run_plan_line(analysis, "ours-8k", output.name),
     }
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_name(output.name + ".tmp")
-    tmp.write_text(json.dumps(results, indent=2, default=str) + "\n")
-    os.replace(tmp, output)
+    write_results(output, results)
     png = lc.write_png(curves, max(args.ks), output.with_suffix(".png"), f"{output.name} (k={max(args.ks)})")
     log(f"wrote {output}" + (f" and {png.name}" if png else " (no matplotlib here: --curves-report draws the PNG)"))
     return 0
@@ -663,7 +667,7 @@ def run_screen(args, bench: Bench, target: dict, started: float, load_start) -> 
     timing = json.loads(timing_path.read_text()) if timing_path.is_file() else {}
     positions_path = bench.work / SCREEN_POSITIONS  # travels with the records: a cut hold's records report alone
     positions = {str(f): val_positions(datasets[f]) for f in args.screen_data}
-    positions_path.write_text(json.dumps(positions))
+    atomic_write_text(positions_path, json.dumps(positions))
 
     finished = [n for n in names if not any(isinstance(trained[(f, n)], BaseException) for f in args.screen_data)]
 
@@ -725,7 +729,7 @@ def run_screen(args, bench: Bench, target: dict, started: float, load_start) -> 
                 step_ms = step_ms_of(metrics)
                 timing[key] = {"steps": args.screen_timing_steps, "step_s": sc.solo_step_seconds(step_ms), "step_ms": step_ms}
                 log(f"  timing {key}: {1000 * timing[key]['step_s']:.1f} ms/step alone")
-                timing_path.write_text(json.dumps(timing, indent=2))
+                atomic_write_text(timing_path, json.dumps(timing, indent=2))
     curves = offline_curves()
     t_timing = time.perf_counter() - started - t_train - t_vllm
 
@@ -778,10 +782,7 @@ def run_screen(args, bench: Bench, target: dict, started: float, load_start) -> 
         "offline_vs_vllm": {"screen": agreement, "curves_1x": on_curves and {k: v for k, v in on_curves.items() if k != "pairs"},
                             "curves_pairs": on_curves and on_curves["pairs"]},
     }
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_name(output.name + ".tmp")
-    tmp.write_text(json.dumps(results, indent=2, default=str) + "\n")
-    os.replace(tmp, output)
+    write_results(output, results)
     log(f"wrote {output}")
     return 0
 
@@ -807,7 +808,7 @@ def screen_records_report(records: Path, output: Path | None, val_depth: int) ->
     if output:
         results = {"benchmark": "screen-smollm2", "partial": f"from the records in {records.name}: the epochs each run "
                    "had validated when they were copied", "curves": curves, "timing": timing, "table": rows}
-        output.write_text(json.dumps(results, indent=2, default=str) + "\n")
+        write_results(output, results)
         log(f"wrote {output}")
     return 0
 
@@ -1068,10 +1069,7 @@ def main() -> int:
         "wall_s": {"data": t_data, "train": t_train, "vllm": t_vllm, "total": time.perf_counter() - started},
     }
     results["tau"]["plain"] = summary["plain-epochs"]["tau"]  # plain speculators at equal epochs
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_name(output.name + ".tmp")
-    tmp.write_text(json.dumps(results, indent=2, default=str) + "\n")
-    os.replace(tmp, output)
+    write_results(output, results)
     log(f"wrote {output} ({results['wall_s']['total'] / 60:.1f} min)")
     return 0
 
