@@ -26,11 +26,17 @@ Results: bench/results/<cpu|gpu>-acceptance-smollm2.json and the printed tables.
     python bench/acceptance.py --device cuda --jobs 6 --ks 5 --recipe-ks 5 --recipes ...  # one GPU, shared
     python bench/acceptance.py --device cuda --curves --ks 5 --jobs 8 --curve-data 1    # learning curves (issue 27)
     python bench/acceptance.py --curves-report bench/results/h200-acceptance-curves-smollm2.json
+    python bench/acceptance.py --device cuda --screen --jobs 7 --ks 5                   # recipe screen (issue 37)
+    python bench/acceptance.py --screen-records DIR                                     # a cut hold's screen table
 
 --curves: per data size, ours at 8K and 32K tokens/step, ours at 32K with a scaled and warmed-up lr, and plain
 speculators, each trained once, one at a time, with a checkpoint per epoch; vLLM measures every checkpoint; tau
 against training GPU seconds from the trainer's own step timer (benchlib.curves: the timing rule, the tables,
 the priced data/epochs split). Results merge into one JSON across invocations (one data size per device hold).
+
+--screen: many recipes (benchlib/screen.py) trained on one dataset at once, ranked by the trainer's offline tau on the
+held-out rows (validation unrolled to k for all), each step shape timed alone for the equal-GPU-time x, the top few
+then measured in vLLM; bench/results/<cpu|h200>-screen-smollm2.json.
 
 --jobs N runs up to N independent stages at once (datasets, trainings, vLLM engines): a GPU box's
 cores and memory hold several of this small target's jobs. Their wall times then include each other's
