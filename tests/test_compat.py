@@ -28,6 +28,7 @@ _APPLY_AND_LOOK = textwrap.dedent("""
     import speculators.train.trainer as trainer
     from speculators.losses import fused
     from speculators.models import attention
+    from speculators.models.eagle3 import Eagle3DraftModel
     from eagle3_pipeline import compat
 
     shared_before = fused.loss_backward_kernel.configs is fused.loss_forward_kernel.configs
@@ -42,6 +43,7 @@ _APPLY_AND_LOOK = textwrap.dedent("""
         "device_prefetch": bool(getattr(cli.create_train_val_loaders, "_device_prefetch", False)),
         "sample_check": bool(getattr(cli.create_train_val_loaders, "_sample_check", False)),
         "finite_loss": cli.Trainer.__name__ == "FiniteLossTrainer",
+        "val_depth": bool(getattr(Eagle3DraftModel.get_trainer_kwargs, "_eagle3_val_depth", False)),
         "online_generation": dataloader.ArrowDataset.__name__ == "OnlineArrowDataset",
     }
     print(json.dumps({"applied": applied, "visible": visible}))
@@ -51,7 +53,7 @@ _APPLY_AND_LOOK = textwrap.dedent("""
 def test_apply_returns_the_name_of_every_change_it_made_and_no_other(tmp_path):
     # stage 04's sample-check settings (training.export_compat_settings), as every training process gets them
     checks = json.dumps({"slots": 4, "hidden": 64, "dtype": "float32", "storage": "dtype", "on_bad": "stop"})
-    env = {**os.environ, "EAGLE3_SAMPLE_CHECK": checks}
+    env = {**os.environ, "EAGLE3_SAMPLE_CHECK": checks, "EAGLE3_VAL_TTT_STEPS": "5"}  # validation deeper than training
     env.pop("EAGLE3_INPUT_CHECKS", None)
     result = subprocess.run([sys.executable, "-c", _APPLY_AND_LOOK, str(tmp_path / METRICS_FILE)],
                             capture_output=True, text=True, timeout=300, env=env)
@@ -62,7 +64,8 @@ def test_apply_returns_the_name_of_every_change_it_made_and_no_other(tmp_path):
     # Gated by the machine: the CPU shim exactly without an accelerator, the GPU pieces only with CUDA.
     assert ("cpu_trainer" in report["applied"]) == (torch.accelerator.current_accelerator() is None)
     assert ("device_prefetch" in report["applied"]) == torch.cuda.is_available()
-    assert {"interrupt_progress", "samples_record", "metrics_jsonl", "sample_check", "finite_loss"} <= set(report["applied"])
+    assert {"interrupt_progress", "samples_record", "metrics_jsonl", "sample_check", "finite_loss",
+            "val_depth"} <= set(report["applied"])
     assert "online_generation" not in report["applied"]  # files mode (no EAGLE3_HIDDEN_STATES): speculators untouched
 
 

@@ -44,6 +44,7 @@ def apply() -> bool:
         val_kwargs = {**val_kwargs, "ttt_steps": max(int(val_kwargs["ttt_steps"]), depth())}
         return train_kwargs, val_kwargs
 
+    get_trainer_kwargs._eagle3_val_depth = True  # what tests/test_compat.py looks for
     core.Eagle3DraftModel.get_trainer_kwargs = staticmethod(get_trainer_kwargs)
     _applied = True
     return True
