@@ -332,7 +332,7 @@ class EvaluateConfig(StageConfig):
         "rendered as stage 01 rendered its rows; report tau (1 + accepted/drafts), per-position acceptance and tau "
         "per category with standard errors, and tokens/s with and without the draft (report.json, report.txt, "
         "report.png). A tau at or below --min-tau (or a first-position acceptance below --min-first-acceptance) "
-        "exits 1 with one line naming the causes it checked."
+        "exits 6 with one line naming the causes it checked."
     )
     EXAMPLE: ClassVar[str] = (
         "python eagle3-train/06_evaluate.py --draft work/draft --output work/eval \\\n"
