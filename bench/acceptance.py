@@ -625,8 +625,8 @@ def screen_curves(work: Path, sizes, names, ks, timing: dict, positions: dict, w
 def run_screen(args, bench: Bench, target: dict, started: float, load_start) -> int:
     """--screen (issue 37): per data size one dataset, every --screen-recipes trained on it (--jobs at once: equal
     epochs do not need a quiet GPU), validated on the held-out rows to --screen-val-depth TTT steps at every epoch;
-    then each step shape timed alone (--screen-timing-steps: the equal-GPU-time x); then the --screen-vllm-top
-    recipes by offline tau, plus ours and plain, in vLLM. Results merge into one JSON across invocations."""
+    then the --screen-vllm-top recipes by offline tau, plus ours and plain, in vLLM; then each step shape timed alone
+    (--screen-timing-steps: the equal-GPU-time x). Results merge into one JSON across invocations."""
     output = args.output or REPO / "bench" / "results" / f"{'cpu' if bench.cpu else 'h200'}-screen-smollm2.json"
     names = list(dict.fromkeys(["ours", "plain", *args.screen_recipes]))
     recipes = {n: sc.resolve_recipe(n) for n in names}
@@ -658,6 +658,10 @@ def run_screen(args, bench: Bench, target: dict, started: float, load_start) -> 
         run(stage("03_build_vocab_mapping.py", "--data", datasets[f], "--output", vocabs[f]),
             bench.logs / f"{name_of(f)}-vocab.log", f"03 vocab {name_of(f)}")
 
+    # the held-out positions, before any training: they travel with the records, so a cut hold's records report alone
+    positions = {str(f): val_positions(datasets[f]) for f in args.screen_data}
+    atomic_write_text(bench.work / SCREEN_POSITIONS, json.dumps(positions))
+
     # 2. every recipe, --jobs at once
     jobs = {(f, n): ((), lambda done, f=f, n=n: train(f"screen-{f}x-{n}", datasets[f], vocabs[f], args.screen_epochs,
                                                        recipes[n], []))
@@ -671,10 +675,6 @@ def run_screen(args, bench: Bench, target: dict, started: float, load_start) -> 
     # 3. offline curves: every epoch's validation, tau at k = 1..depth with a standard error; gpu_s once timed (5.)
     timing_path = bench.work / "screen-timing.json"
     timing = json.loads(timing_path.read_text()) if timing_path.is_file() else {}
-    positions_path = bench.work / SCREEN_POSITIONS  # travels with the records: a cut hold's records report alone
-    positions = {str(f): val_positions(datasets[f]) for f in args.screen_data}
-    atomic_write_text(positions_path, json.dumps(positions))
-
     finished = [n for n in names if not any(isinstance(trained[(f, n)], BaseException) for f in args.screen_data)]
 
     def offline_curves() -> dict[str, dict]:
