@@ -132,12 +132,30 @@ CURVE_SEQ = {"cuda": (8192, 32768), "cpu": (1024, 4096)}
 def curve_recipes(device: str) -> dict[str, dict]:
     small, large = CURVE_SEQ[device]
     return {
+        "ours": {"train": []},  # the landed defaults, nothing forced (04's short-run rule picks the packing)
         "ours-8k": {"train": ["--total-seq-len", str(small)]},
         "ours-32k": {"train": ["--total-seq-len", str(large)]},
         "ours-32k-lr": {"train": ["--total-seq-len", str(large), "--lr", "2e-3",
                                   "--extra-args=--scheduler-warmup-ratio", "--extra-args=0.1"]},
         "plain": {"plain": True},
     }
+
+
+def curve_recipe(name: str, device: str) -> dict:
+    """A --curve-recipes name: one of curve_recipes', or `ours-8k+SCREEN` (ours at the small packing with a screen
+    recipe's changes, benchlib/screen.py; `+` combines several), so a screen's winner gets its learning curve."""
+    fixed = curve_recipes(device)
+    if name in fixed:
+        return fixed[name]
+    base, plus, rest = name.partition("+")
+    if base != "ours-8k" or not plus:
+        raise SystemExit(f"--curve-recipes {name}: expected one of {', '.join(fixed)} or ours-8k+RECIPE "
+                         f"(RECIPE from benchlib/screen.py: {', '.join(sc.SCREEN_RECIPES)})")
+    try:
+        screen = sc.resolve_recipe(rest)
+    except ValueError as exc:
+        raise SystemExit(f"--curve-recipes {name}: {exc}") from None
+    return {"train": fixed[base]["train"] + screen.get("train", []), **({"draft": screen["draft"]} if "draft" in screen else {})}
 
 
 # Every curve training checkpoints every epoch and times every step (the timing rule, benchlib.curves).
@@ -434,7 +452,7 @@ def run_curves(args, bench: Bench, target: dict, started: float, load_start) -> 
     """--curves: per data size, every recipe trained once with a checkpoint per epoch, one at a time (the
     timing rule, benchlib.curves.TIMING_RULE), then each measured checkpoint in vLLM (--jobs engines)."""
     output = args.output or REPO / "bench" / "results" / f"{'cpu' if bench.cpu else 'h200'}-acceptance-curves-smollm2.json"
-    recipes = {name: r for name, r in curve_recipes(args.device).items() if name in args.curve_recipes}
+    recipes = {name: curve_recipe(name, args.device) for name in args.curve_recipes}
     epochs_by_size = parse_curve_epochs(args.curve_epochs, args.curve_data)
     data_summary = bench.build_data()
     chat = bench.work / "chat"
@@ -884,7 +902,8 @@ def main() -> int:
     curves.add_argument("--curve-marks", type=int, nargs="*", default=None,
                         help="epochs (1-based) whose checkpoints vLLM measures (default every epoch; the last always)")
     curves.add_argument("--curve-recipes", nargs="+", default=["ours-8k", "ours-32k", "ours-32k-lr", "plain"],
-                        choices=["ours-8k", "ours-32k", "ours-32k-lr", "plain"])
+                        help="ours (the landed defaults, nothing forced), ours-8k, ours-32k, ours-32k-lr, plain, or "
+                             "ours-8k+RECIPE with a --screen recipe's changes (e.g. ours-8k+fc-norm)")
     curves.add_argument("--curve-storage", choices=["dtype", "fp8"], default="dtype",
                         help="hidden states of every curve dataset: the extraction dtype, or fp8 (half the disk)")
     curves.add_argument("--extract-cost-ratio", type=float, default=lc.EXTRACT_COST_RATIO,

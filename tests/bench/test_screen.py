@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -135,3 +136,16 @@ def test_screen_end_to_end_on_a_tiny_target(llama_target, tmp_path):
                              "--screen-val-depth", "4"], env=env, capture_output=True, text=True, timeout=300)
     assert report.returncode == 0 and "screen at 1x data" in report.stdout
     assert all(name in report.stdout for name in curves)
+
+
+def test_a_screen_recipe_gets_its_learning_curve_at_the_small_packing():
+    import acceptance
+
+    assert acceptance.curve_recipe("ours-8k+fc-norm", "cuda") == {
+        "train": ["--total-seq-len", "8192", "--extra-args=--fc-norm", "--extra-args=--no-norm-before-fc"]}
+    assert acceptance.curve_recipe("ours-8k+layers-2", "cpu") == {"train": ["--total-seq-len", "1024"],
+                                                                   "draft": {"num_layers": 2}}
+    assert acceptance.curve_recipe("ours", "cuda") == {"train": []}  # the landed defaults, nothing forced
+    for wrong in ("ours-32k+fc-norm", "ours-8k+nope"):
+        with pytest.raises(SystemExit, match=re.escape(f"--curve-recipes {wrong}")):
+            acceptance.curve_recipe(wrong, "cuda")
