@@ -113,10 +113,10 @@ def choose_checkpoint(out_dir: Path, num_speculative_tokens: int) -> tuple[Path 
     out_dir = Path(out_dir)
     by_epoch: dict[str, dict] = {}
     for folder in complete(out_dir):
+        val = checkpoint_val_metrics(folder)
         try:
-            val = {k.removesuffix("_epoch"): v for k, v in json.loads((folder / "val_metrics.json").read_text()).items()}
-            full_acc = full_acc_by_step(val)
-        except (OSError, ValueError, KeyError, AttributeError):
+            full_acc = full_acc_by_step(val or {})
+        except KeyError:  # no validation metrics in this checkpoint
             continue
         k = min(num_speculative_tokens, len(full_acc))
         by_epoch[folder.name] = {"tau": expected_accepted_length(full_acc, k), "k": k, "val_loss": val.get("loss")}
@@ -159,13 +159,19 @@ def summarize(metrics_path: Path, best: Path, num_speculative_tokens: int | None
     return summary
 
 
+def checkpoint_val_metrics(folder: Path) -> dict | None:
+    """The validation metrics speculators saved in a checkpoint folder, keys without `_epoch`; None if unreadable."""
+    path = Path(folder) / "val_metrics.json"
+    try:
+        return {k.removesuffix("_epoch"): v for k, v in json.loads(path.read_text()).items()}
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None
+
+
 def _best_val_metrics(best: Path, curves, best_epoch: int | None) -> dict | None:
-    path = best / "val_metrics.json"
-    if path.is_file():
-        try:
-            return {k.removesuffix("_epoch"): v for k, v in json.loads(path.read_text()).items()}
-        except (json.JSONDecodeError, AttributeError):
-            pass
+    val = checkpoint_val_metrics(best)
+    if val is not None:
+        return val
     if best_epoch is not None and best_epoch in curves.val:
         return curves.val[best_epoch]
     return None

@@ -271,8 +271,7 @@ def export_compat_settings(cfg: TrainConfig, sample_check: dict | None = None, d
     what every sample must be (compat/sample_check.py: slots, hidden, dtype, storage); `draft`: the draft
     config, for the validation depth (compat/val_depth.py, set only when deeper than training)."""
     os.environ[flex_forward_config.ENV] = cfg.flex_forward_config
-    depth = val_ttt_steps(cfg, draft) if draft is not None else 0
-    if draft is not None and depth > ttt_steps(cfg, draft):
+    if draft is not None and (depth := val_ttt_steps(cfg, draft)) > ttt_steps(cfg, draft):
         os.environ[val_depth.ENV] = str(depth)
     else:
         os.environ.pop(val_depth.ENV, None)

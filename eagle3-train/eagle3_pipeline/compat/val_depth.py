@@ -5,7 +5,8 @@ has no held-out accuracy for positions 4-5: its offline acceptance length (train
 stops at k = 3, and a recipe screen cannot compare drafts trained at different depths at the k they serve.
 `Eagle3DraftModel.get_trainer_kwargs` returns (train kwargs, val kwargs); the wrapper raises the val kwargs'
 `ttt_steps` to stage 04's `--val-ttt-steps` (never lowers it). Training is unchanged; validation's loss then also
-covers the extra steps (with the run's `--ttt-step-loss-decay`), which is what `checkpoint_best` compares.
+covers the extra steps (with the run's `--ttt-step-loss-decay`), which is what speculators' own best-by-loss compares
+(stage 04 then picks the exported checkpoint by offline tau: train_report.choose_checkpoint).
 
 Gate: stage 04 set `EAGLE3_VAL_TTT_STEPS` (training.export_compat_settings) deeper than training; speculators
 0.9.0 (the method's name and its (train, val) return).
