@@ -40,6 +40,7 @@ not fit the H200 box's 6 minutes); --compile measures the compiled engines. Resu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import math
@@ -53,6 +54,8 @@ from pathlib import Path
 
 from benchlib import logged
 from benchlib.logged import float_after, log
+from eagle3_pipeline.disk_writes import dirty_limits, measure_write_bandwidth
+from eagle3_pipeline.extract.vllm_backend import CONNECTOR_ENV
 from eagle3_pipeline.manifest import parse_manifest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -80,11 +83,11 @@ def target_dir(name: str, args, logs: Path) -> Path:
             cmd += ["--gguf", args.gguf]
         run_logged("testbed", cmd, logs, timeout=900)
         return cache / "smollm2-135m-instruct"
-    if name == "kimi":
-        out = subprocess.run([sys.executable, "-m", "eagle3_pipeline.miniature", "--cache-dir", cache, "--print", "kimi"],
+    if name in ("kimi", "kimi-width"):
+        out = subprocess.run([sys.executable, "-m", "eagle3_pipeline.miniature", "--cache-dir", cache, "--print", name],
                              capture_output=True, text=True, cwd=REPO, check=True, env=child_env())
         return Path(out.stdout.strip().splitlines()[-1])
-    raise SystemExit(f"--targets: unknown target {name!r} (smollm2, kimi or NAME=PATH)")
+    raise SystemExit(f"--targets: unknown target {name!r} (smollm2, kimi, kimi-width or NAME=PATH)")
 
 
 def make_rows(vocab_size: int, rows: int, min_tokens: int, max_tokens: int, seed: int = SEED) -> list[dict]:
@@ -181,6 +184,38 @@ def prefill_child(request_path: Path, result_path: Path) -> None:
         core.shutdown()
 
 
+@contextlib.contextmanager
+def extra_env(env: dict):
+    """These variables for the children started inside (the stage 02 variant's)."""
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def bound_of(figures: dict, prefill: dict) -> dict:
+    """The bound stage 02 is held to: the slower of vLLM's prefill alone and the disk's durable write rate for the
+    same bytes (the better of its two ways: writeback started per file or at the kernel's pace), in tokens/s; the
+    ratio of stage 02's rate to it, to the device (its final flush included) and to the page cache."""
+    if "disk" not in figures:
+        return {}
+    disk_gb = max(way["device_gb_per_s"] for way in figures["disk"].values())
+    disk_tokens = disk_gb * 1e9 / figures["bytes_per_token"]
+    bound = "disk" if disk_tokens < prefill["tokens_per_s"] else "prefill"
+    bound_tokens = min(disk_tokens, prefill["tokens_per_s"])
+    page_cache_gb = max(way["page_cache_gb_per_s"] for way in figures["disk"].values())
+    page_cache_bound = min(page_cache_gb * 1e9 / figures["bytes_per_token"], prefill["tokens_per_s"])
+    return {"disk_device_gb_per_s": disk_gb, "disk_tokens_per_s": disk_tokens, "bound": bound,
+            "bound_tokens_per_s": bound_tokens, "ratio_to_bound": figures["device_tokens_per_s"] / bound_tokens,
+            "ratio_to_bound_page_cache": figures["tokens_per_s"] / page_cache_bound}
+
+
 def measure_target(name: str, args, work: Path, logs: Path, on_cpu: bool) -> dict:
     target = target_dir(name, args, logs)
     tag = name.split("=", 1)[0]
@@ -192,8 +227,6 @@ def measure_target(name: str, args, work: Path, logs: Path, on_cpu: bool) -> dic
     rows = make_rows(vocab, args.rows, args.min_tokens, args.max_tokens)
     rows_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
     if data.exists():  # a fresh measurement every time: stage 02 must not find the rows done
-        import shutil
-
         shutil.rmtree(data)
     max_seq_len = args.max_tokens
     run_logged(f"{tag}-01", [sys.executable, SCRIPTS / "01_prepare_dataset.py", "--target", target, "--data", rows_file,
@@ -224,19 +257,42 @@ def measure_target(name: str, args, work: Path, logs: Path, on_cpu: bool) -> dic
     if args.stock_engine_side:
         sides["engine_extract_stock"] = engine_only("engine-stock", extraction=True, staging=staging, connector="stock")
     engine_extract = sides.get("engine_extract")
-    text, wall = run_logged(f"{tag}-02", [sys.executable, SCRIPTS / "02_extract_hidden_states.py", "--target", target,
-                                          "--data", data, "--backend", "vllm", *settings_flags(settings)],
-                            logs, timeout=args.timeout)
-    counts = parse_manifest(data / "hidden_states" / "manifest.json").counts
-    # Every landed file read back in full and checked again (`--validate`: not the header path (b) landed by).
-    validated, _ = run_logged(f"{tag}-02-validate", [sys.executable, SCRIPTS / "02_extract_hidden_states.py", "--target",
-                                                     target, "--data", data, "--backend", "vllm", "--validate",
-                                                     *settings_flags(settings)], logs, timeout=args.timeout)
-    extract = {"rows": counts.rows, "tokens": counts.extracted_tokens, "seconds": counts.extract_s,
-               "tokens_per_s": counts.extract_tokens_per_s, "sync_s": counts.sync_s,
-               "engine_start_s": float_after(text, r"vLLM engine ready in ([\d.]+)s"), "process_wall_s": wall,
-               "flags": settings_flags(settings),
-               "validate": "all good" if "all good" in validated else validated.strip().splitlines()[-1][:300]}
+    def stage_02(variant: str, storage: str, env: dict | None = None) -> dict:
+        """(b): stage 02 on the rows with `--storage storage`, then `02 --validate` (every file read back in full)."""
+        flags = [*settings_flags(settings), "--storage", storage]
+        if args.writer_threads:
+            flags += ["--writer-threads", str(args.writer_threads)]
+        command = [sys.executable, SCRIPTS / "02_extract_hidden_states.py", "--target", target, "--data", data,
+                   "--backend", "vllm", *flags]
+        shutil.rmtree(data / "hidden_states", ignore_errors=True)  # a fresh extraction per variant
+        name = f"{tag}-02" + ("" if variant == "dtype" else f"-{variant}")
+        with extra_env(env or {}):
+            text, wall = run_logged(name, command, logs, timeout=args.timeout)
+            validated, _ = run_logged(f"{name}-validate", [*command, "--validate"], logs, timeout=args.timeout)
+        counts = parse_manifest(data / "hidden_states" / "manifest.json").counts
+        files = sorted((data / "hidden_states").glob("*.safetensors"))
+        sizes = [f.stat().st_size for f in files]
+        figures = {"rows": counts.rows, "tokens": counts.extracted_tokens, "seconds": counts.extract_s,
+                   "tokens_per_s": counts.extract_tokens_per_s, "sync_s": counts.sync_s, "landed": counts.landed,
+                   # to the device: until the landed files are durable (the final flush included)
+                   "device_tokens_per_s": counts.extracted_tokens / (counts.extract_s + counts.sync_s),
+                   "bytes": sum(sizes), "bytes_per_token": sum(sizes) / counts.extracted_tokens,
+                   "engine_start_s": float_after(text, r"vLLM engine ready in ([\d.]+)s"), "process_wall_s": wall,
+                   "flags": flags, "env": env or {},
+                   "validate": "all good" if "all good" in validated else validated.strip().splitlines()[-1][:300]}
+        if args.disk_write:  # (d) the disk's own rate for files of these sizes, in the same place, after they are gone
+            shutil.rmtree(data / "hidden_states", ignore_errors=True)
+            figures["disk"] = {how: measure_write_bandwidth(work / tag / "disk-write", sizes, threads=args.disk_threads,
+                                                            writeback=how == "writeback")
+                               for how in ("writeback", "kernel_pace")}
+        return figures
+
+    storages = {}
+    for storage in args.storages:
+        storages[storage] = stage_02(storage, storage)
+        if storage == "fp8" and args.stock_fp8:  # before quantizing on the device: the stock connector's bf16 files
+            storages["fp8_host_quantized"] = stage_02("fp8-stock", "fp8", {CONNECTOR_ENV: "stock"})
+    extract = storages[args.storages[0]]
     assert extract["tokens"] == prefill["tokens"], (extract, prefill)
     ratio = extract["tokens_per_s"] / prefill["tokens_per_s"]
     log(f"{tag}: prefill {prefill['tokens_per_s']:,.0f} tokens/s, stage 02 {extract['tokens_per_s']:,.0f} tokens/s, "
@@ -244,6 +300,17 @@ def measure_target(name: str, args, work: Path, logs: Path, on_cpu: bool) -> dic
     result = {"target": str(target), "rows": len(rows), "tokens": prefill["tokens"],
               "row_tokens": {"min": min(len(r["input_ids"]) for r in rows), "max": max(len(r["input_ids"]) for r in rows)},
               "prefill": prefill, "extract": extract, "ratio": ratio}
+    if len(storages) > 1 or args.disk_write:
+        result["storages"] = {name: {**figures, **bound_of(figures, prefill)} for name, figures in storages.items()}
+        for name, figures in result["storages"].items():
+            if "ratio_to_bound" in figures:
+                log(f"{tag} {name}: stage 02 {figures['device_tokens_per_s']:,.0f} tokens/s to the device "
+                    f"({figures['bytes_per_token']:,.0f} B/token); bound {figures['bound']} "
+                    f"{figures['bound_tokens_per_s']:,.0f} tokens/s; ratio_to_bound {figures['ratio_to_bound']:.3f}")
+        if {"dtype", "fp8"} <= storages.keys():
+            result["fp8_vs_dtype_device_tokens_per_s"] = (storages["fp8"]["device_tokens_per_s"]
+                                                          / storages["dtype"]["device_tokens_per_s"])
+            log(f"{tag}: fp8 / {settings['dtype']} tokens/s to the device: {result['fp8_vs_dtype_device_tokens_per_s']:.2f}")
     for side, figures in sides.items():
         result[side] = figures
         result[f"ratio_{side}"] = figures["tokens_per_s"] / prefill["tokens_per_s"]
@@ -318,6 +385,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="also (a'): (a) on vLLM's V1 model runner, the one extract_hidden_states runs on")
     parser.add_argument("--sync-scheduling-prefill", action="store_true",
                         help="also (a''): (a) with vLLM's async scheduling off, as vLLM runs extract_hidden_states")
+    parser.add_argument("--storages", nargs="+", choices=["dtype", "fp8"], default=["dtype"],
+                        help="stage 02 once per storage (--storage), each from scratch; the first is (b)")
+    parser.add_argument("--stock-fp8", action="store_true",
+                        help="with fp8 among --storages: also stage 02 fp8 with vLLM's stock connector (bf16 files read "
+                             "back and quantized on the host: what our connector's on-device quantization replaced)")
+    parser.add_argument("--disk-write", action="store_true",
+                        help="also (d): the disk's write rate for files of each storage's sizes, in the work dir, to the "
+                             "page cache and to the device; each storage's ratio_to_bound = stage 02 / min(prefill, disk)")
+    parser.add_argument("--disk-threads", type=int, default=8, help="(d)'s writer threads (the connector's default)")
+    parser.add_argument("--writer-threads", type=int, help="stage 02's --writer-threads (default: its own)")
     parser.add_argument("--timeout", type=float, default=900, help="per engine process (s)")
     parser.add_argument("--prefill-child", nargs=2, metavar=("REQUEST", "RESULT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -335,9 +412,10 @@ def main(argv: list[str] | None = None) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     results = {"bench": "extraction_vs_prefill", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-               "machine": machine(), "device": "cpu" if on_cpu else "cuda",
+               "machine": {**machine(), "page_cache": dirty_limits()}, "device": "cpu" if on_cpu else "cuda",
                "settings": {"rows": args.rows, "min_tokens": args.min_tokens, "max_tokens": args.max_tokens,
-                            "seed": SEED, **engine_settings(args, on_cpu)},
+                            "seed": SEED, **engine_settings(args, on_cpu), "storages": args.storages,
+                            "disk_write": args.disk_write, "disk_threads": args.disk_threads},
                "targets": {}}
     for name in args.targets:
         tag = name.split("=", 1)[0]

@@ -22,6 +22,11 @@
 #                                                  miniature: vLLM prefill alone vs stage 02), results + logs under $OUT
 #   bash bench/h200_vllm_gpu.sh extract-vs-prefill-start [flags]   the same, detached like acceptance-start (all
 #                                                  variants of both targets outlast one call); wait with acceptance-wait
+#   bash bench/h200_vllm_gpu.sh extract-width [flags]   stage 02 at Kimi-K2.5's width (issue 39): the Kimi-width target,
+#                                                  prefill alone, stage 02 bf16 + fp8 (+ fp8 through the stock connector)
+#                                                  and the disk's write rate, -> $OUT/h200-extraction-kimi-width.json;
+#                                                  needs the KEEP=moe bundle (three parts)
+#   bash bench/h200_vllm_gpu.sh extract-width-start [flags]   the same, detached; wait with acceptance-wait
 #   bash bench/h200_vllm_gpu.sh acceptance-start [flags]   the same, detached (setsid: it outlives the call and
 #                                                  runs while the box is held), results in /root/acceptance-out;
 #                                                  other work (e.g. `run`) can share the GPU meanwhile
@@ -66,7 +71,7 @@ wait_for() {  # wait_for DIR SECONDS NAME: until DIR/rc exists (at most SECONDS)
   cp "$dir"/*.json "$dir"/*.png "$dir"/*.log "$dir"/*.txt "$dir"/*.tgz "$dir"/rc "$OUT"/ 2>/dev/null
   if [ -f "$dir/rc" ]; then echo "$name finished, rc $(cat "$dir/rc")"; else echo "$name still running after ${waited}s"; fi
 }
-cmd=${1:?usage: h200_vllm_gpu.sh wheels|prepare|stash|install|run|acceptance|acceptance-start|acceptance-wait|extract-vs-prefill|extract-vs-prefill-start|curves|curves-start|curves-wait|screen|screen-start|prepare-train|install-train|train-start|train-wait}
+cmd=${1:?usage: h200_vllm_gpu.sh wheels|prepare|stash|install|run|acceptance|acceptance-start|acceptance-wait|extract-vs-prefill|extract-vs-prefill-start|extract-width|extract-width-start|curves|curves-start|curves-wait|screen|screen-start|prepare-train|install-train|train-start|train-wait}
 shift
 case "$cmd" in
   wheels)  # here: .whl/, what the image lacks beside the vLLM bundle (pure-Python wheels for its Python 3.12);
@@ -103,9 +108,12 @@ case "$cmd" in
     detach "$BG_OUT" bash "$0" screen "$@" ;;
   extract-vs-prefill-start)
     detach "$BG_OUT" bash "$0" extract-vs-prefill "$@" ;;
+  extract-width-start)
+    detach "$BG_OUT" bash "$0" extract-width "$@" ;;
   acceptance-wait|curves-wait)
     wait_for "$BG_OUT" "${1:?seconds}" bench-acceptance
     (cd work/bench-acceptance-gpu 2>/dev/null && tar czf "$OUT/records.tgz" logs */bench-run.json vllm-k*.json 2>/dev/null)
+    (cd work/extraction-kimi-width 2>/dev/null && tar czf "$OUT/extraction-records.tgz" logs results.json 2>/dev/null)
     (cd work/bench-curves-gpu 2>/dev/null && tar czf "$OUT/curves-records.tgz" logs */bench-run.json */checkpoints/metrics.jsonl \
       curves-*-plain/metrics.jsonl vllm-curves.json host-memory.json screen-*/bench-run.json screen-*/checkpoints/metrics.jsonl \
       screen-*-plain/metrics.jsonl screen-*/checkpoints/*/val_metrics.json screen-*-plain/*/val_metrics.json \
@@ -127,7 +135,7 @@ case "$cmd" in
   train-wait)
     wait_for "$TRAIN_OUT" "${1:?seconds}" bench-train
     tail -n 60 "$TRAIN_OUT/driver.log" 2>/dev/null ;;
-  run|acceptance|extract-vs-prefill|curves|screen)
+  run|acceptance|extract-vs-prefill|extract-width|curves|screen)
     export PYTHONPATH=$SITE VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
       VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
     OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /root/gguf
@@ -150,6 +158,13 @@ case "$cmd" in
       gguf=(); [ -f "/root/gguf/$GGUF_NAME" ] && gguf=(--gguf "/root/gguf/$GGUF_NAME")  # its prompts are not used
       python3 bench/extraction_vs_prefill.py --work $work --results "$OUT/h200-extraction-vs-prefill.json" "${gguf[@]}" \
         "$@" 2>&1 | tee "$OUT/bench.log"
+    elif [ "$cmd" = extract-width ]; then
+      work=work/extraction-kimi-width
+      # vLLM 0.26 predates PR #50894 (`hidden-state-page`): its GPU runner pads the MLA pages to the states' page
+      # when the MLA backend indexes the cache by block stride (FLASH_ATTN_MLA, FlashMLA); measured here, not refused
+      EAGLE3_IGNORE_VLLM_CHECKS=hidden-state-page python3 bench/extraction_vs_prefill.py --work $work \
+        --results "$OUT/h200-extraction-kimi-width.json" --targets kimi-width --storages dtype fp8 --stock-fp8 \
+        --disk-write "$@" 2>&1 | tee "$OUT/bench.log"
     elif [ "$cmd" = screen ]; then
       work=work/bench-curves-gpu
       results=h200-screen-smollm2.json

@@ -36,7 +36,8 @@ sys.path[:0] = [str(REPO / "eagle3-train")]
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from eagle3_pipeline.extract.common import ExtractedSample, land_sample, sync_filesystem  # noqa: E402
+from eagle3_pipeline.disk_writes import sync_filesystem  # noqa: E402
+from eagle3_pipeline.extract.common import ExtractedSample, land_sample  # noqa: E402
 from eagle3_pipeline.extract.vllm_backend import LANDING_THREADS  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -400,6 +400,64 @@ def test_landing_from_the_header_refuses_what_a_read_back_refuses(kimi_vllm_run,
     assert not hs_file(tmp_path / "hs", index).exists()
 
 
+@pytest.fixture(scope="module")
+def kimi_vllm_fp8_run(kimi_vllm_run, tmp_path_factory):
+    """Stage 02 --storage fp8 on the same prepared rows: our connector quantizes in the engine, before the copy."""
+    import shutil
+
+    from eagle3_pipeline.manifest import parse_manifest
+
+    data = tmp_path_factory.mktemp("vllm-kimi-fp8") / "data"
+    shutil.copytree(kimi_vllm_run["data_dir"], data, ignore=shutil.ignore_patterns("hidden_states", ".lock*"))
+    done = subprocess.run([sys.executable, str(SCRIPTS_DIR / "02_extract_hidden_states.py"), "--profile", "cpu-mini",
+                           "--target", str(kimi_vllm_run["target"].path), "--data", str(data), "--backend", "vllm",
+                           "--max-num-seqs", "8", "--storage", "fp8"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return {"hs_dir": data / "hidden_states", "manifest": parse_manifest(data / "hidden_states" / "manifest.json")}
+
+
+def test_fp8_is_quantized_in_the_engine_and_landed_from_the_header(kimi_vllm_run, kimi_vllm_fp8_run):
+    """Every fp8 row landed without a read-back (the manifest says how), holds speculators' fp8 tensors within fp8's
+    rounding of the fp32 states, and carries the checks of its dequantized values (what `02 --validate` judges)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from eagle3_pipeline.extract.common import CONSTANT_SLOT_RTOL_FP8, FP8, SCALES_KEY, dequantize_fp8
+
+    run, fp8 = kimi_vllm_run, kimi_vllm_fp8_run
+    assert fp8["manifest"].counts.landed == {"header": len(run["rows"])}
+    for index, ids in run["rows"]:
+        path = hs_file(fp8["hs_dir"], index)
+        with safe_open(str(path), "pt") as handle:
+            checks = json.loads(handle.metadata()[SLOT_CHECKS_KEY])
+            states, scales = handle.get_tensor("hidden_states"), handle.get_tensor(SCALES_KEY)
+        assert states.dtype == FP8 and scales.shape == (len(ids), 1, 1)
+        restored = dequantize_fp8(states, scales, str(path))
+        assert torch.allclose(torch.tensor(checks), slot_checks(restored, CONSTANT_SLOT_RTOL_FP8), rtol=1e-6, atol=0)
+        reference = load_file(str(hs_file(run["hs_dir"], index)))["hidden_states"]  # the fp32 run's states
+        per_token = reference.abs().amax(dim=(1, 2), keepdim=True)
+        assert ((restored - reference).abs() <= per_token / 8).all()  # e4m3: 3 mantissa bits
+        validate_file(path, ids, 4, run["target"].hidden_size, FP8)  # the full read-back agrees
+
+
+def test_fp8_header_landing_refuses_bad_scales_and_falls_back_without_checks(kimi_vllm_run, kimi_vllm_fp8_run,
+                                                                            tmp_path):
+    from safetensors.torch import load_file
+
+    from eagle3_pipeline.extract.common import FP8, SCALES_KEY
+
+    index, ids = kimi_vllm_run["rows"][0]
+    src, hidden = hs_file(kimi_vllm_fp8_run["hs_dir"], index), kimi_vllm_run["target"].hidden_size
+    assert land_checked_file(src, ids, 4, hidden, FP8)
+    negative = _rewrite(src, tmp_path / "negative.safetensors", **{SCALES_KEY: -load_file(str(src))[SCALES_KEY]})
+    with pytest.raises(BadHiddenStates, match="non-finite or non-positive scales"):
+        land_checked_file(negative, ids, 4, hidden, FP8)
+    with pytest.raises(BadHiddenStates, match="expected \\['hidden_states', 'hidden_states_scales', 'token_ids'\\]"):
+        land_checked_file(hs_file(kimi_vllm_run["hs_dir"], index), ids, 4, hidden, FP8)  # a bf16/fp32 file
+    no_checks = _copy_with(src, tmp_path / "stock.safetensors")  # no checks in the header: the caller reads it back
+    assert land_checked_file(no_checks, ids, 4, hidden, FP8) is False
+
+
 # --- preflight and the printed server command ---------------------------------------------------
 
 def test_installed_vllm_passes_the_preflight_for_both_targets(mini):
@@ -432,6 +490,19 @@ def test_preflight_flags_the_page_size_bug_for_real_kimi_geometry(mini):
     problem = vb.vllm_version_problem(real, 8, version="0.29.0", deepseek_source=None, kv_cache_source=None)
     assert problem.startswith("hidden-state-page") and "0.30.0" in problem
     assert vb.vllm_version_problem(real, 8, version="0.30.0", deepseek_source=None, kv_cache_source=None) is None
+
+
+def test_a_named_version_check_can_be_reported_instead_of_refused(mini, monkeypatch):
+    """EAGLE3_IGNORE_VLLM_CHECKS=hidden-state-page: vLLM 0.26's GPU runner was measured extracting at Kimi-K2.5's
+    width (bench/README.md); the check is then a warning, and every other check still refuses."""
+    from dataclasses import replace
+
+    kimi = load_target_info(mini["kimi"])
+    real = replace(kimi, hidden_size=7168, text_config={**kimi.text_config, "hidden_size": 7168})
+    monkeypatch.setenv(vb.IGNORE_CHECKS_ENV, "hidden-state-page")
+    assert vb.vllm_version_problem(real, 8, version="0.26.0", deepseek_source=None, kv_cache_source=None) is None
+    problem = vb.vllm_version_problem(real, 8, version="0.24.0", deepseek_source=None, kv_cache_source=None)
+    assert problem.startswith("deepseek-final-layer")
 
 
 def test_print_server_cmd_for_kimi_on_an_8_gpu_box(mini, tmp_path):
@@ -480,13 +551,18 @@ def test_our_connector_is_pinned_to_the_vllm_releases_it_ran_on():
 
 
 def test_an_untested_vllm_gets_the_stock_connector_on_a_gpu_and_is_refused_on_the_cpu(tmp_path, monkeypatch):
-    assert vb.connector_config(tmp_path, checked=False) == {
+    assert vb.connector_config(tmp_path, checked=False, storage="fp8") == {
         "kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
-        "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)}}
-    checked = vb.connector_config(tmp_path)
+        "kv_connector_extra_config": {"shared_storage_path": str(tmp_path), "num_writer_threads": 8}}
+    checked = vb.connector_config(tmp_path, storage="fp8", writer_threads=4)
     assert checked["kv_connector"] == "CheckedHiddenStatesConnector"
     assert checked["kv_connector_module_path"] == "eagle3_pipeline.compat.hidden_states_connector"
+    assert checked["kv_connector_extra_config"] == {"shared_storage_path": str(tmp_path), "num_writer_threads": 4,
+                                                    vb.STORAGE_KEY: "fp8"}
     assert vb.use_checked_connector(on_cpu=False) and vb.engine_problem(on_cpu=True) is None
+    monkeypatch.setenv(vb.CONNECTOR_ENV, "stock")  # asked for on a GPU; the CPU has no stock fallback
+    assert not vb.use_checked_connector(on_cpu=False) and vb.use_checked_connector(on_cpu=True)
+    monkeypatch.delenv(vb.CONNECTOR_ENV)
     monkeypatch.delenv(vb.ALLOW_UNTESTED_ENV, raising=False)
     monkeypatch.setattr(vb, "vllm_installed_version", lambda: "0.99.0")
     assert not vb.use_checked_connector(on_cpu=False) and vb.engine_problem(on_cpu=False) is None

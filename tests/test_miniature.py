@@ -97,3 +97,24 @@ def test_llama_miniature_is_a_plain_causal_lm(llama_target):
     info = load_target_info(llama_target)
     assert info.model_type == "llama" and not info.is_multimodal_wrapper and info.weight_prefix == ""
     assert info.num_layers == 6
+
+
+def test_kimi_width_target_writes_kimi_k25s_bytes_per_token_with_the_miniatures_shape(kimi_target):
+    """The extraction bench's byte-bound target: Kimi-K2.5's hidden size (57,344 B per token in bf16, 4 slots), the
+    miniature's wrapper, MLA and MoE, its tokenizer; few layers, so the forward stays cheap."""
+    from eagle3_pipeline.hidden_states import StateFormat
+    from eagle3_pipeline.miniature import build_kimi_width
+    from eagle3_pipeline.target import extraction_layer_ids
+
+    wide = build_kimi_width(kimi_target.parent.parent)
+    assert build_kimi_width(kimi_target.parent.parent) == wide  # cached
+    info = load_target_info(wide)
+    assert info.model_type == "kimi_k25" and info.text_model_type == "deepseek_v3" and info.weight_prefix == "language_model."
+    assert info.hidden_size == 7168 and len(extraction_layer_ids(info.num_layers, None)) == 4
+    assert StateFormat().bytes_per_token(info.hidden_size) == 57_344
+    mini, text = load_target_info(kimi_target).text_config, info.text_config
+    assert text["kv_lora_rank"] + text["qk_rope_head_dim"] == 576 and text["topk_method"] == "noaux_tc"
+    assert {k: text[k] for k in ("n_routed_experts", "n_shared_experts", "first_k_dense_replace")} == \
+        {k: mini[k] for k in ("n_routed_experts", "n_shared_experts", "first_k_dense_replace")}
+    assert (wide / "tokenizer.json").read_bytes() == (kimi_target / "tokenizer.json").read_bytes()
+    assert json.loads((wide / "config.json").read_text())["architectures"] == ["KimiK25ForConditionalGeneration"]

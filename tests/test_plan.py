@@ -91,8 +91,24 @@ def test_every_stage_has_hours_with_stated_rates_and_their_sources(kimi_config, 
     text = format_plan(plan)
     lines = {line.split(":", 1)[0].strip(): line for line in text.splitlines()}
     assert "1.4 h at 20,000 decode tokens/s (--decode-tokens-per-s)" in lines["regeneration"]
-    assert "0.7 h at 80,000 tokens/s prefill (--extract-tokens-per-s)" in lines["extraction"]
+    assert "bf16 0.7 h at 80,000 tokens/s (the prefill; the disk's write rate not given)" in lines["extraction"]
+    assert "prefill 80,000 tokens/s (--extract-tokens-per-s)" in lines["extraction"]
     assert "?" not in lines["disk x hours"] and "online 0 B" in lines["disk x hours"]
+
+
+def test_extraction_hours_use_the_slower_of_the_prefill_and_the_disks_bytes(kimi_config, tmp_path):
+    """At Kimi-K2.5's width stage 02 writes 57,344 B/token (bf16): a 2 GB/s disk takes ~34,900 tokens/s, below an
+    80,000 tokens/s prefill (the disk governs bf16), while fp8's half the bytes still fit under a slower prefill."""
+    plan = make_plan(str(kimi_config), "b300-8x", str(tmp_path / "w"), rows=100_000, tokens_per_row=2048,
+                     extract_tokens_per_s=50_000, disk_write_gb_s=2.0)
+    disk_bf16 = 2.0e9 / plan.bytes_per_token["bf16"]
+    assert plan.extract_rate("bf16") == (pytest.approx(disk_bf16), "disk")
+    assert plan.extract_rate("fp8") == (50_000, "prefill")  # 2e9 / 28,676 B = 69,700 tokens/s > 50,000
+    assert plan.extract_hours("bf16") == pytest.approx(204_800_000 / disk_bf16 / 3600)
+    assert plan.mode_hours()["fp8"] == pytest.approx(204_800_000 / 50_000 / 3600 + plan.train_hours("fp8"))
+    extraction = next(line for line in format_plan(plan).splitlines() if line.strip().startswith("extraction:"))
+    assert f"bf16 {plan.extract_hours('bf16'):,.1f} h at {disk_bf16:,.0f} tokens/s (disk governs)" in extraction
+    assert "fp8 1.1 h at 50,000 tokens/s (prefill governs)" in extraction and "2.00 GB/s (--disk-write-gb-s)" in extraction
 
 
 def test_extraction_rate_is_read_from_a_10_sample_stage_02s_manifest(kimi_config, tmp_path):
@@ -118,6 +134,8 @@ def test_run_all_plan_passes_the_rates_through(kimi_config, tmp_path):
     result = subprocess.run(["bash", str(SCRIPTS / "run_all.sh"), "--plan", "--profile", "b300-8x", "--target",
                              str(kimi_config), "--work", str(tmp_path / "w"), "--rows", "100000", "--tokens-per-row",
                              "2048", "--decode-tokens-per-s", "20000", "--extract-tokens-per-s", "80000",
-                             "--python", sys.executable], capture_output=True, text=True, timeout=120)
+                             "--disk-write-gb-s", "1.5", "--python", sys.executable], capture_output=True, text=True,
+                            timeout=120)
     assert result.returncode == 0, result.stderr
     assert "(--decode-tokens-per-s)" in result.stdout and "(--extract-tokens-per-s)" in result.stdout
+    assert "1.50 GB/s (--disk-write-gb-s)" in result.stdout

@@ -129,6 +129,8 @@ class ExtractCounts(_Strict):
     extracted_tokens: int | None = None
     extract_tokens_per_s: float | None = None
     sync_s: float | None = None
+    # rows by how they were landed (extract.common.land_sample): header, read_back, quantized_here, tensors
+    landed: dict[str, int] | None = None
 
 
 class ExtractContent(_Strict):

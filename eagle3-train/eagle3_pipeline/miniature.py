@@ -9,6 +9,9 @@
   `preprocessor_config.json` so vLLM can load it text-only, and the tokenizer.
 - `llama-mini/`: a tiny plain Llama with the same tokenizer (vLLM's CPU backend can
   spec-decode a Llama target, not an MLA one).
+- `kimi-width` (`build_kimi_width`, built on demand): the same shape at Kimi-K2.5's hidden size 7168 with a few
+  layers, so stage 02 writes the real run's bytes per token (4 slots x 7168 x bf16 = 57,344 B) while the forward
+  stays cheap: the extraction bench's target for a run bound by bytes (bench/README.md).
 - the tokenizer: byte-level BPE trained on the bundled sample conversations, carrying
   Kimi's special tokens (tool-call section ones included) and a chat template that behaves like
   Kimi-K2.5's real one (history reasoning dropped up to the last plain assistant turn, tool calls,
@@ -146,6 +149,18 @@ def kimi_text_config(vocab_size: int, special_ids: dict[str, int]) -> dict:
         "pad_token_id": special_ids["[PAD]"],
         "dtype": "float32",
     }
+
+
+KIMI_K25_HIDDEN_SIZE = 7168
+KIMI_K25_Q_LORA_RANK = 1536
+KIMI_WIDTH_LAYERS = 4  # the fewest that hold 3 distinct aux layers >= 1 (2, 3, ... made distinct) and the dense first
+
+
+# The miniature's text config at Kimi-K2.5's width: its hidden size and q_lora_rank, MLA + MoE as the miniature, few
+# layers and heads and small experts (the forward is cheap; the states are the real run's size).
+KIMI_WIDTH_CHANGES = {"hidden_size": KIMI_K25_HIDDEN_SIZE, "num_hidden_layers": KIMI_WIDTH_LAYERS,
+                      "q_lora_rank": KIMI_K25_Q_LORA_RANK, "intermediate_size": 1024, "moe_intermediate_size": 256,
+                      "dtype": "bfloat16"}
 
 
 def kimi_wrapper_config(text_config: dict) -> dict:
@@ -345,6 +360,29 @@ def build_miniature(cache_dir: str | Path) -> dict[str, Path]:
     return paths
 
 
+def build_kimi_width(cache_dir: str | Path) -> Path:
+    """Build (or reuse) the Kimi-width target beside the miniature (its tokenizer and template); returns its path."""
+    import torch
+
+    kimi = build_miniature(cache_dir)["kimi"]
+    key = sha256_json({"miniature": miniature_key(), "changes": KIMI_WIDTH_CHANGES})[:12]
+    root = Path(cache_dir) / f"kimi-width-{key}"
+    if (root / "DONE").is_file():
+        return root
+    with atomic_path(root) as tmp:
+        tmp.mkdir(parents=True)
+        text_config = {**json.loads((kimi / "config.json").read_text())["text_config"], **KIMI_WIDTH_CHANGES}
+        (tmp / "config.json").write_text(json.dumps({**kimi_wrapper_config(text_config), "dtype": "bfloat16"}, indent=2))
+        for item in kimi.iterdir():  # tokenizer, template, generation and preprocessor configs
+            if item.name != "config.json" and not item.name.startswith("model"):
+                (tmp / item.name).write_bytes(item.read_bytes())
+        state = {name: tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor
+                 for name, tensor in _random_model_state("deepseek_v3", text_config, SEED + 2).items()}
+        _save_sharded(state, tmp, "language_model.", 2)
+        (tmp / "DONE").write_text(key + "\n")
+    return root
+
+
 def _write_generation_config(directory: Path, special_ids: dict[str, int]) -> None:
     (directory / "generation_config.json").write_text(json.dumps({
         "bos_token_id": special_ids["[BOS]"],
@@ -356,9 +394,12 @@ def _write_generation_config(directory: Path, special_ids: dict[str, int]) -> No
 def main() -> None:
     parser = argparse.ArgumentParser(description="Build the miniature targets (tiny Kimi-K2.5-shaped + tiny Llama).")
     parser.add_argument("--cache-dir", default=".cache", help="where to build (reused when unchanged)")
-    parser.add_argument("--print", choices=["kimi", "llama", "conversations", "sharegpt"],
-                        help="print one path only (for shell scripts)")
+    parser.add_argument("--print", choices=["kimi", "llama", "conversations", "sharegpt", "kimi-width"],
+                        help="print one path only (for shell scripts); kimi-width builds the Kimi-width target")
     args = parser.parse_args()
+    if args.print == "kimi-width":
+        print(build_kimi_width(args.cache_dir))
+        return
     paths = build_miniature(args.cache_dir)
     if args.print:
         print(paths[args.print])

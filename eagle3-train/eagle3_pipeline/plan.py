@@ -73,6 +73,8 @@ class Plan:
     free_source: str = "measured"
     train_data_ratio: float = 0.9  # stage 01's (the validation rows: the rest); 0.9 for a run not prepared yet
     slice_rows: int | None = None  # --slice-rows: the size to plan; else the largest that fits
+    disk_write_gb_s: float | None = None  # the data disk's durable write rate (disk_writes.py measures it)
+    disk_write_source: str = "not given"
 
     def need_gb_s(self, storage: str) -> float:
         return self.gpus * self.train_tokens_per_s_per_gpu * self.bytes_per_token[storage] / 1e9
@@ -87,19 +89,30 @@ class Plan:
     def regen_hours(self) -> float | None:
         return self.answer_tokens / self.decode_tokens_per_s / 3600 if self.decode_tokens_per_s else None
 
-    def extract_hours(self) -> float | None:
-        return self.tokens / self.extract_tokens_per_s / 3600 if self.extract_tokens_per_s else None
+    def extract_rate(self, storage: str) -> tuple[float | None, str]:
+        """Stage 02's tokens/s writing `storage` files and which bound governs: the slower of the prefill rate and the
+        disk's write rate over the format's bytes per token (at Kimi-K2.5's width the disk can be the slower: bench/README.md
+        "Stage 02 at Kimi-K2.5's width")."""
+        disk = self.disk_write_gb_s * 1e9 / self.bytes_per_token[storage] if self.disk_write_gb_s else None
+        if disk is not None and (not self.extract_tokens_per_s or disk < self.extract_tokens_per_s):
+            return disk, "disk"
+        return self.extract_tokens_per_s, "prefill" if disk is not None else "prefill only"
+
+    def extract_hours(self, storage: str = "bf16", tokens: float | None = None) -> float | None:
+        rate, _ = self.extract_rate(storage)
+        return (self.tokens if tokens is None else tokens) / rate / 3600 if rate else None
 
     def mode_hours(self) -> dict[str, float | None]:
         """Wall hours after regeneration, per way of feeding the trainer: files (stage 02 once, then every
         epoch from disk), online (vLLM recomputes every epoch's states beside the trainer, on other GPUs:
         each epoch takes the slower of the two), hybrid (the first epoch online, cached in bf16, the rest
         from that cache)."""
-        extract, epoch = self.extract_hours(), self.train_hours("bf16") / max(self.epochs, 1)
-        if extract is None:
+        extract, epoch = self.extract_hours("bf16"), self.train_hours("bf16") / max(self.epochs, 1)
+        online = self.tokens / self.extract_tokens_per_s / 3600 if self.extract_tokens_per_s else None  # nothing written
+        if extract is None or online is None:
             return {"bf16": None, "fp8": None, "online": None, "hybrid": None}
-        return {"bf16": extract + self.train_hours("bf16"), "fp8": extract + self.train_hours("fp8"),
-                "online": self.epochs * max(extract, self.tokens / (self.gpus * self.train_tokens_per_s_per_gpu) / 3600),
+        return {"bf16": extract + self.train_hours("bf16"), "fp8": self.extract_hours("fp8") + self.train_hours("fp8"),
+                "online": self.epochs * max(online, self.tokens / (self.gpus * self.train_tokens_per_s_per_gpu) / 3600),
                 "hybrid": max(extract, epoch) + (self.epochs - 1) * epoch}
 
 
@@ -140,7 +153,7 @@ def slice_plan(plan: Plan, storage: str) -> SlicePlanLine | None:
         rate = min(rate, plan.disk_read_gb_s * 1e9 / plan.bytes_per_token[storage])
 
     def extract(tokens: float) -> float | None:
-        return tokens / plan.extract_tokens_per_s / 3600 if plan.extract_tokens_per_s else None
+        return plan.extract_hours(storage, tokens)
 
     train_tokens, val_tokens = val_start * tokens_per_row, val_rows * tokens_per_row
     return SlicePlanLine(
@@ -274,7 +287,7 @@ def make_plan(target_dir: str, profile: str | None, work: str, rows: int | None 
               extract_tokens_per_s: float | None = None, *, data: str | None = None, gpus: int | None = None,
               epochs: int | None = None, decode_tokens_per_s: float | None = None,
               answer_tokens_per_row: int | None = None, free_disk_gb: float | None = None,
-              slice_rows: int | None = None) -> Plan:
+              slice_rows: int | None = None, disk_write_gb_s: float | None = None) -> Plan:
     """`data`: stage 01's output (default WORK/data); `gpus`/`epochs`: stage 04's resolved values (default:
     the profile's train section, else 04's defaults)."""
     target = load_target_info(target_dir)
@@ -305,7 +318,9 @@ def make_plan(target_dir: str, profile: str | None, work: str, rows: int | None 
         answer_tokens_source=answers_source, decode_tokens_per_s=decode_tokens_per_s,
         decode_rate_source="--decode-tokens-per-s" if decode_tokens_per_s else "not given",
         free_source="--free-disk-gb" if free_disk_gb is not None else "measured", slice_rows=slice_rows,
-        train_data_ratio=prepared_ratio(data_dir),
+        train_data_ratio=prepared_ratio(data_dir), disk_write_gb_s=disk_write_gb_s,
+        disk_write_source="--disk-write-gb-s" if disk_write_gb_s else
+        f"not given: python -m eagle3_pipeline.disk_writes --dir {data_dir} measures it",
     )
     plan.recommendation = recommend(plan)
     return plan
@@ -345,9 +360,20 @@ def format_plan(plan: Plan) -> str:
 
     rate = plan.gpus * plan.train_tokens_per_s_per_gpu
     disk = f"{plan.disk_read_gb_s:.2f} GB/s" if plan.disk_read_gb_s is not None else "?"
-    extract = (f"{plan.extract_hours():,.1f} h at {plan.extract_tokens_per_s:,.0f} tokens/s prefill ({plan.extract_rate_source})"
-               if plan.extract_tokens_per_s else "hours = tokens / stage 02's rate: run a 10-sample stage 02 "
-                                                 "(--max-samples 10; its manifest records the rate) or give --extract-tokens-per-s")
+    def extract_line(storage: str) -> str:
+        rate, bound = plan.extract_rate(storage)
+        if rate is None:
+            return f"{storage} ? h"
+        why = "the prefill; the disk's write rate not given" if bound == "prefill only" else f"{bound} governs"
+        return f"{storage} {plan.extract_hours(storage):,.1f} h at {rate:,.0f} tokens/s ({why})"
+
+    prefill = (f"prefill {plan.extract_tokens_per_s:,.0f} tokens/s ({plan.extract_rate_source})" if plan.extract_tokens_per_s
+               else "prefill ?: run a 10-sample stage 02 (--max-samples 10; its manifest records the rate) or give "
+                    "--extract-tokens-per-s")
+    written = (f"{plan.disk_write_gb_s:.2f} GB/s ({plan.disk_write_source})" if plan.disk_write_gb_s
+               else f"? ({plan.disk_write_source})")
+    extract = (f"{extract_line('bf16')}, {extract_line('fp8')}: the slower of the {prefill} and the disk's "
+               f"writes, {written}, over each format's bytes per token")
     regen = (f"{plan.regen_hours():,.1f} h at {plan.decode_tokens_per_s:,.0f} decode tokens/s ({plan.decode_rate_source})"
              if plan.decode_tokens_per_s else "hours = answer tokens / the target's decode rate at your batch "
                                               "(vLLM's throughput): give --decode-tokens-per-s")
@@ -398,6 +424,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--answer-tokens-per-row", type=int, help="answer tokens per row that regeneration generates "
                         "(default: stage 01's loss tokens, else half of --tokens-per-row)")
     parser.add_argument("--free-disk-gb", type=float, help="the free disk to plan for, in GB (default: measured at WORK/data)")
+    parser.add_argument("--disk-write-gb-s", type=float, help="the data disk's durable write rate in GB/s (python -m "
+                        "eagle3_pipeline.disk_writes --dir WORK/data measures it): extraction is bound by the slower of "
+                        "the prefill and these writes")
     parser.add_argument("--slice-rows", type=int, help="the slice size to plan (run_all.sh --slice-rows; default: the "
                         "largest whose states fit the free disk)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -406,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = make_plan(args.target, args.profile, args.work, args.rows, args.tokens_per_row, args.train_tokens_per_s,
                          args.disk_read_gb_s, args.extract_tokens_per_s, decode_tokens_per_s=args.decode_tokens_per_s,
                          answer_tokens_per_row=args.answer_tokens_per_row, free_disk_gb=args.free_disk_gb,
-                         slice_rows=args.slice_rows)
+                         slice_rows=args.slice_rows, disk_write_gb_s=args.disk_write_gb_s)
     except StageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code

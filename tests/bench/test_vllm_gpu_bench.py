@@ -90,3 +90,17 @@ def test_extraction_vs_prefill_rows_are_deterministic_and_both_sides_get_stage_0
     assert evp.settings_flags(gpu) == ["--max-num-seqs", "128", "--dtype", "bfloat16", "--enforce-eager",
                                        "--gpu-memory-utilization", "0.8"]
     assert evp.engine_settings(Args, on_cpu=True)["dtype"] == "float32"
+
+
+def test_the_extraction_bound_is_the_slower_of_the_prefill_and_the_disks_durable_bytes():
+    evp = load("extraction_vs_prefill")
+    disk = {"writeback": {"device_gb_per_s": 2.0, "page_cache_gb_per_s": 2.1},
+            "kernel_pace": {"device_gb_per_s": 1.5, "page_cache_gb_per_s": 25.0}}
+    stage_02 = {"bytes_per_token": 50_000, "device_tokens_per_s": 30_000, "tokens_per_s": 30_100, "disk": disk}
+    bound = evp.bound_of(stage_02, {"tokens_per_s": 400_000})
+    assert bound["bound"] == "disk" and bound["disk_device_gb_per_s"] == 2.0  # the disk's better way
+    assert bound["bound_tokens_per_s"] == 40_000 and bound["ratio_to_bound"] == 0.75
+    assert bound["ratio_to_bound_page_cache"] == 30_100 / 400_000  # the page cache takes 500,000 tokens/s
+    slow_prefill = evp.bound_of(stage_02, {"tokens_per_s": 20_000})
+    assert slow_prefill["bound"] == "prefill" and slow_prefill["ratio_to_bound"] == 1.5
+    assert evp.bound_of({"device_tokens_per_s": 1.0}, {"tokens_per_s": 2.0}) == {}  # no disk measured: no bound

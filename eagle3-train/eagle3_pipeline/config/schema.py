@@ -189,6 +189,8 @@ class ExtractConfig(StageConfig):
     attention_backend: Optional[str] = _field(None, "vLLM attention backend (e.g. TRITON_MLA on SM120); default: vLLM's choice", identity=False)
     kv_cache_dtype: str = _field("auto", "vLLM KV-cache dtype", identity=True)
     enforce_eager: bool = _field(False, "disable CUDA graphs in vLLM", identity=False)
+    writer_threads: int = _field(8, "vLLM: threads writing the files in the engine's connector (its num_writer_threads); "
+                                    "more for a disk that wants deep queues", ge=1, identity=False)
     staging_dir: Optional[str] = _field(None, "where vLLM writes files before they are validated and moved (fast local disk; same filesystem as --data avoids a copy)", identity=False)
     endpoint: Optional[str] = _field(None, "URL of a running vLLM server started with --print-server-cmd's flags; default: run vLLM in-process", identity=False)
     print_server_cmd: bool = _field(False, "print the vLLM server command for this target and exit", identity=False)

@@ -15,7 +15,6 @@ directory); `land_sample` validates each one and renames it into place atomicall
 
 from __future__ import annotations
 
-import ctypes
 import json
 import math
 import os
@@ -29,6 +28,7 @@ import torch
 from safetensors.torch import load_file
 from tqdm import tqdm
 
+from ..disk_writes import start_writeback
 from ..errors import InputError
 from ..files import atomic_path, atomic_save_safetensors, changed_fingerprints, remove_path, temp_path_for
 from ..files import write_fingerprints as write
@@ -227,10 +227,13 @@ def _read_header(handle, path: Path, size: int) -> tuple[dict, int]:
 
 def land_checked_file(path: Path, expected_ids: list[int], num_slots: int, hidden_size: int, dtype: torch.dtype) -> bool:
     """Check a file our connector wrote without reading its states back: the header (tensor names, dtype, shape, and
-    offsets that end exactly at the file's size: a truncated or padded file is refused), the token ids' bytes, and
-    the connector's slot checks judged as `check_hidden_states` judges them, in the same order. False: the header
-    carries no checks (vLLM's stock connector wrote it), so the caller reads the file back (`validate_file`)."""
+    offsets that end exactly at the file's size: a truncated or padded file is refused), the token ids' bytes, an fp8
+    file's scales (finite, positive), and the connector's slot checks judged as `check_hidden_states` judges them, in
+    the same order. False: the header carries no checks (vLLM's stock connector wrote it), so the caller reads the
+    file back (`validate_file`)."""
     where = str(path)
+    is_fp8 = dtype == FP8
+    names = {"hidden_states", "token_ids"} | ({SCALES_KEY} if is_fp8 else set())
     with open(path, "rb") as handle:
         size = os.fstat(handle.fileno()).st_size
         header, data_start = _read_header(handle, path, size)
@@ -238,12 +241,14 @@ def land_checked_file(path: Path, expected_ids: list[int], num_slots: int, hidde
         if checks is None:
             return False
         entries = {name: entry for name, entry in header.items() if name != "__metadata__"}
-        if set(entries) != {"hidden_states", "token_ids"}:
-            raise BadHiddenStates(f"{where}: tensors {sorted(entries)}, expected ['hidden_states', 'token_ids']")
+        if set(entries) != names:
+            raise BadHiddenStates(f"{where}: tensors {sorted(entries)}, expected {sorted(names)}")
         try:
             states, ids = entries["hidden_states"], entries["token_ids"]
             (begin, end), ends = ids["data_offsets"], [int(e["data_offsets"][1]) for e in entries.values()]
             ids_dtype, ids_shape, states_dtype, states_shape = ids["dtype"], ids["shape"], states["dtype"], states["shape"]
+            scales = entries.get(SCALES_KEY)
+            scales_span = scales and (scales["dtype"], scales["shape"], *map(int, scales["data_offsets"]))
         except (KeyError, TypeError, ValueError):
             raise BadHiddenStates(f"{where}: unreadable safetensors header (malformed tensor entries)") from None
         if data_start + max(ends) != size:
@@ -253,6 +258,16 @@ def land_checked_file(path: Path, expected_ids: list[int], num_slots: int, hidde
             raise BadHiddenStates(f"{where}: token_ids {ids_dtype} {ids_shape}, expected {_TOKEN_IDS_DTYPE} [T]")
         handle.seek(data_start + begin)
         raw = handle.read(end - begin)
+        if scales_span:
+            scales_dtype, scales_shape, scales_begin, scales_end = scales_span
+            if (scales_dtype != "F32" or scales_shape != [ids_shape[0], 1, 1]
+                    or scales_end - scales_begin != 4 * ids_shape[0]):
+                raise BadHiddenStates(f"{where}: fp8 hidden_states need {SCALES_KEY} float32 [{ids_shape[0]}, 1, 1], "
+                                      f"found {scales_dtype} {scales_shape}")
+            handle.seek(data_start + scales_begin)
+            scale_values = array("f", handle.read(scales_end - scales_begin))
+            if not all(math.isfinite(v) and v > 0 for v in scale_values):
+                raise BadHiddenStates(f"{where}: {SCALES_KEY} hold non-finite or non-positive scales")
     if raw != array("q", expected_ids).tobytes():
         raise BadHiddenStates(token_ids_problem(array("q", raw).tolist(), expected_ids, where))
     if problem := dtype_problem(states_dtype, dtype, where):
@@ -266,7 +281,8 @@ def land_checked_file(path: Path, expected_ids: list[int], num_slots: int, hidde
         valid = False
     if not valid:
         raise BadHiddenStates(f"{where}: malformed {SLOT_CHECKS_KEY} in the header")
-    judge_slot_checks([[float(v) for v in row] for row in rows], expected_ids, where)
+    judge_slot_checks([[float(v) for v in row] for row in rows], expected_ids, where,
+                      CONSTANT_SLOT_RTOL_FP8 if is_fp8 else CONSTANT_SLOT_RTOL)
     return True
 
 
@@ -277,19 +293,28 @@ def validate_file(path: Path, expected_ids: list[int], num_slots: int, hidden_si
                         data.get(SCALES_KEY))
 
 
+# How `land_sample` landed a row (`hows`; stage 02's manifest counts them): our connector's file from its header
+# alone, a file read back in full, a bf16 file read back and quantized to fp8 here, tensors from the HF backend.
+LANDED_FROM_HEADER, LANDED_READ_BACK, LANDED_QUANTIZED_HERE, LANDED_TENSORS = "header", "read_back", "quantized_here", "tensors"
+
+
 def land_sample(sample: ExtractedSample, hs_dir: Path, expected_ids: list[int], num_slots: int,
-                hidden_size: int, dtype: torch.dtype) -> Path:
-    """Validate one backend result and move it to its row's file (`hs_file`) atomically."""
+                hidden_size: int, dtype: torch.dtype, hows: list[str] | None = None) -> Path:
+    """Validate one backend result and move it to its row's file (`hs_file`) atomically; appends how to `hows`."""
     final = hs_file(hs_dir, sample.index)
+    hows = [] if hows is None else hows  # list.append: safe from the landing threads
     if sample.ready is not None and (problem := sample.ready()):
         raise BadHiddenStates(problem)
-    if sample.staged_file is not None and dtype != FP8:
-        if not land_checked_file(sample.staged_file, expected_ids, num_slots, hidden_size, dtype):
-            validate_file(sample.staged_file, expected_ids, num_slots, hidden_size, dtype)
-        _rename_into_place(sample.staged_file, final)
-        remove_path(sample.staged_file.with_name(sample.staged_file.name + ".lock"))
-        return final
-    if sample.staged_file is not None:  # fp8: the backend's file is checked as written, then quantized here
+    if sample.staged_file is not None and land_checked_file(sample.staged_file, expected_ids, num_slots, hidden_size,
+                                                            dtype):
+        hows.append(LANDED_FROM_HEADER)  # our connector's file, fp8 quantized on the device too
+        return _land_staged(sample.staged_file, final)
+    if sample.staged_file is not None and dtype != FP8:  # the stock connector's file: read back in full
+        validate_file(sample.staged_file, expected_ids, num_slots, hidden_size, dtype)
+        hows.append(LANDED_READ_BACK)
+        return _land_staged(sample.staged_file, final)
+    hows.append(LANDED_TENSORS if sample.staged_file is None else LANDED_QUANTIZED_HERE)
+    if sample.staged_file is not None:  # fp8 from the stock connector: its bf16 file checked, then quantized here
         validate_file(sample.staged_file, expected_ids, num_slots, hidden_size)
         staged = load_hidden_states_file(sample.staged_file)
         sample = ExtractedSample(sample.index, staged["hidden_states"], staged["token_ids"], sample.staged_file)
@@ -301,6 +326,13 @@ def land_sample(sample: ExtractedSample, hs_dir: Path, expected_ids: list[int], 
     if sample.staged_file is not None:
         remove_path(sample.staged_file)
         remove_path(sample.staged_file.with_name(sample.staged_file.name + ".lock"))
+    return final
+
+
+def _land_staged(staged: Path, final: Path) -> Path:
+    _rename_into_place(staged, final)
+    remove_path(staged.with_name(staged.name + ".lock"))
+    start_writeback(final)  # the disk starts on it now, not at the kernel's threshold (disk_writes.py)
     return final
 
 
@@ -325,18 +357,6 @@ def _rename_into_place(src: Path, final: Path) -> None:
     except BaseException:
         remove_path(tmp)
         raise
-
-
-def sync_filesystem(directory: Path) -> None:
-    """Flush every write to the filesystem holding `directory` (Linux syncfs(2), else sync(2)): one call makes
-    all the files stage 02 renamed into place durable, where an fsync per file would cost one flush per row."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        syncfs = getattr(ctypes.CDLL(None, use_errno=True), "syncfs", None)
-        if syncfs is None or syncfs(fd) != 0:
-            os.sync()
-    finally:
-        os.close(fd)
 
 
 def validate_all(hs_dir: Path, rows: dict[int, list[int]], num_slots: int, hidden_size: int,

@@ -8,6 +8,7 @@ import os
 import random
 import shutil
 import time
+from collections import Counter
 from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,13 +18,14 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from ..config.schema import ExtractConfig
+from ..disk_writes import sync_filesystem
 from ..errors import StageError
 from ..files import atomic_write_json
 from ..hidden_states import DTYPES, StateFormat, dtype_name, hs_file
 from ..preflight import preflight_extract
 from ..stage import lock_output
 from ..target import TargetInfo
-from .common import BadHiddenStates, ExtractionBackend, land_sample, partition_indices, sync_filesystem, validate_file
+from .common import BadHiddenStates, ExtractionBackend, land_sample, partition_indices, validate_file
 from .hf import HfBackend
 from .vllm_backend import VllmBackend
 
@@ -94,7 +96,7 @@ def run_extraction(backend: ExtractionBackend, plan: ExtractPlan, hs_dir: Path, 
     """
     pending = list(plan.todo)
     failures: dict[int, str] = {}
-    started, landed_tokens = time.monotonic(), 0
+    started, landed_tokens, hows = time.monotonic(), 0, []
     writers = int(getattr(backend, "landing_threads", 1))
     with tqdm(total=len(plan.todo), desc="extract", unit="row") as bar:
         for attempt in range(retries + 1):
@@ -121,7 +123,7 @@ def run_extraction(backend: ExtractionBackend, plan: ExtractPlan, hs_dir: Path, 
             try:
                 for sample in samples:
                     unlanded[pool.submit(land_sample, sample, hs_dir, plan.rows[sample.index], plan.num_slots,
-                                         plan.hidden_size, plan.dtype)] = sample.index
+                                         plan.hidden_size, plan.dtype, hows)] = sample.index
                     collect(FIRST_COMPLETED if len(unlanded) >= MAX_UNLANDED else None)
                 collect(ALL_COMPLETED)
             finally:
@@ -147,7 +149,7 @@ def run_extraction(backend: ExtractionBackend, plan: ExtractPlan, hs_dir: Path, 
     sync_filesystem(hs_dir)
     plan.counts.update(extract_s=round(seconds, 3), extracted_tokens=landed_tokens,
                        extract_tokens_per_s=round(landed_tokens / seconds, 1) if seconds > 0 else None,
-                       sync_s=round(time.monotonic() - synced, 3))
+                       sync_s=round(time.monotonic() - synced, 3), landed=dict(Counter(hows)))
     log.info("extracted %d token(s) in %.1fs: %.0f tokens/s (engine start excluded); flushed to disk in %.1fs",
              landed_tokens, seconds, landed_tokens / seconds if seconds > 0 else 0.0, plan.counts["sync_s"])
     return failures

@@ -64,6 +64,14 @@ CHECKED_CONNECTOR_MODULE = "eagle3_pipeline.compat.hidden_states_connector"
 # 0.26.0 on an H200 (bench/README.md "Stage 02 against vLLM's own prefill"). It overrides a private method.
 CHECKED_CONNECTOR_TESTED_VLLM = ("0.26.0", "0.32.0")
 ALLOW_UNTESTED_ENV = "EAGLE3_ALLOW_UNTESTED_VLLM"
+# Named version checks (`vllm_version_problem`) to report as warnings instead of refusing: for a vLLM build known to
+# carry the fix under a version that says less, or a measurement of what the check guards against. Comma-separated.
+IGNORE_CHECKS_ENV = "EAGLE3_IGNORE_VLLM_CHECKS"
+# "stock": vLLM's own connector on a GPU even where ours ran (stage 02 then reads each file back and quantizes fp8 on
+# the host): to tell our connector's cost or a fault from vLLM's (the extraction bench's before/after).
+CONNECTOR_ENV = "EAGLE3_CONNECTOR"
+# Our connector's extra-config key: "fp8" quantizes on the device before the copy (compat/hidden_states_connector.py).
+STORAGE_KEY = "eagle3_storage"
 # vLLM's CPU build sizes its KV cache from this (GiB), not from --gpu-memory-utilization.
 CPU_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 CPU_KV_CACHE_DEFAULT_GIB = "1"
@@ -100,6 +108,7 @@ HTTP_MAX_CLIENT_THREADS = 256  # --endpoint: one blocking request per thread
 # threads, so the engine loop never waits on the disk; the checks are torch ops and file I/O, which
 # release the GIL. (The HF backend computes on the caller's thread and lands on one.)
 LANDING_THREADS = 8
+DEFAULT_WRITER_THREADS = 8  # the stock connector's own default (num_writer_threads)
 REQUEST_TIMEOUT_S = 1800.0  # one /v1/completions call (long prompts behind a full batch)
 WRITE_TIMEOUT_S = 600.0  # the connector's writer thread finishing a file after the response
 # Polling the connector's lock: a file is usually done within a millisecond of the response, so the first
@@ -197,19 +206,29 @@ def vllm_version_problem(target: TargetInfo, tensor_parallel_size: int = 1, kv_c
                     "(see NOTES.md 'vLLM environment', or use --backend hf for small targets)")
         deepseek_source = _vllm_source("model_executor/models/deepseek_v2.py")
         kv_cache_source = _vllm_source("v1/core/kv_cache_utils.py")
+    for problem in _version_problems(target, tensor_parallel_size, kv_cache_dtype, version, deepseek_source,
+                                     kv_cache_source):
+        if problem.split(":", 1)[0] not in os.environ.get(IGNORE_CHECKS_ENV, "").split(","):
+            return problem
+        log.warning("%s (reported only: %s names this check)", problem, IGNORE_CHECKS_ENV)
+    return None
+
+
+def _version_problems(target: TargetInfo, tensor_parallel_size: int, kv_cache_dtype: str, version: str,
+                      deepseek_source: str | None, kv_cache_source: str | None) -> Iterator[str]:
     if _version_tuple(version) < MIN_VLLM_EXTRACT:
-        return (f"vllm-extract: vLLM {version} predates hidden-state extraction "
+        yield (f"vllm-extract: vLLM {version} predates hidden-state extraction "
                 f"(extract_hidden_states, vLLM >= {_dotted(MIN_VLLM_EXTRACT)}); upgrade vLLM")
+        return
     if is_deepseek_backbone(target) and not deepseek_final_layer_captured(version, deepseek_source):
-        return (f"deepseek-final-layer: vLLM {version} does not return the final layer ({target.num_layers}) "
+        yield (f"deepseek-final-layer: vLLM {version} does not return the final layer ({target.num_layers}) "
                 f"for DeepSeek-style backbones ({target.text_model_type}); fixed by vLLM PR #46973, "
                 f"vLLM >= {_dotted(MIN_VLLM_DEEPSEEK_FINAL_LAYER)}: upgrade vLLM")
     if (hidden_states_outgrow_kv_page(target, tensor_parallel_size, kv_cache_dtype=kv_cache_dtype)
             and not page_size_fixed(version, kv_cache_source)):
-        return (f"hidden-state-page: vLLM {version} fails to start hidden-state extraction when one token's "
+        yield (f"hidden-state-page: vLLM {version} fails to start hidden-state extraction when one token's "
                 f"hidden states outgrow a KV-cache page, as this target's do; fixed by vLLM PR #50894, "
                 f"vLLM >= {_dotted(MIN_VLLM_PAGE_FIX)}: upgrade vLLM")
-    return None
 
 
 def layer_ids_problem(target: TargetInfo, layer_ids: list[int]) -> str | None:
@@ -261,22 +280,29 @@ def checked_connector_problem(installed: str | None = None, allow_untested: bool
             f"Install one of those or set {ALLOW_UNTESTED_ENV}=1 to try anyway")
 
 
-def connector_config(staging_dir: Path, checked: bool = True) -> dict:
-    """The KV connector writing the files: ours (`checked`), or vLLM's stock one (a GPU with an untested vLLM)."""
+def connector_config(staging_dir: Path, checked: bool = True, storage: str = "dtype",
+                     writer_threads: int = DEFAULT_WRITER_THREADS) -> dict:
+    """The KV connector writing the files: ours (`checked`; with `storage` fp8 it quantizes on the device), or vLLM's
+    stock one (a GPU with an untested vLLM; stage 02 then quantizes fp8 on the host). `writer_threads`: the
+    connector's file writers (its `num_writer_threads`)."""
     config = {
         "kv_connector": STOCK_CONNECTOR,
         "kv_role": "kv_producer",
-        "kv_connector_extra_config": {"shared_storage_path": str(staging_dir)},
+        "kv_connector_extra_config": {"shared_storage_path": str(staging_dir), "num_writer_threads": writer_threads},
     }
     if checked:
         config["kv_connector"] = CHECKED_CONNECTOR
         config["kv_connector_module_path"] = CHECKED_CONNECTOR_MODULE
+        config["kv_connector_extra_config"][STORAGE_KEY] = storage
     return config
 
 
 def use_checked_connector(on_cpu: bool) -> bool:
     """Ours where it was run against the installed vLLM; elsewhere the stock one on a GPU (with a warning). The
     CPU has no fallback (the stock connector fails there): its engine start refuses (`engine_problem`)."""
+    if os.environ.get(CONNECTOR_ENV) == "stock" and not on_cpu:
+        log.warning("%s=stock: using vLLM's stock connector (stage 02 reads each file back to check it)", CONNECTOR_ENV)
+        return False
     problem = checked_connector_problem()
     if problem and not on_cpu:
         log.warning("%s: using vLLM's stock connector (stage 02 reads each file back to check it)", problem)
@@ -312,7 +338,8 @@ def engine_kwargs(cfg: ExtractConfig, target: TargetInfo, layer_ids: list[int], 
         # prefixes (one per assistant turn) recompute them; correct data first.
         "enable_prefix_caching": False,
         "speculative_config": aux_layer_ids_config(layer_ids),
-        "kv_transfer_config": connector_config(staging_dir, use_checked_connector(on_cpu)),
+        "kv_transfer_config": connector_config(staging_dir, use_checked_connector(on_cpu), cfg.storage,
+                                               cfg.writer_threads),
     }
     if not on_cpu:
         kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization  # on CPU: VLLM_CPU_KVCACHE_SPACE
