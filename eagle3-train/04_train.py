@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     trained_already = bool(sliced) and slices.already_trained(out_dir, sliced, replace)
     if sliced:
         plan, position = sliced
-        if trained_already and position < plan.positions - 1:
+        # a checkpoint saved but not yet recorded (killed in between): record it below, or its states are never released
+        if trained_already and position < plan.positions - 1 and slices.recorded_position(out_dir, position):
             log.info("%s: run position %d (rows %s) already trained; nothing to do", out_dir, position,
                      plan.selection(position))
             return 0
@@ -174,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
                    "storage": stored.storage if stored else "any"}
     export_compat_settings(cfg, sample_spec, draft)
     if trained_already:
-        log.info("run position %d already trained; writing the run's report and manifest", position)
+        log.info("run position %d already trained; %s", position, "writing the run's report and manifest"
+                 if position == plan.positions - 1 else "recording it in the manifest")
     elif launch is None:
         run_in_process(spec_argv, out_dir / METRICS_FILE, checkpoint_bytes(cfg, draft, target, vocab.draft_vocab_size))
     else:

@@ -17,8 +17,9 @@
 #                                  extracts it (+ the validation rows), 04 trains on it continuing one run (one
 #                                  optimizer, one lr schedule over all slices x epochs), its states are deleted;
 #                                  epochs > 1 re-extract every slice. --plan prints N for the free disk.
-#                                  kill/rerun resumes at the right slice and step (eagle3_pipeline/slices.py)
-#           --status               show each stage's state and log, then exit
+#                                  kill/rerun resumes at the right slice and step (eagle3_pipeline/slices.py);
+#                                  a WORK whose 04 trained otherwise (unsliced, another N, epochs or input) is refused
+#           --status               show each stage's state and log (a missing log says so), then exit
 #           --print-config         print every stage's resolved config (value # source), then exit
 #           --plan [--rows N --tokens-per-row T] [RATES]
 #                                  the run plan (hidden-state bytes in bf16 and fp8, disk, read bandwidth,
@@ -114,7 +115,7 @@ stage_args() {  # the flags of stage $1, one per line (values may hold spaces)
     02) printf '%s\n' --target "$target" --data "$work/data" ;;
     03) printf '%s\n' --data "$work/data" --output "$work/vocab" ;;
     04) printf '%s\n' --target "$target" --data "$work/data" --vocab "$work/vocab" --output "$work/checkpoints" ;;
-    05) printf '%s\n' --checkpoints "$work/checkpoints" --output "$work/draft" ;;
+    05) printf '%s\n' --checkpoints "$work/checkpoints" --vocab "$work/vocab" --output "$work/draft" ;;
     06) printf '%s\n' --draft "$work/draft" --output "$work/eval"
         [[ -z "$eval_prompts" ]] || printf '%s\n' --prompts "$eval_prompts" ;;
   esac
@@ -137,7 +138,9 @@ if [[ $mode == status ]]; then
   PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" "$python" -m eagle3_pipeline.status --work "$work" || exit $?
   if [[ -f "$work/logs/current_stage" ]]; then
     read -r n pid _ < "$work/logs/current_stage" || true
-    if kill -0 "$pid" 2>/dev/null; then echo "running: stage $n (process group $pid); tail -f $work/logs/${n}_${name[$n]}.log"
+    # a live pid alone may be another process (a copied work dir carries the file): its driver's lock must be held too
+    if kill -0 "$pid" 2>/dev/null && [[ -f "$work/logs/.run_all.lock" ]] && ! flock -n "$work/logs/.run_all.lock" true
+    then echo "running: stage $n (process group $pid); tail -f $work/logs/${n}_${name[$n]}.log"
     else echo "nothing running (last started: stage $n)"; fi
   fi
   exit 0
@@ -184,6 +187,7 @@ if ! flock -w 2 9; then  # a short grace: processes killed a moment ago may stil
 fi
 
 child="" stop_requests=0 rank_children=() unfinished_ok=""
+declare -A attempt_at=()  # stage -> where this run's attempt begins in its log (what the stage printed this time)
 on_stop() {  # Ctrl-C / kill -TERM: stop the running stage (TERM, then KILL on a second request)
   stop_requests=$((stop_requests + 1))
   local pg
@@ -205,6 +209,7 @@ run_stage() {  # run_stage NN: the stage in its own process group, its output ap
   printf '\n==== %s  run_all attempt: %s\n' "$(date '+%F %T')" "${cmd[*]}" >> "$log"
   say "== $n ${name[$n]} -> ${out[$n]} (log: $log)"
   offset=$(stat -c %s "$log")
+  attempt_at[$n]=$offset
   setsid "${cmd[@]}" >> "$log" 2>&1 < /dev/null &
   child=$!
   echo "$n $child" > "$work/logs/current_stage"
@@ -268,7 +273,7 @@ run_ranks() {  # run_ranks WS TP: stage 02 as WS data-parallel ranks (--rank r),
 }
 
 run_sliced() {  # --slice-rows: 01 and 03 once; per run position (epoch x slice) 02 --rows, 04 --slice-index, release
-  local lines=() i g sel state next rc=0 text ws tp base02="${extra[02]}" base04="${extra[04]}"
+  local lines=() i g sel state next rc=0 text err ws tp base02="${extra[02]}" base04="${extra[04]}"
   run_stage 01
   stage_command 04
   # the schedule from stage 04's own flags; a changed slice size or input is refused here, before any extraction
@@ -291,9 +296,15 @@ run_sliced() {  # --slice-rows: 01 and 03 once; per run position (epoch x slice)
       extra[04]="$base04 --slice-index $g"; unfinished_ok=$(( g + 1 < ${#lines[@]} )); (( unfinished_ok )) || unfinished_ok=""
       run_stage 04; unfinished_ok=""
     fi
-    # the trained slice's states go (stage 02's manifest and fingerprints are kept as the record)
-    PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" "$python" -m eagle3_pipeline.slices release --data "$work/data" \
-      --keep "$next" >> "$driver_log" 2>&1 || die 1 "releasing the states of rows $sel failed; see $driver_log"
+    # the trained slice's states go (stage 02's manifest and fingerprints are kept as the record), only once 04's
+    # manifest records training on exactly them
+    rc=0; text=$(PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" "$python" -m eagle3_pipeline.slices release \
+      --data "$work/data" --keep "$next" --checkpoints "$work/checkpoints" 2>&1) || rc=$?
+    printf '%s\n' "$text" >> "$driver_log"
+    if (( rc != 0 )); then
+      err=$(grep '^error: ' <<< "$text" | tail -n 1 | cut -c8-800 || true)
+      die "$rc" "the states of rows $sel were not released: ${err:-see $driver_log}"
+    fi
   done
   extra[02]="$base02" extra[04]="$base04"
   run_stage 05
@@ -320,5 +331,7 @@ rm -f "$work/logs/current_stage"
 say "run_all: all five stages finished${evaluate:+, then 06 evaluate}"
 [[ -f "$work/checkpoints/summary.txt" ]] && say "training summary: $work/checkpoints/summary.txt; curves: $work/checkpoints/plots/"
 say "exported draft: $work/draft"
-cat "$work/draft/serve_command.txt" 2>/dev/null || true
+# the serve line stage 05 printed in this run (derived from --output now), never a file a copied work dir carries
+[[ -z "${attempt_at[05]:-}" ]] || tail -c "+$((attempt_at[05] + 1))" "$work/logs/05_export.log" |
+  sed -n 's/^\(serve: \)\{0,1\}\(vllm serve .*\)/\2/p' | tail -n 1
 [[ -z "$evaluate" ]] || say "evaluation: $work/eval/report.txt, report.png (tau in vLLM, per position and category)"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -68,6 +69,8 @@ STUB = textwrap.dedent(r'''
             time.sleep(0.1)
     out = {{"01": flag("--output"), "02": f"{{flag('--data')}}/hidden_states", "03": flag("--output"),
            "04": flag("--output"), "05": flag("--output"), "06": flag("--output")}}[num]
+    if num == "05" and mode == "ok":  # as a real 05, finished or not: the serve line of the draft at --output now
+        print(f"serve: vllm serve stub --speculative-config {{out}}", flush=True)
     previous = Path(out) / "manifest.json"
     if mode == "ok" and previous.is_file() and json.loads(previous.read_text()).get("complete"):
         print(f"stage {{num}}: already done with these settings; nothing to do", flush=True)  # as a real stage
@@ -75,7 +78,7 @@ STUB = textwrap.dedent(r'''
         sys.exit(0)
     Path(out).mkdir(parents=True, exist_ok=True)
     if num == "05":
-        (Path(out) / "serve_command.txt").write_text("vllm serve stub\n")
+        (Path(out) / "serve_command.txt").write_text(f"vllm serve stub --speculative-config {{out}}\n")
     manifest = {{"stage": num, "complete": mode != "incomplete"}}
     (Path(out) / "manifest.json").write_text(json.dumps(manifest, indent=2))
     note("done")
@@ -143,6 +146,19 @@ def test_runs_five_stages_in_order_with_one_log_each_then_asks_each_again(tmp_pa
     assert started(work) == STAGES + STAGES  # every stage asked again...
     assert second.stdout.count("nothing to do") == 5  # ...and each one found its output finished
     assert [line.split()[0] for line in calls(work) if line.split()[1] == "done"] == STAGES
+
+
+@pytest.mark.reliability
+def test_a_copied_work_dir_prints_the_serve_line_of_its_own_draft(tmp_path, stub):
+    """Before: the driver ended with the serve line read from WORK/draft/serve_command.txt, which a copied or moved
+    work dir carries over: it named the draft of the directory it was copied from."""
+    work, copy = tmp_path / "w", tmp_path / "copy"
+    assert driver(work, stub).returncode == 0
+    shutil.copytree(work, copy)
+    result = driver(copy, stub)
+    assert result.returncode == 0, result.stdout + result.stderr
+    serve = [line for line in result.stdout.splitlines() if line.startswith("vllm serve ")]
+    assert serve == [f"vllm serve stub --speculative-config {copy / 'draft'}"]  # the driver's last line: this draft
 
 
 def test_a_stale_stage_stops_the_run_with_its_reason(tmp_path, stub):

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from eagle3_pipeline import slices
+from eagle3_pipeline.errors import ContractError
 from eagle3_pipeline.manifest import SCHEMA_VERSION
 from eagle3_pipeline.plan import format_plan, make_plan
 
@@ -81,11 +82,55 @@ def test_release_deletes_only_what_stage_02_recorded_and_keeps_its_manifest(tmp_
     record = json.loads(next((hs / "slices").glob("*.json")).read_text())
     assert record["selection"] == "0:2,5:6" and "hs_0.safetensors" in record["fingerprint_files"]
     assert json.loads((hs / "manifest.json").read_text())["complete"] is False  # its files are gone
-    # a file in the records folder that is not a slice record (an unknown key) owns nothing: hs_7 stays
-    (hs / "slices" / "zz-foreign.json").write_text(json.dumps({"stage": "extract", "mine": 1,
-                                                              "fingerprint_files": {"hs_7.safetensors": [10, "f", 1]}}))
     assert slices.release(hs, keep=set()) == [5]  # a rerun (a kill mid-deletion) finishes the job
     assert (hs / "hs_7.safetensors").exists()
+
+
+@pytest.mark.reliability
+def test_a_truncated_or_foreign_slice_record_is_refused_naming_it_and_nothing_is_deleted(tmp_path):
+    """Before: a kept record that could not be read was skipped in silence (its rows' files then never deleted)."""
+    hs = tmp_path / "hidden_states"
+    (hs / "slices").mkdir(parents=True)
+    (hs / "hs_3.safetensors").write_bytes(b"x" * 10)
+    good = {"stage": "extract", "schema_version": SCHEMA_VERSION, "complete": True, "selection": "3:4", "rows_total": 8,
+            "fingerprint_files": {"hs_3.safetensors": [10, "f", 1]}}
+    for name, text in (("cut.json", json.dumps(good)[:40]),
+                       ("foreign.json", json.dumps({**good, "mine": 1})),
+                       ("old.json", json.dumps({**good, "schema_version": SCHEMA_VERSION - 1}))):
+        record = hs / "slices" / name
+        record.write_text(text)
+        with pytest.raises(ContractError) as refused:
+            slices.release(hs, keep=set())
+        assert str(refused.value).startswith(f"{record}: not a slice record stage 02 kept (")
+        assert "\n" not in str(refused.value) and (hs / "hs_3.safetensors").exists()
+        record.unlink()
+
+
+def _trained_in(tmp_path: Path, records: list[dict]) -> Path:
+    """Stage 04's manifest of a sliced run that recorded training on `records`."""
+    ckpt = tmp_path / "checkpoints"
+    ckpt.mkdir()
+    (ckpt / "manifest.json").write_text(json.dumps({"stage": "train", "schema_version": SCHEMA_VERSION, "complete": False,
+                                                    "slicing": {"slice_rows": 2}, "slices_trained": records}))
+    return ckpt
+
+
+@pytest.mark.reliability
+def test_release_deletes_states_only_once_stage_04_recorded_training_on_exactly_them(tmp_path):
+    hs = tmp_path / "hidden_states"
+    hs.mkdir()
+    for i in (0, 1, 5):
+        (hs / f"hs_{i}.safetensors").write_bytes(b"x" * 10)
+    (hs / "fingerprints.json").write_text(json.dumps({f"hs_{i}.safetensors": [10, "f", 1] for i in (0, 1, 5)}))
+    (hs / "manifest.json").write_text(json.dumps({"stage": "extract", "schema_version": SCHEMA_VERSION, "complete": True,
+                                                  "selection": "0:2,5:6", "rows_total": 8, "content_sha256": "c1"}))
+    ckpt = _trained_in(tmp_path, [{"position": 0, "rows": "0:2,5:6", "extract": {"content_sha256": "other"}}])
+    with pytest.raises(ContractError, match=r"hidden_states/manifest.json: its states \(rows 0:2,5:6\) are not what"):
+        slices.release(hs, keep=set(), trained_in=ckpt)  # the same rows, another extraction of them
+    assert len(list(hs.glob("hs_*"))) == 3 and not (hs / "slices").exists()
+    shutil.rmtree(ckpt)
+    ckpt = _trained_in(tmp_path, [{"position": 0, "rows": "0:2,5:6", "extract": {"content_sha256": "c1"}}])
+    assert slices.release(hs, keep={5}, trained_in=ckpt) == [0, 1]
 
 
 def test_the_plan_picks_the_slice_size_from_the_free_disk(kimi_target, tmp_path):
@@ -320,6 +365,22 @@ def test_kill_in_slice_2_resumes_there_with_the_same_command(runs):
     # without training or extracting slice 2 again (the counts above include that rerun)
     assert runs["killed_deleting"][0] is False and all(runs["killed_deleting"][1:])
     assert not any(p.exists() for p in runs["slice2"])
+
+
+@pytest.mark.slow
+@pytest.mark.reliability
+def test_a_truncated_kept_slice_record_is_noticed_on_rerun(runs, tmp_path):
+    """Before: the rerun of a finished sliced run skipped a cut-short record in silence and ended "finished". (Before
+    the next test, which reruns stage 01 of `runs` with another input.)"""
+    work = tmp_path / "work"
+    shutil.copytree(runs["work"], work, symlinks=True)
+    record = sorted((work / "data" / "hidden_states" / "slices").glob("*.json"))[0]
+    record.write_bytes(record.read_bytes()[:len(record.read_bytes()) // 2])
+    cmd = runs["cmd"][:runs["cmd"].index("--work") + 1] + [str(work)] + runs["cmd"][runs["cmd"].index("--work") + 2:]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=ENV, cwd=REPO, timeout=300)
+    assert result.returncode != 0, result.stdout[-3000:]
+    error = result.stderr.strip().splitlines()
+    assert len(error) == 1 and f"not released: {record}: not a slice record stage 02 kept (unreadable" in error[0], error
 
 
 @pytest.mark.slow

@@ -15,8 +15,11 @@ Per run position (run_all.sh --slice-rows N drives it; each step is resumable on
                         that its own manifest (or a kept record) lists
   04 --slice-rows N --slice-index g   trains on them through a view (OUTPUT/slice_data: the rows'
                         dataset and hidden_states/ symlinks, renumbered), continuing the run
-  python -m eagle3_pipeline.slices release   deletes the position's files the next one does not need,
-                        keeping stage 02's manifest (with its fingerprints) as DATA/hidden_states/slices/*.json
+  python -m eagle3_pipeline.slices release   deletes the position's files the next one does not need, once
+                        04's manifest records training on exactly them (slices_trained), keeping stage 02's
+                        manifest (with its fingerprints) as DATA/hidden_states/slices/*.json
+The schedule (`slices schedule`) is what 04's manifest says was trained: a work dir whose 04 trained otherwise
+(unsliced, another slice size, epochs or input) is refused in one line naming the field, before anything runs.
 So the disk holds one slice's states (+ the files in flight) at any time.
 """
 
@@ -29,6 +32,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from .checkpoints import complete, read_state
 from .config.resolution import resolve_stage_config
 from .config.schema import TrainConfig
@@ -36,7 +41,7 @@ from .contract import manifest_path, read_manifest, write_manifest
 from .errors import ConfigError, ContractError, StageError
 from .files import FINGERPRINTS_NAME, atomic_write_json, remove_path
 from .hidden_states import FILE_GLOB, HS_DIRNAME, hs_file, row_of
-from .manifest import ExtractManifest, PrepareManifest, SliceRecord
+from .manifest import SCHEMA_VERSION, ExtractManifest, PrepareManifest, SliceRecord, TrainManifest
 from .prepared import load_prepared
 from .stage import first_difference, read_own_manifest
 
@@ -224,10 +229,31 @@ def position_record(g: int, plan: SlicePlan, extracted: ExtractManifest, steps: 
 
 # --- deleting a trained slice's states (stage 02's own files only) -------------------------------------
 
+def read_slice_record(path: Path) -> SliceRecord:
+    """A kept slice record (DATA/hidden_states/slices/*.json), checked: a truncated or foreign file is one line
+    naming it. Never skipped: the rows it lists are files stage 02 wrote, which only it says may be deleted."""
+    try:
+        data = json.loads(Path(path).read_bytes())
+        record = SliceRecord.model_validate(data)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        reason = f"field {'.'.join(str(part) for part in error['loc']) or '(top level)'}: {error['msg'].lower()}"
+    except (OSError, ValueError) as exc:  # truncated: not JSON
+        reason = f"unreadable: {str(exc)[:80]}"
+    else:
+        if record.schema_version != SCHEMA_VERSION:
+            reason = f"schema version {record.schema_version}, this version reads {SCHEMA_VERSION}"
+        elif not record.selection or not record.rows_total:
+            reason = "no selection (a slice's rows) or rows_total"
+        else:
+            return record
+    raise ContractError(f"{path}: not a slice record stage 02 kept ({reason}); restore it, or move it away (its "
+                        f"rows' hidden-state files are then never deleted by a release: delete them yourself)")
+
+
 def owned_rows(hs_dir: Path) -> dict[int, str]:
     """Rows whose file stage 02 says it wrote (row -> the record that says so): its manifest's selection, its
-    fingerprints, and every kept slice record. A record that cannot be read owns nothing (nothing is deleted
-    on its word)."""
+    fingerprints, and every kept slice record (read_slice_record: a bad one is refused, never skipped)."""
 
     hs_dir = Path(hs_dir)
     owned: dict[int, str] = {}
@@ -254,22 +280,47 @@ def owned_rows(hs_dir: Path) -> dict[int, str]:
         fingerprinted = {}
     own(named(fingerprinted), hs_dir / FINGERPRINTS_NAME)
     for path in sorted((hs_dir / RECORDS_DIRNAME).glob("*.json")):
-        try:
-            record = SliceRecord.model_validate_json(path.read_text())
-        except (OSError, ValueError):  # pydantic's ValidationError is a ValueError
-            continue
+        record = read_slice_record(path)
         own(named(record.fingerprint_files or {}), path)
         own(selected(record), path)
     return owned
 
 
-def release(hs_dir: Path, keep: set[int]) -> list[int]:
+def require_trained(hs_dir: Path, ckpt_dir: Path, doomed: list[int]) -> None:
+    """A release deletes states only once this run's stage 04 recorded training on exactly them: stage 02's slice
+    (its rows and content) is one of 04's `slices_trained`, and every file to go lies in a trained position's rows.
+    Anything else (an unsliced extraction, a slice 04 never recorded, another run's) is refused, nothing deleted."""
+
+    if not doomed:
+        return
+    trained = read_own_manifest(ckpt_dir)
+    sliced = isinstance(trained, TrainManifest) and trained.slicing
+    records = (trained.slices_trained or []) if sliced else []
+    where = manifest_path(ckpt_dir)
+    extracted = read_own_manifest(hs_dir)
+    if isinstance(extracted, ExtractManifest) and extracted.complete and not any(
+            r.get("rows") == extracted.selection and (r.get("extract") or {}).get("content_sha256") ==
+            extracted.content_sha256 for r in records):
+        raise ContractError(f"{manifest_path(hs_dir)}: its states (rows {extracted.selection or 'all'}) are not what "
+                            f"{where} records as trained (slices_trained); nothing deleted (a release deletes only "
+                            f"states this run's stage 04 trained on)")
+    covered = {row for r in records for row in parse_rows(r["rows"], sys.maxsize) if r.get("rows")}
+    if missing := [row for row in doomed if row not in covered]:
+        raise ContractError(f"{hs_file(hs_dir, missing[0])}: row {missing[0]}'s states ({len(missing)} file(s) in all) "
+                            f"are not in a run position {where} records as trained; nothing deleted")
+
+
+def release(hs_dir: Path, keep: set[int], trained_in: Path | None = None) -> list[int]:
     """Delete the hidden-state files of the rows not in `keep` that stage 02 wrote, after keeping its manifest
-    (with the fingerprints of every file: what was trained) in DATA/hidden_states/slices/. Idempotent: a kill
-    at any point leaves a state a rerun finishes."""
+    (with the fingerprints of every file: what was trained) in DATA/hidden_states/slices/. `trained_in`: stage
+    04's output, whose manifest must record training on exactly those states (require_trained; the driver's
+    release). Idempotent: a kill at any point leaves a state a rerun finishes."""
 
     hs_dir = Path(hs_dir)
     manifest = read_own_manifest(hs_dir)
+    if trained_in is not None:
+        require_trained(hs_dir, Path(trained_in), [row for row in sorted(owned_rows(hs_dir))
+                                                   if row not in keep and hs_file(hs_dir, row).is_file()])
     if manifest is not None and manifest.complete and manifest.selection:
         try:
             fingerprinted = json.loads((hs_dir / FINGERPRINTS_NAME).read_text())
@@ -298,27 +349,42 @@ def hidden_state_bytes(hs_dir: Path) -> int:
 # --- the driver's helpers (run_all.sh --slice-rows) ------------------------------------------------------
 
 def resolve(argv: list[str]) -> tuple[SlicePlan, dict, object]:
-    """The plan of a sliced run from stage 04's own flags, checked against what the run recorded: a changed
-    slice size, epochs or input is refused with one line naming the field (before anything is extracted)."""
+    """The plan of a sliced run from stage 04's own flags, checked against what stage 04's manifest says was trained
+    (sliced or not, slice size, epochs, rows, input): any difference is refused with one line naming the field, before
+    anything is extracted or deleted."""
 
     cfg, _ = resolve_stage_config(TrainConfig, argv)
     if cfg.slice_rows is None:
         raise ConfigError("--slice-rows is needed for a sliced run")
     prepared = read_manifest(cfg.data, "prepare", "--data")
     plan = make_plan(prepared.counts.rows, prepared.train_data_ratio, cfg.slice_rows, cfg.epochs)
-    recorded = getattr(read_own_manifest(Path(cfg.output)), "slicing", None)
-    if recorded:
-        where = manifest_path(cfg.output)
-        if recorded.get("prepare") != prepared.content_sha256:
-            raise ContractError(f"{where}: this sliced run was planned over another input: prepare (stage 01's output "
-                                f"in {cfg.data}) changed since; rerun 01 as it was, or choose another --output (a slice "
-                                f"size or input cannot change mid-run)")
-        now = plan.record()
-        for field in ("slice_rows", "epochs", *now):
-            if (diff := first_difference(recorded.get(field), now[field])) is not None:
-                raise ContractError(f"{where}: this sliced run was planned with {field} = {json.dumps(diff[1])}, "
-                                    f"{json.dumps(diff[2])} in this run; rerun with the old value, or choose another "
-                                    f"--output (a slice size or input cannot change mid-run)")
+    trained = read_own_manifest(Path(cfg.output))
+    if trained is None:
+        return plan, prepared, cfg
+    where = manifest_path(cfg.output)
+    fresh = "choose a fresh --work (a slice size, epochs or input cannot change mid-run)"
+    if not isinstance(trained, TrainManifest):
+        raise ContractError(f"{where}: holds stage {trained.stage!r}'s output, not a training run; {fresh}")
+    recorded = trained.slicing
+    if not recorded:
+        done = f"a finished unsliced training run ({len(trained.epochs or [])} epoch(s))" if trained.complete else \
+            "an unfinished unsliced training run"
+        raise ContractError(f"{where}: holds {done}, not a sliced one; --slice-rows {cfg.slice_rows} cannot continue "
+                            f"it: rerun without --slice-rows, or choose a fresh --work")
+    if recorded.get("prepare") != prepared.content_sha256:
+        raise ContractError(f"{where}: this sliced run was planned over another input: prepare (stage 01's output "
+                            f"in {cfg.data}) changed since; rerun 01 as it was, or {fresh}")
+    now = plan.record()
+    for field in ("slice_rows", "epochs", *now):
+        if (diff := first_difference(recorded.get(field), now[field])) is not None:
+            raise ContractError(f"{where}: this sliced run was planned with {field} = {json.dumps(diff[1])}, "
+                                f"{json.dumps(diff[2])} in this run; rerun with the old value, or {fresh}")
+    for record in trained.slices_trained or []:
+        g = record.get("position")
+        planned = plan.selection(g) if isinstance(g, int) and 0 <= g < plan.positions else "none (no such position)"
+        if record.get("rows") != planned:
+            raise ContractError(f"{where}: slices_trained records run position {g} on rows {record.get('rows')}, "
+                                f"this run's position {g} has rows {planned}; {fresh}")
     return plan, prepared, cfg
 
 
@@ -331,25 +397,36 @@ def trained_through(out_dir: Path) -> int:
 
 
 def trained_positions(plan: SlicePlan, out_dir: Path) -> list[bool]:
-    """Which run positions need nothing but their release: a complete checkpoint of that position (the last one
-    also needs stage 04's complete manifest: the report and the record are written after its checkpoint)."""
+    """Which run positions need nothing but their release: stage 04's manifest records training on them
+    (`slices_trained`, checked against the plan by resolve; the last one also needs the manifest complete: the report
+    is written after its record). A checkpoint alone is not a record: 04 reruns that position, finds it trained and
+    records it."""
 
-    newest = trained_through(out_dir)
-    finished = bool(getattr(read_own_manifest(out_dir), "complete", False))
+    manifest = read_own_manifest(out_dir)
+    recorded = {r.get("position") for r in getattr(manifest, "slices_trained", None) or []}
+    finished = bool(getattr(manifest, "complete", False))
     last = plan.positions - 1
-    return [g <= newest and (g < last or finished) for g in range(plan.positions)]
+    return [g in recorded and (g < last or finished) for g in range(plan.positions)]
+
+
+def recorded_position(out_dir: Path, position: int) -> bool:
+    """Whether stage 04's manifest in `out_dir` already records run position `position` as trained."""
+    return any(r.get("position") == position for r in getattr(read_own_manifest(out_dir), "slices_trained", None) or [])
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="sliced runs (run_all.sh --slice-rows): the schedule, and deleting "
                                                  "a trained slice's hidden states")
     sub = parser.add_subparsers(dest="command", required=True)
-    schedule = sub.add_parser("schedule", help="one line per run position: POSITION ROWS (stage 02's --rows); "
-                                               "refuses a changed slice size or input; the rest are stage 04's flags")
+    schedule = sub.add_parser("schedule", help="one line per run position: POSITION ROWS (stage 02's --rows) "
+                                               "trained|todo; refuses a run that differs from what stage 04's "
+                                               "manifest recorded; the rest are stage 04's flags")
     schedule.add_argument("train_args", nargs=argparse.REMAINDER)
-    rel = sub.add_parser("release", help="delete stage 02's files of the rows not in --keep (its manifest is kept)")
+    rel = sub.add_parser("release", help="delete stage 02's files of the rows not in --keep (its manifest is kept), "
+                                         "only those stage 04's manifest in --checkpoints records as trained")
     rel.add_argument("--data", required=True, help="stage 01's output (its hidden_states/)")
     rel.add_argument("--keep", default="", help="rows to keep (stage 02's --rows of the next position), or none")
+    rel.add_argument("--checkpoints", required=True, help="stage 04's output (its manifest's slices_trained)")
     args = parser.parse_args(argv)
     try:
         if args.command == "schedule":
@@ -357,11 +434,11 @@ def main(argv: list[str] | None = None) -> int:
             for g, done in enumerate(trained_positions(plan, Path(cfg.output))):
                 print(g, plan.selection(g), "trained" if done else "todo")
             return 0
-    
+
         hs_dir = Path(args.data) / HS_DIRNAME
         rows_total = read_manifest(args.data, "prepare", "--data").counts.rows
         keep = set(parse_rows(args.keep, rows_total)) if args.keep else set()
-        deleted = release(hs_dir, keep)
+        deleted = release(hs_dir, keep, trained_in=Path(args.checkpoints))
         print(f"released {len(deleted)} hidden-state file(s) in {hs_dir} (stage 02's manifest kept in "
               f"{hs_dir / RECORDS_DIRNAME})")
         return 0

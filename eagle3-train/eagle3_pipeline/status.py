@@ -1,6 +1,7 @@
 """`run_all.sh --status`: each stage's state in a work directory, by the stages' own rule for "done".
 
-`python -m eagle3_pipeline.status --work WORK` prints one line per stage: `NN name STATE LOG`.
+`python -m eagle3_pipeline.status --work WORK` prints one line per stage: `NN name STATE LOG`, the log path
+derived from WORK (a log that is not there says so: a copied work dir, or deleted logs/).
 A stage is `finished` only as `stage.finished` would find it without its flags: its manifest is
 complete, the upstream outputs it recorded (identity.inputs: their `content_sha256`) are the ones
 on disk now, every upstream stage is itself finished, and its stage-specific condition holds
@@ -92,7 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     for stage, info in stage_states(args.work).items():
         state = info["state"] + (f" ({info['why']}; rerun {info['num']})" if info.get("why") else "")
-        print(f"{info['num']} {stage:<8} {state:<22} {info['log']}")
+        log = info["log"] + ("" if Path(info["log"]).is_file() else
+                             " (no log yet)" if info["state"] == "not started" else " (missing)")
+        print(f"{info['num']} {stage:<8} {state:<22} {log}")
     return 0
 
 
