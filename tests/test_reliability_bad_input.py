@@ -510,6 +510,60 @@ def test_unwritable_checkpoint_directory_is_refused(capsys, work, kimi_target, t
     assert (code, error) == (1, f"{out}: output directory is not writable (Not a directory); fix --output")
 
 
+def _spoil_hidden_states(work: dict, rows) -> None:
+    for row in rows:
+        (work["hs"] / f"hs_{row}.safetensors").write_bytes(b"garbage")  # unreadable, as a damaged copy leaves it
+
+
+def _counts(work: dict) -> dict:
+    return manifest(work["data"])["counts"]
+
+
+def test_skip_stops_once_more_than_max_bad_fraction_of_the_samples_are_bad(capsys, work, kimi_target, tmp_path):
+    """Issue 40: `--on-bad-sample skip` with every sample bad "trained" on nothing and wrote a complete manifest.
+    It stops in one line at the first sample over --max-bad-fraction (1%: 1 of the 15), as stage 01 does."""
+    rows = _counts(work)["rows"]
+    _spoil_hidden_states(work, range(rows))
+    out = tmp_path / "ckpt"
+    code, error = refused(capsys, *_train(work, kimi_target, out, "--on-bad-sample", "skip"))
+    head = (f"{work['data']}: 1 of {rows} samples are bad ({1 / rows:.1%} > --max-bad-fraction 1.0%); first: "
+            f"{work['hs']}/hs_")
+    tail = ("; training stopped (a rerun resumes from the start (no checkpoint was saved yet)): redo those files with "
+            f"02_extract_hidden_states.py --validate, or raise --max-bad-fraction; they are listed in bad_samples.jsonl "
+            f"in {out}")
+    assert code == 4 and error.startswith(head) and error.endswith(tail), error
+    assert ".safetensors: unreadable safetensors (" in error
+    assert not manifest(out)["complete"] and not (out / "summary.json").exists()
+
+
+def test_skip_with_every_sample_bad_stops_even_at_max_bad_fraction_1(capsys, work, kimi_target, tmp_path):
+    rows = _counts(work)["rows"]
+    _spoil_hidden_states(work, range(rows))
+    out = tmp_path / "ckpt"
+    code, error = refused(capsys, *_train(work, kimi_target, out, "--on-bad-sample", "skip", "--max-bad-fraction", "1",
+                                          "--epochs", "1"))
+    assert code == 4 and error.startswith(f"{work['data']}: all {rows} samples are bad, none is left to train on; "
+                                          f"first: {work['hs']}/hs_"), error
+    assert "redo those files with 02_extract_hidden_states.py --validate; they are listed in" in error  # no "raise it"
+    assert not manifest(out)["complete"]
+
+
+def test_a_run_that_trained_on_no_sample_never_gets_a_complete_manifest(capsys, work, kimi_target, tmp_path):
+    """Every training row bad, the validation rows good, --max-bad-fraction 1: the trainer runs its steps on empty
+    batches; stage 04 counts what the steps trained on (logs/samples) and refuses the report and the manifest."""
+    counts = _counts(work)
+    _spoil_hidden_states(work, range(counts["train_rows"]))
+    out = tmp_path / "ckpt"
+    code, error = refused(capsys, *_train(work, kimi_target, out, "--on-bad-sample", "skip", "--max-bad-fraction", "1",
+                                          "--epochs", "1"))
+    assert code == 4, error
+    assert error.startswith(f"{out}: training ran ") and error.endswith(
+        f" optimizer step(s) on 0 sample(s) ({counts['train_rows']} sample(s) left out by --on-bad-sample skip): nothing "
+        f"was trained, so the manifest does not say complete (stage 05 exports none of these checkpoints); check --data "
+        f"({work['data']}) and {out / 'bad_samples.jsonl'}"), error
+    assert not manifest(out)["complete"] and not (out / "summary.json").exists()
+
+
 # --- 05: export --------------------------------------------------------------------------------------
 
 def test_export_of_a_checkpoint_that_does_not_exist_is_refused(capsys, work, tmp_path):
