@@ -50,6 +50,7 @@ from eagle3_pipeline.training import (
     launch_command,
     launch_env,
     read_upstream,
+    require_trained,
     resolved_for_print_config,
     run_in_process,
     skipped_samples,
@@ -170,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
              out_dir / "command.txt")
     # Every sample is checked as the loader reads it (compat/sample_check.py): stage 02's storage, or vLLM's states.
     stored = StateFormat.from_manifest(extracted) if extracted else None
-    sample_spec = {"slots": len(layer_ids), "hidden": target.hidden_size,
+    sample_spec = {"slots": len(layer_ids), "hidden": target.hidden_size, "samples": prepared.counts.rows,
                    "dtype": stored.dtype if stored and not stored.is_fp8 else None,
                    "storage": stored.storage if stored else "any"}
     export_compat_settings(cfg, sample_spec, draft)
@@ -209,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         log.info("node %d/%d done; node 0 (global rank 0) writes the checkpoints' report and manifest", cfg.node_rank, cfg.nnodes)
         return 0
 
-    # 4. Report (plots/*.png, summary.txt), then 5. the contract.
+    # 4. Report (plots/*.png, summary.txt), then 5. the contract; a run that trained on nothing gets neither.
+    trained = require_trained(cfg, prepared.counts.rows, out_dir)
     best, choice = choose_checkpoint(out_dir, draft.num_speculative_tokens)  # by offline tau at the served k
     if best is None:
         raise StageError(f"{out_dir}: training finished without a checkpoint")
@@ -230,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         summary=summary, config_sha256=config_fingerprint(cfg), resume=resume,
         compat_applied=compat_applied(out_dir / METRICS_FILE),
         hidden_states=server or {"mode": "files", "from": inputs["extract"]["path"]},
-        bad_samples=skipped_samples(out_dir), **slicing,
+        bad_samples=skipped_samples(out_dir), trained=trained, **slicing,
     ))
     return 0
 

@@ -78,7 +78,7 @@ def test_two_process_training_logs_once_resumes_and_exports(tmp_path, kimi_run, 
             "--vocab", kimi_run["vocab"], "--output", out, "--nproc", "2", "--logger", "", *sharding)
     first = run_stage("train", *args, "--epochs", "1")
     command = (out / "command.txt").read_text()
-    assert "torch.distributed.run" in command and ("--fsdp-shard" in command) == bool(sharding)
+    assert "eagle3_pipeline.torchrun" in command and ("--fsdp-shard" in command) == bool(sharding)
     assert (first.stdout + first.stderr).count("Destroyed distributed process group") == 2  # two ranks
     records = read_metrics(out / "metrics.jsonl")
     steps = [r["global_step"] for r in records if "train" in r]

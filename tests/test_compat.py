@@ -416,3 +416,34 @@ def test_the_version_gate_refuses_another_speculators_with_one_line_naming_the_f
         require_speculators("sample_check", ("0.0.1",), "speculators/train/data.py")
     assert str(refused.value) == (f"compat/sample_check.py was written for speculators ('0.0.1',), found {installed}; "
                                   f"re-check it against speculators/train/data.py")
+
+
+@pytest.mark.reliability
+def test_skipping_stops_above_max_bad_fraction_counting_each_sample_once_over_ranks_and_epochs(tmp_path):
+    """compat/sample_check.left_out_problem: every rank's and worker's lines count, each sample once (epochs and
+    ranks read a bad file again), the limit is a fraction of the run's samples as in stage 01, and a run with
+    every sample left out stops even at --max-bad-fraction 1; each call reads only the lines added since."""
+    from eagle3_pipeline.compat import sample_check
+
+    record = tmp_path / sample_check.RECORD_NAME
+    config = {"samples": 20, "max_bad_fraction": 0.1, "data": "DATA", "record": str(record)}
+
+    def skip(sample: str) -> None:
+        sample_check.record(str(record), {"file": f"hs/{sample}", "sample": sample, "row": 0, "reason": "bad",
+                                          "action": "skip"})
+
+    assert sample_check.left_out_problem(config) is None  # no record yet
+    for sample in ("a", "b", "a", "b", "a"):  # 2 of 20 (10%): at the limit, not above it
+        skip(sample)
+    assert sample_check.left_out_problem(config) is None
+    with record.open("a") as handle:  # a line still being written: not read yet
+        handle.write('{"file": "hs/c", "sample": "c", "act')
+    assert sample_check.left_out_problem(config) is None
+    with record.open("a") as handle:
+        handle.write('ion": "skip", "reason": "bad"}\n')
+    line = sample_check.left_out_problem(config)
+    assert line == "DATA: 3 of 20 samples are bad (15.0% > --max-bad-fraction 10.0%); first: hs/a: bad"
+    assert sample_check.too_many_bad(line)
+    every = {**config, "samples": 3, "max_bad_fraction": 1.0}
+    assert sample_check.left_out_problem(every) == "DATA: all 3 samples are bad, none is left to train on; first: hs/a: bad"
+    assert sample_check.left_out_problem({**every, "samples": 4}) is None  # one sample left to train on

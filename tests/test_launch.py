@@ -35,7 +35,7 @@ def torchrun_config(cmd: list[str]):
     """torchrun's own view of our command line: (LaunchConfig, module/script, its args)."""
     from torch.distributed.run import config_from_args, get_args_parser
 
-    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert cmd[:3] == [sys.executable, "-m", "eagle3_pipeline.torchrun"]  # torch.distributed.run, less its traceback
     args = get_args_parser().parse_args(cmd[3:])
     return args, config_from_args(args)
 

@@ -155,3 +155,22 @@ def test_own_unfinished_manifests_read_back_typed(tmp_path):
     write_manifest(tmp_path, VocabManifest(complete=False))
     with pytest.raises(ContractError, match="did not finish"):
         read_manifest(tmp_path, "vocab", "--vocab")
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize("trained", [None, {"optimizer_steps": 0, "samples": 0}, {"optimizer_steps": 8, "samples": 0}],
+                         ids=["not-recorded", "no-step", "no-sample"])
+def test_a_training_that_trained_nothing_is_never_written_complete(trained, tmp_path):
+    """The one place every manifest is written refuses `complete: true` for a run that did nothing, whichever
+    path of stage 04 got there (issue 40: `--on-bad-sample skip` over only bad samples wrote one)."""
+    from eagle3_pipeline.errors import StageError
+
+    with pytest.raises(StageError) as refused:
+        write_manifest(tmp_path, TrainManifest(identity={"inputs": {}}, trained=trained))
+    steps, samples = (trained or {}).get("optimizer_steps", 0), (trained or {}).get("samples", 0)
+    assert str(refused.value) == (f"{tmp_path / 'manifest.json'}: not written as complete: the run did no work "
+                                  f"({steps} optimizer step(s) on {samples} trained sample(s))")
+    assert not (tmp_path / "manifest.json").exists()
+    write_manifest(tmp_path, TrainManifest(complete=False, identity={"inputs": {}}, trained=trained))  # unfinished: fine
+    written = write_manifest(tmp_path, TrainManifest(identity={"inputs": {}}, trained={"optimizer_steps": 8, "samples": 3}))
+    assert written.complete and written.trained == {"optimizer_steps": 8, "samples": 3}

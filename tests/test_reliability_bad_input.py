@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -99,6 +100,25 @@ def work(ref, tmp_path) -> dict[str, Path]:
         shutil.copytree(ref[name], out[name], symlinks=True)
     out["hs"] = out["data"] / "hidden_states"
     return out
+
+
+@pytest.fixture
+def immutable():
+    """make(path): `chattr +i` on path, undone at teardown. The real way here to make writing, renaming or deleting
+    an output fail: the box runs as root, which file modes do not stop. Skips where chattr cannot set the flag
+    (not root, no CAP_LINUX_IMMUTABLE, a filesystem without it)."""
+    made: list[Path] = []
+
+    def make(path: Path) -> Path:
+        done = subprocess.run(["chattr", "+i", str(path)], capture_output=True, text=True) if shutil.which("chattr") else None
+        if done is None or done.returncode != 0:
+            pytest.skip(f"chattr +i {path} not possible here ({done.stderr.strip() if done else 'no chattr'})")
+        made.append(path)
+        return path
+
+    yield make
+    for path in reversed(made):
+        subprocess.run(["chattr", "-i", str(path)], check=True)
 
 
 def target_copy(kimi_target: Path, dest: Path) -> Path:
@@ -490,6 +510,60 @@ def test_unwritable_checkpoint_directory_is_refused(capsys, work, kimi_target, t
     assert (code, error) == (1, f"{out}: output directory is not writable (Not a directory); fix --output")
 
 
+def _spoil_hidden_states(work: dict, rows) -> None:
+    for row in rows:
+        (work["hs"] / f"hs_{row}.safetensors").write_bytes(b"garbage")  # unreadable, as a damaged copy leaves it
+
+
+def _counts(work: dict) -> dict:
+    return manifest(work["data"])["counts"]
+
+
+def test_skip_stops_once_more_than_max_bad_fraction_of_the_samples_are_bad(capsys, work, kimi_target, tmp_path):
+    """Issue 40: `--on-bad-sample skip` with every sample bad "trained" on nothing and wrote a complete manifest.
+    It stops in one line at the first sample over --max-bad-fraction (1%: 1 of the 15), as stage 01 does."""
+    rows = _counts(work)["rows"]
+    _spoil_hidden_states(work, range(rows))
+    out = tmp_path / "ckpt"
+    code, error = refused(capsys, *_train(work, kimi_target, out, "--on-bad-sample", "skip"))
+    head = (f"{work['data']}: 1 of {rows} samples are bad ({1 / rows:.1%} > --max-bad-fraction 1.0%); first: "
+            f"{work['hs']}/hs_")
+    tail = ("; training stopped (a rerun resumes from the start (no checkpoint was saved yet)): redo those files with "
+            f"02_extract_hidden_states.py --validate, or raise --max-bad-fraction; they are listed in bad_samples.jsonl "
+            f"in {out}")
+    assert code == 4 and error.startswith(head) and error.endswith(tail), error
+    assert ".safetensors: unreadable safetensors (" in error
+    assert not manifest(out)["complete"] and not (out / "summary.json").exists()
+
+
+def test_skip_with_every_sample_bad_stops_even_at_max_bad_fraction_1(capsys, work, kimi_target, tmp_path):
+    rows = _counts(work)["rows"]
+    _spoil_hidden_states(work, range(rows))
+    out = tmp_path / "ckpt"
+    code, error = refused(capsys, *_train(work, kimi_target, out, "--on-bad-sample", "skip", "--max-bad-fraction", "1",
+                                          "--epochs", "1"))
+    assert code == 4 and error.startswith(f"{work['data']}: all {rows} samples are bad, none is left to train on; "
+                                          f"first: {work['hs']}/hs_"), error
+    assert "redo those files with 02_extract_hidden_states.py --validate; they are listed in" in error  # no "raise it"
+    assert not manifest(out)["complete"]
+
+
+def test_a_run_that_trained_on_no_sample_never_gets_a_complete_manifest(capsys, work, kimi_target, tmp_path):
+    """Every training row bad, the validation rows good, --max-bad-fraction 1: the trainer runs its steps on empty
+    batches; stage 04 counts what the steps trained on (logs/samples) and refuses the report and the manifest."""
+    counts = _counts(work)
+    _spoil_hidden_states(work, range(counts["train_rows"]))
+    out = tmp_path / "ckpt"
+    code, error = refused(capsys, *_train(work, kimi_target, out, "--on-bad-sample", "skip", "--max-bad-fraction", "1",
+                                          "--epochs", "1"))
+    assert code == 4, error
+    assert error.startswith(f"{out}: training ran ") and error.endswith(
+        f" optimizer step(s) on 0 sample(s) ({counts['train_rows']} sample(s) left out by --on-bad-sample skip): nothing "
+        f"was trained, so the manifest does not say complete (stage 05 exports none of these checkpoints); check --data "
+        f"({work['data']}) and {out / 'bad_samples.jsonl'}"), error
+    assert not manifest(out)["complete"] and not (out / "summary.json").exists()
+
+
 # --- 05: export --------------------------------------------------------------------------------------
 
 def test_export_of_a_checkpoint_that_does_not_exist_is_refused(capsys, work, tmp_path):
@@ -516,6 +590,108 @@ def test_export_of_unfinished_training_is_refused(capsys, work, tmp_path):
     path.write_text(json.dumps({**json.loads(path.read_text()), "complete": False}))
     code, error = refused(capsys, "export", "--checkpoints", work["checkpoints"], "--output", tmp_path / "d")
     assert (code, error) == (3, f"{path}: stage 'train' did not finish; rerun 04_train.py")
+
+
+def test_export_into_a_directory_it_cannot_rename_is_one_line_and_keeps_it(capsys, ref, work, immutable, tmp_path):
+    """Issue 40: 05 replacing an export it cannot move aside (here: `chattr +i`) ended in a PermissionError traceback."""
+    draft = tmp_path / "exports" / "draft"
+    shutil.copytree(ref["draft"], draft)
+    before = snapshot(draft)
+    immutable(draft)
+    code, error = refused(capsys, "export", "--checkpoints", work["checkpoints"], "--vocab", work["vocab"], "--output",
+                          draft, "--tensor-parallel-size", "2", "--overwrite")  # another identity: replace it
+    assert code == 74 and error == (f"{draft}: moving the old one aside (renaming it to .draft.old.tmp-{os.getpid()}) "
+                                    f"failed (Operation not permitted); fix the path (permissions, mount, free space) "
+                                    f"or choose another one, then rerun"), error
+    assert snapshot(draft) == before  # and no staging copy left beside it
+    assert sorted(p.name for p in draft.parent.iterdir()) == [".draft.eagle3.lock", "draft"]
+
+
+# --- every stage: an output path it cannot write, rename, create or delete ------------------------------
+
+def _stage_args(stage: str, ref: dict, work: dict, kimi_target: Path, out: Path) -> list:
+    """A stage run whose --output is `out` (02: whose --data is work's)."""
+    return {
+        "prepare": ["prepare", "--profile", "cpu-mini", "--target", kimi_target, "--data", SAMPLES / "conversations.jsonl",
+                    "--output", out],
+        "extract": ["extract", "--profile", "cpu-mini", "--target", kimi_target, "--data", work["data"]],
+        "vocab": ["vocab", "--profile", "cpu-mini", "--data", work["data"], "--output", out],
+        "train": _train(work, kimi_target, out),
+        "export": ["export", "--checkpoints", work["checkpoints"], "--vocab", work["vocab"], "--output", out],
+        "evaluate": ["evaluate", "--profile", "cpu-mini", "--draft", ref["draft"], "--checkpoints", work["checkpoints"],
+                     "--data", work["data"], "--vocab", work["vocab"], "--output", out],
+    }[stage]
+
+
+@pytest.mark.parametrize("stage", ["prepare", "vocab", "train", "export", "evaluate"])
+def test_an_output_directory_that_cannot_be_created_is_one_line_naming_it(stage, capsys, ref, work, kimi_target):
+    """A directory under /proc cannot be created, by root either; check_writable_dir (mode bits) lets it through."""
+    out = Path("/proc") / f"eagle3-test-{os.getpid()}" / "out"
+    code, error = refused(capsys, *_stage_args(stage, ref, work, kimi_target, out))
+    assert code == 74 and error.startswith(f"{out.parent}: creating the directory failed ("), error
+    assert error.endswith("); fix the path (permissions, mount, free space) or choose another one, then rerun")
+
+
+@pytest.mark.parametrize("stage", ["prepare", "extract", "vocab", "train"])
+def test_an_output_file_that_cannot_be_replaced_is_one_line_naming_it_and_the_operation(stage, capsys, ref, work,
+                                                                                        kimi_target, immutable):
+    """The finished output's manifest.json made immutable, then a run that must rewrite it: 02 redoes a deleted
+    file, the others replace their output (another --max-seq-len, draft vocab size or lr, with --overwrite)."""
+    out = {"prepare": work["data"], "extract": work["hs"], "vocab": work["vocab"], "train": work["checkpoints"]}[stage]
+    extra = {"prepare": ["--max-seq-len", "400", "--overwrite"], "extract": [],
+             "vocab": ["--draft-vocab-size", "128", "--overwrite"], "train": ["--lr", "0.002", "--overwrite"]}[stage]
+    if stage == "extract":
+        (work["hs"] / "hs_3.safetensors").unlink()
+    immutable(out / "manifest.json")
+    code, error = refused(capsys, *_stage_args(stage, ref, work, kimi_target, out), *extra)
+    operation = ("renaming the new one (.manifest.json.tmp-{}) into place".format(os.getpid()) if stage == "extract"
+                 else "deleting it")
+    assert code == 74 and error == (f"{out / 'manifest.json'}: {operation} failed (Operation not permitted); fix the "
+                                    f"path (permissions, mount, free space) or choose another one, then rerun"), error
+
+
+def test_an_os_error_outside_the_file_helpers_is_one_line_naming_the_path_and_the_operation(capsys, tmp_path):
+    """stage_main turns an OSError raised anywhere (a library's write, speculators' checkpoint save) into the line."""
+    from eagle3_pipeline.stage import stage_main
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+
+    @stage_main
+    def stage(argv):
+        (blocker / "sub").mkdir()
+
+    assert stage([]) == 74
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: {blocker / 'sub'}: creating the directory failed (Not a directory); fix the path (permissions, mount, "
+        f"free space) or choose another one, then rerun"]
+
+    @stage_main
+    def bug(argv):
+        raise OSError("no path in it")  # not a path's error: a bug keeps its traceback
+
+    with pytest.raises(OSError, match="no path in it"):
+        bug([])
+
+
+def test_a_failed_swap_puts_the_old_directory_back(tmp_path, immutable):
+    """atomic_path: when the new directory cannot be renamed into place after the old one was moved aside, the old
+    one is renamed back: never neither."""
+    from eagle3_pipeline.errors import StageError
+    from eagle3_pipeline.files import atomic_path
+
+    final = tmp_path / "out"
+    final.mkdir()
+    (final / "kept.txt").write_text("old")
+    with pytest.raises((StageError, OSError)) as raised:
+        with atomic_path(final) as tmp:
+            tmp.mkdir()
+            (tmp / "new.txt").write_text("new")
+            immutable(tmp)  # a directory with the flag cannot be renamed
+    assert final.is_dir() and [p.name for p in final.iterdir()] == ["kept.txt"], sorted(p.name for p in tmp_path.iterdir())
+    assert isinstance(raised.value, StageError) and str(raised.value) == (
+        f"{final}: renaming the new one ({tmp.name}) into place failed (Operation not permitted); fix the path "
+        f"(permissions, mount, free space) or choose another one, then rerun")
 
 
 # --- end to end: the real script, its exit code and its one line --------------------------------------

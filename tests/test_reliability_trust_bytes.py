@@ -100,11 +100,14 @@ def test_training_stops_with_one_line_on_a_hidden_state_file_changed_after_stage
 def test_on_bad_sample_skip_counts_and_lists_the_files_in_the_manifest(capsys, work, kimi_target, tmp_path):
     change_file(work, "nan")
     out = tmp_path / "ckpt"
-    succeeded(capsys, *args("train", {**work, "checkpoints": out}, kimi_target, "--on-bad-sample", "skip"))
+    succeeded(capsys, *args("train", {**work, "checkpoints": out}, kimi_target, "--on-bad-sample", "skip",
+                            "--max-bad-fraction", "0.1"))  # 1 of the 15 samples
     bad = manifest(out)["bad_samples"]
     assert bad["count"] == 1 and list(bad["files"]) == [str(hs(work))]
     assert "NaN/Inf" in bad["files"][str(hs(work))]
     assert manifest(out)["complete"]
+    trained = manifest(out)["trained"]  # row 3 is a training row: one sample fewer each epoch
+    assert trained["optimizer_steps"] > 0 and trained["samples"] == 2 * (13 - 1), trained
 
 
 def test_a_truncated_hidden_state_file_is_one_line_naming_it(capsys, work, kimi_target, tmp_path):

@@ -19,7 +19,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from .errors import ContractError
+from .errors import ContractError, StageError
 from .files import atomic_write_json, sha256_json
 from .manifest import MANIFEST_NAME, STAGES, Manifest, parse_manifest
 
@@ -74,6 +74,8 @@ def write_manifest(directory: Path, manifest: Manifest, fresh: bool = True) -> M
     manifest = type(manifest).model_validate({**manifest.model_dump(), **update})  # re-checked: assignment is not
     manifest.content_sha256 = content_sha256(manifest)
     path = manifest_path(directory)
+    if fresh and (nothing := manifest.did_nothing()):  # never "complete" for a run that did nothing, on any path
+        raise StageError(f"{path}: not written as complete: the run did no work ({nothing})")
     atomic_write_json(path, manifest.model_dump(mode="json", exclude_none=True))
     manifest._path = path
     return manifest

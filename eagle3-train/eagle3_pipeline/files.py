@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from . import machine
-from .errors import StageError
+from .errors import PathError, StageError
 
 # Local imports: safetensors.torch, numpy: imported by the writers that need them (this module stays
 # torch-free: run_all's python may have no torch).
@@ -65,33 +65,55 @@ def _free_bytes(where: Path) -> int:
 
 
 @contextlib.contextmanager
+def path_operation(operation: str, path: Path | None = None) -> Iterator[None]:
+    """An OSError inside is `PathError` (one line: the path, `operation`, the system's reason), e.g.
+    `with path_operation("creating the directory"): d.mkdir()`. `path`: the one to name (default: the error's)."""
+    try:
+        yield
+    except OSError as exc:
+        raise PathError.of(exc, operation, path) from None
+
+
+@contextlib.contextmanager
 def atomic_path(final: Path) -> Iterator[Path]:
     """Yield a temp path to write; on success rename it to `final` (file or directory).
-    A full disk while writing is `DiskFull` (one line), never a library traceback."""
+    A full disk while writing is `DiskFull` (one line), never a library traceback; so is any other OSError
+    on the temp or `final` (`PathError`: a read-only or immutable path, a name too long): the old `final`
+    is then kept as it was."""
     final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
+    with path_operation("creating the directory"):
+        final.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path_for(final)
     remove_path(tmp)
     try:
         try:
             yield tmp
-            _fsync_path(tmp)
+            with path_operation(f"writing it (as its temp file {tmp.name})", final):
+                _fsync_path(tmp)
         except DiskFull:
             raise
         except Exception as exc:
             if is_disk_full(exc):
                 remove_path(tmp)  # give the space back before reporting it
                 raise DiskFull(final, final.parent) from None
+            if isinstance(exc, OSError) and str(exc.filename or "").startswith(str(tmp)):  # the temp, not an input
+                raise PathError.of(exc, f"writing it (as its temp file {tmp.name})", final) from None
             raise
         if final.is_dir() and not final.is_symlink():
             # os.replace cannot replace a non-empty directory: move the old one
             # aside first so the swap is still a pair of renames, never a copy.
             old = final.with_name(f".{final.name}.old{TEMP_MARKER}{os.getpid()}")
-            os.replace(final, old)
-            os.replace(tmp, final)
+            with path_operation(f"moving the old one aside (renaming it to {old.name})", final):
+                os.replace(final, old)
+            try:
+                os.replace(tmp, final)
+            except OSError as exc:
+                os.replace(old, final)  # the old one back: never neither
+                raise PathError.of(exc, f"renaming the new one ({tmp.name}) into place", final) from None
             remove_path(old)
         else:
-            os.replace(tmp, final)
+            with path_operation(f"renaming the new one ({tmp.name}) into place", final):
+                os.replace(tmp, final)
     finally:
         remove_path(tmp)
 
@@ -105,7 +127,8 @@ def _fsync_path(path: Path) -> None:
 def remove_path(path: Path) -> None:
     path = Path(path)
     if path.is_symlink() or path.is_file():
-        path.unlink(missing_ok=True)
+        with path_operation("deleting it"):
+            path.unlink(missing_ok=True)
     elif path.is_dir():
         shutil.rmtree(path, ignore_errors=True)
 
@@ -127,6 +150,7 @@ def atomic_save_safetensors(tensors: dict, final: Path, metadata: dict | None = 
     from safetensors.torch import save_file
 
     with atomic_path(final) as tmp:
+        tmp.touch()  # a file that cannot be created is an OSError naming it (safetensors' own error is not one)
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
 
 
@@ -182,8 +206,10 @@ def hold_lock(lock_file: Path, exclusive: bool = True) -> int:
     key = str(lock_file.resolve())
     if key in _held_locks:
         return _held_locks[key]
-    lock_file.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+    with path_operation("creating the directory"):
+        lock_file.parent.mkdir(parents=True, exist_ok=True)
+    with path_operation("creating the lock file", lock_file):
+        fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -77,6 +77,10 @@ class Manifest(_Strict):
         """What downstream stages depend on; None while the stage has not finished its outputs."""
         return None
 
+    def did_nothing(self) -> str | None:
+        """Why this manifest must not say complete (its run did no work), or None; contract.write_manifest asks."""
+        return None
+
     def content_dict(self) -> dict:
         content = self.content()
         return {} if content is None else content.model_dump(mode="json", exclude_none=True)
@@ -221,6 +225,7 @@ class TrainManifest(Manifest):
     compat_applied: list[str] | None = None
     hidden_states: dict[str, Any] | None = None
     bad_samples: dict[str, Any] | None = None
+    trained: dict[str, int] | None = None  # {"optimizer_steps", "samples"}: compat/samples_record.trained
     slicing: dict[str, Any] | None = None  # slices.run_identity
     slices_trained: list[dict[str, Any]] | None = None
 
@@ -228,6 +233,12 @@ class TrainManifest(Manifest):
         if self.best_checkpoint is None or self.epochs is None:
             return None
         return TrainContent(best_checkpoint=self.best_checkpoint, epochs=self.epochs)
+
+    def did_nothing(self) -> str | None:
+        steps, samples = ((self.trained or {}).get(k, 0) for k in ("optimizer_steps", "samples"))
+        if self.complete and not (steps and samples):
+            return f"{steps} optimizer step(s) on {samples} trained sample(s)"
+        return None
 
 
 # --- 05 export --------------------------------------------------------------------------------------------

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .contract import manifest_path
-from .errors import ConfigError, ContractError, StageError
-from .files import LOCK_NAME, LockedError, hold_lock, release_locks, sha256_file, sha256_json
+from .errors import ConfigError, ContractError, StageError, path_error_from
+from .files import LOCK_NAME, LockedError, hold_lock, release_locks, remove_path, sha256_file, sha256_json
 from .manifest import STAGES, Manifest, parse_manifest
 
 log = logging.getLogger("eagle3")
@@ -38,7 +38,9 @@ class OutputBusy(StageError):
 
 
 def stage_main(func: Callable[[list[str] | None], int | None]) -> Callable[[list[str] | None], int]:
-    """Run a stage; StageErrors become one line on stderr and the error's exit code."""
+    """Run a stage; StageErrors become one line on stderr and the error's exit code. So does an OSError on a
+    path (writing, renaming, creating or deleting an output; reading an input), wherever it was raised:
+    files.py's helpers name the operation themselves, `path_error_from` names the rest's."""
 
     @functools.wraps(func)
     def wrapper(argv: list[str] | None = None) -> int:
@@ -48,6 +50,12 @@ def stage_main(func: Callable[[list[str] | None], int | None]) -> Callable[[list
         except StageError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return exc.exit_code
+        except OSError as exc:
+            error = path_error_from(exc)
+            if error is None:
+                raise
+            print(f"error: {error}", file=sys.stderr)
+            return error.exit_code
         except KeyboardInterrupt:
             print("interrupted: finished files are kept; rerun the same command to continue", file=sys.stderr)
             return 130
@@ -174,7 +182,7 @@ def refuse_unowned(out_dir: Path, stage: str) -> None:
 
 def retire_manifest(out_dir: Path) -> None:
     """Call right before a stage's first output write: from here on out_dir is unfinished."""
-    manifest_path(out_dir).unlink(missing_ok=True)
+    remove_path(manifest_path(out_dir))
 
 
 def config_fingerprint(cfg, ignore: tuple[str, ...] = ()) -> str:

@@ -23,6 +23,7 @@ from .compat import flex_forward_config, val_depth
 from .compat import sample_check as checks
 from .compat.flex_forward_config import traced_calls_summary
 from .compat.sample_check import read_records, stop_line
+from .compat.samples_record import trained as trained_counts
 from .config.resolution import Sources
 from .config.schema import SCRIPTS_DIR, DraftConfig, TrainConfig, load_draft_config, speculators_pass_through
 from .contract import read_manifest, require_equal, require_upstream
@@ -250,7 +251,8 @@ def launch_command(cfg: TrainConfig, argv: list[str]) -> list[str] | None:
         if host:
             cmd += ["--master_addr", host, "--master_port", port]
         return cmd + ["--no_local_rank", "--module", "eagle3_pipeline.train_entry", *argv]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cfg.nproc), "--nnodes", str(cfg.nnodes)]
+    # torchrun less its traceback when a rank stops (eagle3_pipeline/torchrun.py: stage 04 prints the one line)
+    cmd = [sys.executable, "-m", "eagle3_pipeline.torchrun", "--nproc-per-node", str(cfg.nproc), "--nnodes", str(cfg.nnodes)]
     if cfg.nnodes > 1:
         cmd += ["--node-rank", str(cfg.node_rank), "--master-addr", host, "--master-port", port]
     else:
@@ -279,6 +281,7 @@ def export_compat_settings(cfg: TrainConfig, sample_check: dict | None = None, d
         os.environ.pop(checks.ENV, None)
     else:
         os.environ[checks.ENV] = json.dumps({**sample_check, "on_bad": cfg.on_bad_sample,
+                                             "max_bad_fraction": cfg.max_bad_fraction, "data": cfg.data,
                                              "record": str(Path(cfg.output).resolve() / checks.RECORD_NAME)})
     if cfg.hidden_states == "files":
         os.environ.pop(online.MODE_ENV, None)
@@ -336,6 +339,8 @@ def bad_sample_error(problem: str, save: Path):
                    if progress else "the start (no checkpoint was saved yet)")
     if problem.startswith("non-finite training loss"):
         return InputError(f"{problem}; check those rows and the learning rate (a rerun resumes from {resume_from})")
+    if checks.too_many_bad(problem):
+        return InputError(f"{problem}; training stopped (a rerun resumes from {resume_from}): {left_out_remedy(problem)} in {save}")
     return InputError(f"{problem}; training stopped before it (a rerun resumes from {resume_from}): redo the file with "
                       f"02_extract_hidden_states.py --validate, or pass --on-bad-sample skip to leave such samples out")
 
@@ -349,16 +354,41 @@ def stopped_on(out_dir: Path) -> str | None:
     return f"{last['file']}: {last['reason']}" if last.get("file") else last["reason"]
 
 
+def left_out_remedy(problem: str) -> str:
+    raise_it = "" if checks.NONE_LEFT in problem else ", or raise --max-bad-fraction"
+    return f"redo those files with 02_extract_hidden_states.py --validate{raise_it}; they are listed in {checks.RECORD_NAME}"
+
+
 def skipped_samples(out_dir: Path) -> dict:
-    """--on-bad-sample skip: the samples left out (each once, however many epochs read it)."""
+    """--on-bad-sample skip: the samples left out (each once, however many epochs or ranks read it)."""
     skipped: dict[str, str] = {}
     for entry in read_records(out_dir):
         if entry.get("action") == "skip":
-            skipped.setdefault(str(entry.get("file")), entry.get("reason"))
+            skipped.setdefault(checks.sample_key(entry), entry.get("reason"))
     if skipped:
         log.warning("%d sample(s) left out (--on-bad-sample skip), listed in the manifest's bad_samples; first: %s: %s",
                     len(skipped), *next(iter(skipped.items())))
     return {"count": len(skipped), "files": skipped}
+
+
+def require_trained(cfg: TrainConfig, rows: int, out_dir: Path) -> dict[str, int]:
+    """After training, before the report: what the run trained on ({"optimizer_steps", "samples"}, the manifest's
+    `trained`), refused in one line when --on-bad-sample skip left out more than --max-bad-fraction of the `rows`
+    samples (the loader stops the run as soon as it does; this also holds for a run resumed with a lower limit)
+    or when no step trained on any sample."""
+    done = trained_counts(out_dir)
+    settings = {"samples": rows, "max_bad_fraction": cfg.max_bad_fraction, "data": cfg.data,
+                "record": str(Path(out_dir) / checks.RECORD_NAME)}
+    if cfg.on_bad_sample == "skip" and (problem := checks.left_out_problem(settings)):
+        raise InputError(f"{problem}; the manifest does not say complete (stage 05 exports none of these checkpoints): "
+                         f"{left_out_remedy(problem)} in {out_dir}")
+    if not done["optimizer_steps"] or not done["samples"]:
+        left_out = skipped_samples(out_dir)["count"]
+        why = f" ({left_out} sample(s) left out by --on-bad-sample skip)" if left_out else ""
+        raise InputError(f"{out_dir}: training ran {done['optimizer_steps']} optimizer step(s) on {done['samples']} "
+                         f"sample(s){why}: nothing was trained, so the manifest does not say complete (stage 05 "
+                         f"exports none of these checkpoints); check --data ({cfg.data}) and {out_dir / checks.RECORD_NAME}")
+    return done
 
 
 def endpoint_down_error(problem: str, save: Path):

@@ -13,13 +13,15 @@ installed (stage 04 logs them and records them in its manifest, via metrics.json
   interrupt_progress   Trainer.train_epoch / maybe_save_checkpoint record where a SIGTERM save
                        stopped, so it resumes (gate: speculators 0.9.0)
   samples_record       Trainer.train_epoch also appends, per rank and step, the train rows that step
-                       trained on to <save>/logs/samples/rank-<R>.jsonl (gate: speculators 0.9.0)
+                       trained on and how many the loader left out to <save>/logs/samples/rank-<R>.jsonl
+                       (stage 04's manifest `trained` counts them; gate: speculators 0.9.0)
   metrics_jsonl        speculators' metric logger setup also attaches stage 04's metrics.jsonl
                        (always; raises if speculators' setup function is gone)
   device_prefetch      the training loader copies the next batch to the GPU on a side stream
                        (gate: CUDA)
   sample_check         every sample is checked as the loader reads it (shape, storage, finite, token ids);
-                       a bad one stops training with one line, or is skipped and listed (gate: stage 04)
+                       a bad one stops training with one line, or is skipped and listed, up to
+                       --max-bad-fraction of the samples (gate: stage 04)
   finite_loss          a non-finite loss stops training before its optimizer step (gate: stage 04)
   val_depth            validation unrolls --val-ttt-steps TTT steps (the served k), deeper than training's
                        (gate: stage 04 asked for more steps than it trains; speculators 0.9.0)

@@ -29,9 +29,13 @@ explicit choice for damaged data, where loader time is not the concern. Validati
 
 A bad sample stops training with one line naming the file and the reason (stage 04 prints it), or,
 with `--on-bad-sample skip`, is left out of its batch, and listed (`bad_samples.jsonl`, then stage
-04's manifest). Settings come from the environment (`ENV`, JSON written by stage 04), which every
-rank and loader worker inherits. Gate: `ENV` set and not switched off with `OFF_ENV=off` (only the
-throughput bench does that, to measure the check's cost); speculators 0.9.0 (else it raises).
+04's manifest). Skipping has a limit, as stage 01's `--on-bad-row skip` has: once more than
+`--max-bad-fraction` of the run's samples are left out, or all of them, the worker that left out the
+last one stops training with one line (`left_out_problem`: every rank's and worker's lines in
+`bad_samples.jsonl` count, each sample once). Settings come from the environment (`ENV`, JSON
+written by stage 04), which every rank and loader worker inherits. Gate: `ENV` set and not switched
+off with `OFF_ENV=off` (only the throughput bench does that, to measure the check's cost);
+speculators 0.9.0 (else it raises).
 """
 
 from __future__ import annotations
@@ -50,7 +54,10 @@ ENV = "EAGLE3_SAMPLE_CHECK"
 OFF_ENV = "EAGLE3_INPUT_CHECKS"  # "off": no loader check, no loss check (bench/train_throughput.py --loader-check)
 BAD_SAMPLE_TAG = "[eagle3 bad sample] "
 RECORD_NAME = "bad_samples.jsonl"  # in stage 04's --output (listed in its manifest)
+TOO_MANY_BAD = "> --max-bad-fraction"  # in the line of a run stopped for leaving out too many samples
+NONE_LEFT = "none is left to train on"  # ... or all of them
 _applied = False
+_left_out: dict[str, tuple[int, int, dict]] = {}  # record path -> (inode, bytes read, {sample: (file, reason)})
 
 
 class BadSample(RuntimeError):
@@ -160,6 +167,61 @@ def record(path: str | None, entry: dict) -> None:
             handle.write(json.dumps(entry, default=int) + "\n")
 
 
+def sample_key(entry: dict) -> str:
+    """The sample a record is about, however many epochs or ranks read it: stage 02's file (a sliced run's
+    view links resolved) or, for generated samples, the row."""
+    return str(entry.get("sample") or entry.get("file"))
+
+
+def left_out_samples(record_path: str | Path) -> dict[str, tuple[str, str]]:
+    """{sample: (file, reason)} of every sample left out so far, by any rank or worker. Each call reads
+    only the lines added since this process's last call (a run that skips many samples reads its
+    record once, not once per skip); a line still being written is read next time."""
+    path = str(record_path)
+    inode, offset, found = _left_out.get(path, (None, 0, {}))
+    try:
+        with open(path, "rb") as handle:
+            stat = os.fstat(handle.fileno())
+            if stat.st_ino != inode or stat.st_size < offset:  # another record (--overwrite): read it anew
+                inode, offset, found = stat.st_ino, 0, {}
+            handle.seek(offset)
+            data = handle.read()
+    except FileNotFoundError:
+        return {}
+    end = data.rfind(b"\n") + 1
+    for line in data[:end].splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue  # a line cut by a kill
+        if entry.get("action") == "skip":
+            found.setdefault(sample_key(entry), (str(entry.get("file")), str(entry.get("reason"))))
+    _left_out[path] = (inode, offset + end, found)
+    return found
+
+
+def left_out_problem(config: dict) -> str | None:
+    """--on-bad-sample skip: the one line that stops training once the samples left out are more than
+    --max-bad-fraction of the run's (`samples`: stage 01's rows, both splits), or are all of them."""
+    total, limit = config.get("samples"), config.get("max_bad_fraction")
+    if not total or limit is None or not config.get("record"):
+        return None
+    found = left_out_samples(config["record"])
+    count = len(found)
+    if not found or (count <= limit * total and count < total):
+        return None
+    first = "; first: {}: {}".format(*next(iter(found.values())))
+    data = config.get("data", "the training data")
+    if count / total <= limit:  # --max-bad-fraction 1 and every sample bad
+        return f"{data}: all {total} samples are bad, {NONE_LEFT}{first}"
+    return f"{data}: {count} of {total} samples are bad ({count / total:.1%} {TOO_MANY_BAD} {limit:.1%}){first}"
+
+
+def too_many_bad(problem: str) -> bool:
+    """Whether a stop line is `left_out_problem`'s (not one bad file's)."""
+    return TOO_MANY_BAD in problem or NONE_LEFT in problem
+
+
 def read_records(out_dir: str | Path) -> list[dict]:
     path = Path(out_dir) / RECORD_NAME
     if not path.is_file():
@@ -217,14 +279,20 @@ class CheckedTransfer:
             return problem
         return finite_problem(sample["hidden_states"], expected["slots"], expected["hidden"])
 
-    def _bad(self, where: str, file_idx: int, problem: str):
+    def _bad(self, where: str, file_idx: int, problem: str, path: Path | None = None):
         from speculators.train.recovery import SampleUnavailable
 
         action = self.config.get("on_bad", "stop")
-        record(self.config.get("record"), {"file": where, "row": file_idx, "reason": problem, "action": action})
-        if action == "skip":
-            return SampleUnavailable(reason=f"{where}: {problem}")
-        raise BadSample(f"{BAD_SAMPLE_TAG}{where}: {problem}")
+        sample = str(path.resolve()) if path is not None and path.is_symlink() else where  # a sliced run's view
+        record(self.config.get("record"), {"file": where, "sample": sample, "row": file_idx, "reason": problem,
+                                           "action": action})
+        if action != "skip":
+            raise BadSample(f"{BAD_SAMPLE_TAG}{where}: {problem}")
+        too_many = left_out_problem(self.config)
+        if too_many:
+            record(self.config.get("record"), {"file": None, "reason": too_many, "action": "stop"})
+            raise BadSample(f"{BAD_SAMPLE_TAG}{too_many}")
+        return SampleUnavailable(reason=f"{where}: {problem}")
 
     def get_cached(self, file_idx: int):
         from hs_connectors import FileTransfer
@@ -240,16 +308,16 @@ class CheckedTransfer:
         try:
             raw = FileTransfer.get_cached(self.inner, file_idx)  # the file as stored (plain load_file)
         except Exception as exc:  # safetensors raises several types for truncated/garbled files
-            return self._bad(str(path), file_idx, f"unreadable safetensors ({str(exc).splitlines()[0][:120]})")
+            return self._bad(str(path), file_idx, f"unreadable safetensors ({str(exc).splitlines()[0][:120]})", path)
         if raw is None:
             return None
         problem = storage_problem(raw, self.config)
         if problem:
-            return self._bad(str(path), file_idx, problem)
+            return self._bad(str(path), file_idx, problem, path)
         dequantize = getattr(self.inner, "_dequantize", None)  # FP8Transfer: scales -> dequantize_dtype
         sample = dequantize(raw) if dequantize else raw
         problem = self._problem(sample, file_idx, None, values=not self.values_on_device)
-        return self._bad(str(path), file_idx, problem) if problem else sample
+        return self._bad(str(path), file_idx, problem, path) if problem else sample
 
     def get_generated(self, hs_transfer_params: dict):
         sample = self.inner.get_generated(hs_transfer_params)
@@ -392,9 +460,12 @@ def generated_bad(reason: str, file_idx: int):
     config = settings() or {}
     problem = reason.split(BAD_SAMPLE_TAG, 1)[1].splitlines()[0]
     action = config.get("on_bad", "stop")
-    record(config.get("record"), {"file": problem.split(": ", 1)[0], "row": file_idx,
+    record(config.get("record"), {"file": problem.split(": ", 1)[0], "sample": f"row {file_idx}", "row": file_idx,
                                   "reason": problem.split(": ", 1)[-1], "action": action})
-    if action == "skip":
+    if action == "skip" and (too_many := left_out_problem(config)):
+        record(config.get("record"), {"file": None, "reason": too_many, "action": "stop"})
+        problem = too_many
+    elif action == "skip":
         return SampleUnavailable(reason=problem)
     return SampleUnavailable(reason=BAD_SAMPLE_TAG + problem, counts_as_failure=True, fatal=True)
 

@@ -3,12 +3,14 @@
 speculators' sampler (`MultipackDistributedBatchSamplerV2`) gives every rank its own share of
 each global batch and drops the last few rows of an epoch when fewer than world-size remain;
 nothing records the split. `Trainer.train_epoch` is wrapped so that after each optimizer step
-the rank appends {"epoch", "local_step", "global_step", "rank", "samples"} to
+the rank appends {"epoch", "local_step", "global_step", "rank", "samples", "left_out"} to
 `<save-path>/logs/samples/rank-<R>.jsonl`: the train-split row indices of the batch that step
 trained on, read from the sampler's own batch list for that epoch (the one its resume skip
-slices). It runs after the step, so a killed rank's file ends at its last finished step; a
-resume redoes the steps after its checkpoint and appends them again, so the record of a step
-is the last line with its (epoch, local_step) (`samples_per_epoch`).
+slices), and how many of them the loader left out of it (`--on-bad-sample skip`: the batch's own
+`error_records`, so `trained` counts what the step really trained on). It runs after the step, so
+a killed rank's file ends at its last finished step; a resume redoes the steps after its checkpoint
+and appends them again, so the record of a step is the last line with its (epoch, local_step)
+(`samples_per_epoch`, `trained`).
 
 Gate: speculators 0.9.0 (the sampler's `_generate_batches` and the trainer's resume fields were
 read from it); elsewhere nothing is recorded and training is unchanged.
@@ -62,22 +64,52 @@ def apply() -> bool:
         path = record_dir(self.checkpointer.path) / f"rank-{rank}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         position = {"local_step": skipped}
+        loader = self.train_loader
+        counter = self.train_loader = _LeftOutCounter(loader)  # for this epoch's loop; every attribute is the loader's
 
         def recorded():
             position["local_step"] += 1
             step = position["local_step"]
             entry = {"epoch": epoch, "local_step": step, "global_step": self.global_step - 1, "rank": rank,  # as in metrics.jsonl
-                     "samples": batches[step - 1] if step <= len(batches) else None}
+                     "samples": batches[step - 1] if step <= len(batches) else None,
+                     "left_out": counter.last_left_out}
             with open(path, "a") as handle:  # one short line per step; flushed at close
                 handle.write(json.dumps(entry) + "\n")
             if step_callback is not None:
                 step_callback()
 
-        return original_train_epoch(self, epoch, step_callback=recorded)
+        try:
+            return original_train_epoch(self, epoch, step_callback=recorded)
+        finally:
+            self.train_loader = loader
 
     cls.train_epoch = train_epoch
     cls._eagle3_samples_record = True
     return True
+
+
+class _LeftOutCounter:
+    """The training loader as the epoch's loop sees it, noting each batch's `error_records` (the samples
+    speculators' collate left out of it: unavailable or skipped) as the loop takes the batch: the step
+    callback, which runs after that batch's optimizer step, reads it (an int in the batch: no device sync)."""
+
+    def __init__(self, loader):
+        self.loader = loader
+        self.last_left_out = 0
+
+    def __getattr__(self, name: str):
+        if name == "loader":
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        for batch in self.loader:
+            left_out = batch.get("error_records", 0) if isinstance(batch, dict) else 0
+            self.last_left_out = int(left_out.item() if hasattr(left_out, "item") else left_out)
+            yield batch
 
 
 def read_records(save_path: str | Path) -> list[dict]:
@@ -103,6 +135,18 @@ def samples_per_epoch(save_path: str | Path) -> dict[int, list[int]]:
     for (epoch, _step, _rank), samples in sorted(last.items()):
         epochs[epoch].extend(samples)
     return dict(epochs)
+
+
+def trained(save_path: str | Path) -> dict[str, int]:
+    """{"optimizer_steps", "samples"}: the run's optimizer steps, and the samples its steps trained on (a
+    sample once per epoch that trained on it, over all ranks; those the loader left out not counted), each
+    step counted once (its last record: a resume redoes the steps after its checkpoint)."""
+    last: dict[tuple[int, int, int], dict] = {}
+    for entry in read_records(save_path):
+        last[(entry["epoch"], entry["local_step"], entry["rank"])] = entry
+    steps = {(epoch, step) for epoch, step, _rank in last}
+    samples = sum(max(0, len(entry.get("samples") or ()) - int(entry.get("left_out") or 0)) for entry in last.values())
+    return {"optimizer_steps": len(steps), "samples": samples}
 
 
 def world_size_of(save_path: str | Path) -> int:

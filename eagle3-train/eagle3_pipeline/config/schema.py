@@ -246,11 +246,15 @@ class TrainConfig(StageConfig):
         "no card this machine can read", identity=False)
     vllm_retries: int = _field(3, "online/hybrid: HTTP retries per vLLM request (exponential backoff 2, 4, 8 s; "
                                   "speculators --max-retries); a server that still does not answer stops training", ge=0, identity=False)
-    # not identity: how a bad input is handled; the samples skipped are listed in the manifest
+    # on_bad_sample, max_bad_fraction, not identity: how a bad input is handled (they change whether training
+    # goes on, not what a step trains on); the samples skipped are listed in the manifest
     on_bad_sample: Literal["stop", "skip"] = _field(
         "stop", "a sample whose hidden states are unreadable, misshapen, stored in another dtype, non-finite, constant "
         "in a layer slot, or not its row's tokens (checked as the loader reads it): 'stop' = stop training with one "
-        "line naming the file; 'skip' = leave it out, count it and list it in the manifest (bad_samples)", identity=False)
+        "line naming the file; 'skip' = leave it out, count it, list it in the manifest (bad_samples), and stop "
+        "only above --max-bad-fraction", identity=False)
+    max_bad_fraction: float = _field(0.01, "with --on-bad-sample skip: stop if more than this fraction of the samples "
+                                           "are left out (or all of them)", ge=0, le=1, identity=False)
     vllm_request_timeout: float = _field(120.0, "online/hybrid: seconds per vLLM request (speculators --request-timeout)", gt=0, identity=False)
     draft_config: str = _field(str(DEFAULT_DRAFT_CONFIG), "draft architecture file", identity=False)
     epochs: int = _field(10, "training epochs", ge=1, identity=True, speculators="--epochs")
