@@ -28,7 +28,7 @@ STAGES = ["01", "02", "03", "04", "05"]
 
 STUB = textwrap.dedent(r'''
     #!{python}
-    """Stand-in for `python -u eagle3-train/0N_*.py ARGS`: FAKE_0N=ok|fail|incomplete|sleep:S|hang.
+    """Stand-in for `python -u eagle3-train/0N_*.py ARGS`: FAKE_0N=ok|fail|incomplete|sleep:S|until:PATH|hang.
     With ok, a complete manifest already there makes it a no-op, as a finished real stage is."""
     import json, os, signal, sys, time
     from pathlib import Path
@@ -64,6 +64,10 @@ STUB = textwrap.dedent(r'''
         sys.exit(4)
     if mode.startswith("sleep:"):
         time.sleep(float(mode.split(":")[1]))
+    if mode.startswith("until:"):  # runs until the test lets it finish (no race with a loaded machine's clock)
+        deadline = time.monotonic() + 120
+        while not Path(mode.split(":", 1)[1]).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
     if mode == "hang":
         while True:
             time.sleep(0.1)
@@ -235,15 +239,17 @@ def test_sighup_from_a_dropped_ssh_session_does_not_stop_the_run(tmp_path, stub)
 
 def test_restart_while_a_killed_drivers_stage_still_runs_is_refused_then_continues(tmp_path, stub):
     work = tmp_path / "w"
-    proc = driver(work, stub, env={"FAKE_02": "sleep:2"}, wait=False)
+    go = tmp_path / "let-02-finish"
+    proc = driver(work, stub, env={"FAKE_02": f"until:{go}"}, wait=False)
     wait_for(lambda: "02" in started(work), what="stage 02")
     os.kill(proc.pid, signal.SIGKILL)  # the driver only: its stage keeps running in its own group
     proc.wait(timeout=10)
-    refused = driver(work, stub)
+    refused = driver(work, stub, env={"FAKE_02": "ok"})
     assert refused.returncode == 75
     assert "still running" in refused.stderr and "02" in refused.stderr
     status = subprocess.run(["bash", str(RUN_ALL), "--status", "--work", str(work)], capture_output=True, text=True)
     assert "running: stage 02" in status.stdout
+    go.touch()
     wait_for(lambda: (work / "data" / "hidden_states" / "manifest.json").exists(), what="stage 02 to finish alone")
     wait_for(lambda: driver(work, stub).returncode == 0, timeout=30, what="the lock to be released")
     # 02 did its work once, to the end, although its driver was killed; the new driver found it finished.
