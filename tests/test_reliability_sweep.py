@@ -32,6 +32,9 @@ pytestmark = pytest.mark.reliability
 
 HS = "data/hidden_states"
 ONE_STATE = f"{HS}/hs_3.safetensors"  # one training row's hidden states
+# what stage 01 writes in data/ (not hidden_states/ beside it: 02's)
+PREPARED = tuple(f"data/{name}" for name in ("data-00000-of-00001.arrow", "dataset_info.json", "state.json",
+                                             "token_freq.pt", "manifest.json"))
 
 
 # --- the run and what it did ------------------------------------------------------------------------------
@@ -226,7 +229,7 @@ CASES = {
     # stands for is gone. Either outcome that tells the truth passes; strict, so a fix makes these fail until unmarked.
     "01's dataset file deleted, then 01": Case(
         "prepare", change=delete("data/data-00000-of-00001.arrow"), expect=("refused", "redone"),
-        redoes=("data",), names=("data-00000-of-00001.arrow",)),
+        redoes=PREPARED, names=("data-00000-of-00001.arrow",)),
     "03's d2t.npy deleted, then 03": Case(
         "vocab", change=delete("vocab/d2t.npy"), expect=("refused", "redone"), redoes=("vocab",),
         names=("d2t.npy",)),
