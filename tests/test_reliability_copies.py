@@ -3,13 +3,13 @@ run's training as this one's, and never prints or reads a path that a copy carri
 
 On private copies of the session's finished Kimi-miniature run (conftest.kimi_run: five stages, the profile's 2
 epochs, unsliced; a copy is cheap). The sliced-run counterparts (a kept slice record cut short) are in
-tests/test_slices.py, on its finished sliced run.
+tests/test_slices.py, on its finished sliced run; the sweep of one change at a time (--slice-rows over this unsliced
+run among them) in tests/test_reliability_sweep.py.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import subprocess
@@ -39,30 +39,6 @@ def run_all(work: Path, target: Path, *extra: str, args_04: str = "--logger=") -
            str(SAMPLES / "conversations.jsonl"), "--work", str(work), "--python", sys.executable, "--args-04", args_04,
            *extra]
     return subprocess.run(cmd, capture_output=True, text=True, env=ENV, cwd=REPO, timeout=600)
-
-
-def files(root: Path) -> dict[str, bytes]:
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def test_slice_rows_over_a_finished_unsliced_run_is_refused_and_deletes_nothing(kimi_run, kimi_target, tmp_path):
-    """Before: every slice position counted as trained (the unsliced run's epoch checkpoints), so neither 02 nor 04
-    ran, every hidden-state file was deleted and the run ended "all five stages finished", exit 0."""
-    work = copy_run(kimi_run, tmp_path / "work")
-    prepared = json.loads((work / "data" / "manifest.json").read_text())
-    val_start = int(prepared["counts"]["rows"] * prepared["train_data_ratio"])
-    slice_rows = math.ceil(val_start / 2)  # 2 slices x 1 epoch: no more positions than the run's 2 epoch checkpoints
-    hs_before, ckpt_before = files(work / "data" / "hidden_states"), files(work / "checkpoints")
-    result = run_all(work, kimi_target, "--slice-rows", str(slice_rows), args_04="--epochs 1 --logger=")
-    assert result.returncode != 0, result.stdout[-3000:]
-    error = result.stderr.strip().splitlines()
-    assert len(error) == 1, error
-    assert error[0].startswith(f"run_all.sh: sliced run refused: {work / 'checkpoints' / 'manifest.json'}: holds a "
-                               f"finished unsliced training run"), error
-    assert "fresh --work" in error[0]
-    assert "all five stages finished" not in result.stdout
-    assert files(work / "data" / "hidden_states") == hs_before  # no state deleted, 02's manifest as it was
-    assert files(work / "checkpoints") == ckpt_before
 
 
 def test_a_moved_work_dir_exports_from_its_own_vocab_and_serves_its_own_draft(kimi_run, kimi_target, tmp_path):

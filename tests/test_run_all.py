@@ -267,9 +267,10 @@ def test_from_reruns_finished_stages_and_print_config_asks_every_stage(tmp_path,
         "## 01_prepare", "## 02_extract", "## 03_vocab", "## 04_train", "## 05_export"]
     assert printed.stdout.count("(profile cpu-mini)") == 5
     status = subprocess.run(["bash", str(RUN_ALL), "--status", "--work", str(work)], capture_output=True, text=True)
-    # --status asks the stages' own rule (eagle3_pipeline.status): the stubs' manifests record no inputs, so no
-    # stage counts as finished there (tests/test_reliability_trust_bytes.py checks "finished" on real stages)
-    assert [line.split()[2] for line in status.stdout.splitlines()] == ["started,"] * 5
+    # --status asks the stages' own rule (eagle3_pipeline.status): the stubs' manifests are no stage's of this
+    # pipeline (stage "01"), which a real stage refuses, so none counts as finished or resumable there
+    # (tests/test_reliability_trust_bytes.py checks "finished" on real stages)
+    assert [line.split()[2:4] for line in status.stdout.splitlines()] == [["manifest", "unreadable"]] * 5
 
 
 def test_eval_runs_stage_06_after_05_on_the_default_or_given_prompts(tmp_path, stub):

@@ -123,8 +123,9 @@ def read_own_manifest(out_dir: Path) -> Manifest | None:
     path = manifest_path(out_dir)
     if not path.is_file():
         return None
-    return parse_manifest(path, hint="move it away (the files beside it are then treated as unfinished work) "
-                                     "or choose another --output")
+    # Not "move the manifest away": 01 and 04 then refuse the files it described as not theirs (refuse_unowned).
+    return parse_manifest(path, hint=f"without it nothing says what {out_dir} holds: move {out_dir} away, then rerun "
+                                     f"to make it anew")
 
 
 def finished(out_dir: Path, stage: str, identity: dict, overwrite: bool = False, check: bool = False,

@@ -6,8 +6,10 @@ A stage is `finished` only as `stage.finished` would find it without its flags: 
 complete, the upstream outputs it recorded (identity.inputs: their `content_sha256`) are the ones
 on disk now, every upstream stage is itself finished, and its stage-specific condition holds
 (02: every row's file present with the size and fingerprint it recorded; 04: the recorded best
-checkpoint whole). What status cannot know without the flags is a changed setting: the stage
-itself says so when run (a finished stage is a no-op there, a stale one names the field).
+checkpoint whole). A manifest that cannot be read is `manifest unreadable`: the stage refuses it
+when run, naming the problem (it is no run to resume). What status cannot know without the flags
+is a changed setting: the stage itself says so when run (a finished stage is a no-op there, a stale
+one names the field).
 """
 
 from __future__ import annotations
@@ -66,7 +68,10 @@ def stage_states(work: Path) -> dict[str, dict]:
             state = "started, no output yet" if log.is_file() else "not started"
             states[stage] = {"num": num, "state": state, "log": str(log)}
             continue
-        if isinstance(manifest, str) or not manifest.complete:  # a string: unreadable, or of another schema
+        if isinstance(manifest, str):  # unreadable, or of another schema: the stage refuses it (never resumes it)
+            states[stage] = {"num": num, "state": "manifest unreadable", "log": str(log)}
+            continue
+        if not manifest.complete:
             states[stage] = {"num": num, "state": "started, not finished", "log": str(log)}
             continue
         contents[stage] = manifest.content_sha256  # what downstream stages recorded of it
