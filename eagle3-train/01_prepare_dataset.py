@@ -23,7 +23,14 @@ from eagle3_pipeline.errors import InputError
 from eagle3_pipeline.files import check_writable_dir, remove_stale_temps
 from eagle3_pipeline.manifest import PrepareCounts, PrepareManifest
 from eagle3_pipeline.preflight import hidden_states_estimate_line, preflight_prepare
-from eagle3_pipeline.prepared import REJECTED_NAME, order_rows, split_conversations, train_data_ratio, write_prepared
+from eagle3_pipeline.prepared import (
+    REJECTED_NAME,
+    order_rows,
+    prepared_outputs,
+    split_conversations,
+    train_data_ratio,
+    write_prepared,
+)
 from eagle3_pipeline.stage import (
     config_fingerprint,
     data_identity,
@@ -55,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                                     "tokenizer": target.tokenizer_sha256},
                               end_of_turn_ids=sorted(chat.stop_ids))  # where each trained turn ends
     refuse_unowned(out_dir, "prepare")  # a user's own save_to_disk dataset there is never replaced
-    if finished(out_dir, "prepare", identity, cfg.overwrite, cfg.check):
+    if finished(out_dir, "prepare", identity, cfg.overwrite, cfg.check, outputs=prepared_outputs(out_dir)):
         log.info("%s: already prepared with these settings; nothing to do", out_dir)
         return 0
     for line in preflight_prepare(cfg.data, cfg.max_samples, cfg.max_seq_len, target, out_dir):

@@ -29,6 +29,9 @@ from eagle3_pipeline.vocab import (
     resolve_draft_vocab_size,
 )
 
+COVERAGE_NAME = "coverage.json"
+OUTPUTS = (D2T_NAME, T2D_NAME, COVERAGE_NAME)  # what this stage writes (a finished run missing one is redone)
+
 
 @stage_main
 def main(argv: list[str] | None = None) -> int:
@@ -45,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     fingerprint = config_fingerprint(cfg.model_copy(update={"draft_vocab_size": draft_vocab}), ignore=("output",))
     identity = stage_identity(cfg, {"prepare": prepared.content_sha256}, draft_vocab_size=draft_vocab)
     check_writable_dir(out_dir, "--output")
-    if finished(out_dir, "vocab", identity, cfg.overwrite, cfg.check):
+    if finished(out_dir, "vocab", identity, cfg.overwrite, cfg.check, outputs=OUTPUTS):
         log.info("%s: vocab mapping already built from these inputs; nothing to do", out_dir)
         return 0
     for line in preflight_vocab(target_vocab, draft_vocab, out_dir):
@@ -70,10 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     retire_manifest(out_dir)  # an old result (--overwrite) stops being finished only now
     atomic_numpy_save(d2t, out_dir / D2T_NAME)
     atomic_numpy_save(t2d, out_dir / T2D_NAME)
-    atomic_write_json(out_dir / "coverage.json", report)
+    atomic_write_json(out_dir / COVERAGE_NAME, report)
     write_manifest(out_dir, VocabManifest(
         config=cfg.model_dump(), config_sha256=fingerprint, inputs=inputs, identity=identity,
-        outputs=[D2T_NAME, T2D_NAME, "coverage.json"], target=prepared.target, draft_vocab_size=draft_vocab,
+        outputs=list(OUTPUTS), target=prepared.target, draft_vocab_size=draft_vocab,
         target_vocab_size=target_vocab, shapes={"d2t": list(d2t.shape), "t2d": list(t2d.shape)},
         coverage=VocabCoverage(**{k: v for k, v in report.items() if k not in ("draft_vocab_size", "target_vocab_size")}),
     ))

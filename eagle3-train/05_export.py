@@ -17,6 +17,7 @@ from eagle3_pipeline.config import DraftConfig, ExportConfig, resolve_stage_conf
 from eagle3_pipeline.contract import input_record, manifest_path, read_manifest, read_recorded_input, write_manifest
 from eagle3_pipeline.errors import ConfigError
 from eagle3_pipeline.export import (
+    DRAFT_FILES,
     choose_checkpoint,
     require_finite_weights,
     require_unchanged,
@@ -55,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     check_writable_dir(out_dir.parent, "--output")
     refuse_foreign_output(out_dir)
     # The export replaces out_dir as a whole (a rename), so its lock lives beside it.
-    if finished(out_dir, "export", identity, cfg.overwrite, cfg.check, lock_file=lock_file_for(out_dir)):
+    if finished(out_dir, "export", identity, cfg.overwrite, cfg.check, lock_file=lock_file_for(out_dir),
+                outputs=DRAFT_FILES):
         log.info("%s: already exported from this checkpoint; nothing to do", out_dir)
         print(serve_command(target["path"], out_dir, num_tokens, cfg.tensor_parallel_size, target["is_multimodal_wrapper"]))
         return 0

@@ -26,6 +26,7 @@ from eagle3_pipeline.errors import ContractError, DraftRejected, PreflightError
 from eagle3_pipeline.eval_prompts import render_prompts
 from eagle3_pipeline.eval_report import REPORT_JSON, REPORT_PNG, REPORT_TEXT, build_report, format_report, write_plot
 from eagle3_pipeline.evaluate import VllmSettings, measure_acceptance
+from eagle3_pipeline.export import DRAFT_FILES
 from eagle3_pipeline.files import (
     atomic_write_json,
     atomic_write_text,
@@ -51,7 +52,6 @@ from eagle3_pipeline.verdict import check_d2t, check_layer_ids, check_method, ch
 from eagle3_pipeline.vocab import D2T_NAME
 
 METHOD = "eagle3"  # what vLLM is asked to serve the draft as (the method check compares the draft's config with it)
-DRAFT_FILES = ("config.json", "model.safetensors")
 
 
 @stage_main
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         num_speculative_tokens=k, tensor_parallel_size=tensor_parallel, chat_template_kwargs=template_kwargs)
     check_writable_dir(out_dir, "--output")
     refuse_unowned(out_dir, "evaluate")
-    if finished(out_dir, "evaluate", identity, cfg.overwrite, cfg.check):
+    if finished(out_dir, "evaluate", identity, cfg.overwrite, cfg.check, outputs=(REPORT_JSON, REPORT_TEXT)):
         log.info("%s: already evaluated with these settings and inputs; its report:", out_dir)
         return report_outcome(json.loads((out_dir / REPORT_JSON).read_text()))
     try:

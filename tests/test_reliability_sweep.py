@@ -225,23 +225,16 @@ CASES = {
     "moved (recorded paths gone), then run_all": Case(
         "run_all", change=made_elsewhere_and_gone, expect=("no-op",), evidence=serves_this_copy),
     "logs/ deleted, then --status": Case("status", change=delete_logs, expect=("no-op",), evidence=every_log_missing),
-    # Known defects (issue 40 sweep): the stage says "nothing to do", exit 0, while an output file its manifest
-    # stands for is gone. Either outcome that tells the truth passes; strict, so a fix makes these fail until unmarked.
+    # A file a finished stage wrote, gone: the stage redoes it (stage.finished's `outputs`), never "nothing to do"
     "01's dataset file deleted, then 01": Case(
-        "prepare", change=delete("data/data-00000-of-00001.arrow"), expect=("refused", "redone"),
+        "prepare", change=delete("data/data-00000-of-00001.arrow"), expect=("redone",),
         redoes=PREPARED, names=("data-00000-of-00001.arrow",)),
     "03's d2t.npy deleted, then 03": Case(
-        "vocab", change=delete("vocab/d2t.npy"), expect=("refused", "redone"), redoes=("vocab",),
+        "vocab", change=delete("vocab/d2t.npy"), expect=("redone",), redoes=("vocab",),
         names=("d2t.npy",)),
     "05's model.safetensors deleted, then 05": Case(
-        "export", change=delete("draft/model.safetensors"), expect=("refused", "redone"), redoes=("draft",),
+        "export", change=delete("draft/model.safetensors"), expect=("redone",), redoes=("draft",),
         names=("model.safetensors",)),
-}
-DEFECTS = {
-    "01's dataset file deleted, then 01": "01 says 'already prepared; nothing to do' without its dataset file",
-    "03's d2t.npy deleted, then 03": "03 says 'vocab mapping already built; nothing to do' without d2t.npy",
-    "05's model.safetensors deleted, then 05": "05 says 'already exported' and prints a serve line for a draft "
-                                               "without weights",
 }
 
 
@@ -256,8 +249,7 @@ def run(case: Case, work: Path, target: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("name", [
-    pytest.param(name, marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=DEFECTS[name]))
-    if name in DEFECTS else name for name in CASES])
+    name for name in CASES])
 def test_a_copy_changed_one_way_is_refused_or_redone_never_finished_for_nothing(name, kimi_run, kimi_target,
                                                                                  tmp_path):
     case, made = CASES[name], kimi_run["data"].parent

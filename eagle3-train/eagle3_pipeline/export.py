@@ -23,6 +23,7 @@ from .files import sha256_file
 # Local imports: torch, safetensors, speculators: imported where the draft is loaded (heavy; 05's --help/--check need none).
 
 SERVING_FILES = ("config.json", "model.safetensors", "config.py", "val_metrics.json")
+DRAFT_FILES = ("config.json", "model.safetensors")  # what vLLM loads: an export without one is not finished
 
 
 def choose_checkpoint(ckpt_dir: Path, which: str, recorded_best: str | None = None) -> Path:

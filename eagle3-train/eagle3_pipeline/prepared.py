@@ -14,6 +14,7 @@ reproduces exactly our split, and stage 04 passes it on.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 from pathlib import Path
@@ -97,6 +98,17 @@ def write_prepared(out_dir: Path, rows: list[Row], num_train: int, bad: list[Bad
         "loss_tokens": sum(sum(r.loss_mask) for r in rows),
         "max_row_tokens": max(table["seq_len"]) if rows else 0,
     }
+
+
+def prepared_outputs(out_dir: Path) -> list[str]:
+    """The files stage 01 wrote into out_dir (its `finished` checks they are all there): the dataset's state and info,
+    the data files its state.json names, token_freq.pt."""
+    names = ["state.json", "dataset_info.json", TOKEN_FREQ_NAME]
+    try:
+        names += [entry["filename"] for entry in json.loads((Path(out_dir) / "state.json").read_text())["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # state.json gone or unreadable: its own name is already listed as missing
+    return names
 
 
 def _dataset_files(directory: Path) -> list[Path]:

@@ -22,7 +22,7 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from .contract import manifest_path
 from .errors import ConfigError, ContractError, StageError, path_error_from
@@ -130,7 +130,8 @@ def read_own_manifest(out_dir: Path) -> Manifest | None:
 
 def finished(out_dir: Path, stage: str, identity: dict, overwrite: bool = False, check: bool = False,
              lock_file: Path | None = None, input_change_redoes: bool = False, extra_done: bool = True,
-             remedy: str = "rerun with the old value, choose another --output, or pass --overwrite to replace it") -> bool:
+             remedy: str = "rerun with the old value, choose another --output, or pass --overwrite to replace it",
+             outputs: Sequence[str] = ()) -> bool:
     """True when out_dir already holds exactly what this invocation would write (the stage is a no-op).
 
     Takes the output's exclusive lock first (not with --check, which writes nothing). Returns False
@@ -139,7 +140,8 @@ def finished(out_dir: Path, stage: str, identity: dict, overwrite: bool = False,
     without --overwrite, naming the field that differs. `input_change_redoes`: when only the
     inputs differ the stage re-checks its existing files itself (02 keeps the rows whose token ids
     still match). `extra_done`: a stage-specific completeness condition (02: every row's file present).
-    `remedy`: the end of the refusal (02 has no --overwrite).
+    `remedy`: the end of the refusal (02 has no --overwrite). `outputs`: the files (names in out_dir) the stage
+    wrote; a finished run with one of them gone is redone, never reported done.
     """
     if not check:
         lock_output(out_dir, lock_file)
@@ -155,7 +157,11 @@ def finished(out_dir: Path, stage: str, identity: dict, overwrite: bool = False,
         raise ContractError(f"{path}: records no identity (not written by {STAGES[stage]}); {remedy}")
     diff = first_difference(recorded, identity)
     if diff is None:
-        return manifest.complete and extra_done
+        gone = [name for name in outputs if not (out_dir / name).exists()] if manifest.complete else []
+        if gone:
+            log.info("%s: %s, which this stage wrote, %s gone; redoing it", out_dir, ", ".join(gone),
+                     "is" if len(gone) == 1 else "are")
+        return manifest.complete and extra_done and not gone
     if input_change_redoes and diff[0].startswith("inputs") and \
             first_difference(recorded["settings"], identity["settings"]) is None:
         log.info("%s: an input changed since (%s); re-checking every existing file", out_dir, describe_difference(diff))
