@@ -141,8 +141,8 @@ def test_a_hit_names_the_file_and_reason_exactly_like_the_worker_side_check(tmp_
         sample_check.CheckedTransfer(None, str(data), config(tmp_path)).get_cached(5)
     assert str(worker_error.value) == str(error.value)
     entries = [json.loads(line) for line in (tmp_path / sample_check.RECORD_NAME).read_text().splitlines()]
-    assert entries[0] == {"file": str(path), "row": 5, "reason": "hidden_states contain NaN/Inf (layer slot(s) [2])",
-                          "action": "stop"}
+    assert entries[0] == {"file": str(path), "sample": str(path), "row": 5,
+                          "reason": "hidden_states contain NaN/Inf (layer slot(s) [2])", "action": "stop"}
 
 
 def test_clean_batches_pass_and_a_hit_no_file_explains_still_stops_naming_the_rows(tmp_path):
