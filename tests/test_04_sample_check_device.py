@@ -233,3 +233,24 @@ def test_the_installed_wrappers_move_only_the_training_loaders_value_pass(tmp_pa
     assert train_loader.batch_check.transfer is val_loader.dataset.transfer  # the whole check, for both
     assert not val_loader.dataset.transfer.values_on_device
     assert train_loader.batch_check.file_idx(0) == 0 and val_loader.dataset._map_to_file_idx(0) == 6
+
+
+@pytest.mark.parametrize("on_bad", ["stop", "skip"])
+def test_a_sigterm_raised_while_a_file_is_read_interrupts_training_and_blames_no_file(tmp_path, monkeypatch, on_bad):
+    """speculators' SIGTERM/Ctrl-C handler raises TrainingInterruptedError wherever the main process is; with the
+    loader in that process it can be inside a file read. That is an interrupt (exit 130, resumable), never a bad
+    file: before, the read's `except Exception` called it 'unreadable safetensors (SIGTERM)' (exit 4), and with
+    --on-bad-sample skip it would have left the sample out and trained on, the signal lost."""
+    from hs_connectors import FileTransfer
+    from speculators.train.graceful_shutdown import TrainingInterruptedError
+
+    data = write_data(tmp_path)
+
+    def interrupted_read(self, file_idx):
+        raise TrainingInterruptedError("SIGTERM")
+
+    monkeypatch.setattr(FileTransfer, "get_cached", interrupted_read)  # the signal lands mid-read
+    checked = sample_check.CheckedTransfer(None, str(data), config(tmp_path, on_bad))
+    with pytest.raises(TrainingInterruptedError):
+        checked.get_cached(3)
+    assert not (tmp_path / sample_check.RECORD_NAME).exists()  # no sample recorded as bad

@@ -296,6 +296,7 @@ class CheckedTransfer:
 
     def get_cached(self, file_idx: int):
         from hs_connectors import FileTransfer
+        from speculators.train.graceful_shutdown import TrainingInterruptedError
 
         self._current = (file_idx, None)
         if not isinstance(self.inner, FileTransfer):
@@ -307,6 +308,8 @@ class CheckedTransfer:
             return self.inner.get_cached(file_idx)  # None: --on-missing decides (raise, or generate)
         try:
             raw = FileTransfer.get_cached(self.inner, file_idx)  # the file as stored (plain load_file)
+        except TrainingInterruptedError:  # SIGTERM / Ctrl-C raised mid-read (loading in this process): not the file's
+            raise
         except Exception as exc:  # safetensors raises several types for truncated/garbled files
             return self._bad(str(path), file_idx, f"unreadable safetensors ({str(exc).splitlines()[0][:120]})", path)
         if raw is None:
