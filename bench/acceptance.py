@@ -38,6 +38,11 @@ the priced data/epochs split). Results merge into one JSON across invocations (o
 held-out rows (validation unrolled to k for all), each step shape timed alone for the equal-GPU-time x, the top few
 then measured in vLLM; bench/results/<cpu|h200>-screen-smollm2.json.
 
+--vs-stage06 (issue 45): a draft trained and exported by the pipeline's stages (the landed defaults) on the 1x data,
+measured by the bench and by `06_evaluate.py` on the same held-out prompts at each --ks with the same engine settings,
+plus 06 as a user runs it (its own defaults) at the largest k, and 06's verdict on two faults (scrambled d2t, aux layer
+ids shifted); bench/results/<cpu|h200>-stage06-vs-bench-smollm2.json.
+
 --jobs N runs up to N independent stages at once (datasets, trainings, vLLM engines): a GPU box's
 cores and memory hold several of this small target's jobs. Their wall times then include each other's
 load: ours and plain (a) run side by side, so equal time still compares like with like; tokens/s are
@@ -59,6 +64,7 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from importlib.metadata import version
 from pathlib import Path
 
@@ -67,6 +73,7 @@ from pydantic_core import PydanticUndefined
 
 from benchlib import curves as lc
 from benchlib import screen as sc
+from benchlib import stage06 as s06
 from benchlib.acceptance import (
     VllmSettings,
     draft_vocab_coverage,
@@ -242,7 +249,9 @@ class Bench:
             run([sys.executable, BENCH / "chat_data.py", "regenerate", "--target", self.target, "--prompts", prompts,
                  "--out", chat, "--train-limit", self.args.train_conversations * factor,
                  "--eval-per-kind", self.args.eval_per_kind, "--max-tokens", self.args.answer_max_tokens,
-                 "--dtype", "float32" if self.cpu else "bfloat16"],
+                 "--dtype", "float32" if self.cpu else "bfloat16",
+                 # a share of the GPU that leaves room for other detached jobs of the same hold
+                 *([] if self.cpu else ["--gpu-memory-utilization", "0.2"])],
                 self.logs / "regenerate.log", f"regenerate answers ({self.args.train_conversations * factor} "
                                               f"conversations, vLLM)", env={"VLLM_CPU_KVCACHE_SPACE": "2"})
         return json.loads((chat / "summary.json").read_text())
@@ -811,6 +820,79 @@ def run_screen(args, bench: Bench, target: dict, started: float, load_start) -> 
     return 0
 
 
+def run_vs_stage06(args, bench: Bench, target: dict, started: float) -> int:
+    """--vs-stage06: the bench's tau and stage 06's for one pipeline-trained draft, same prompts, k and engine settings;
+    then 06 as a user runs it, and 06 on two faulty copies of the draft (each must exit 6 naming its cause)."""
+    output = args.output or REPO / "bench" / "results" / f"{'cpu' if bench.cpu else 'h200'}-stage06-vs-bench-smollm2.json"
+    data_summary = bench.build_data()
+    chat = bench.work / "chat"
+    data = bench.prepared("onpolicy", chat / "train_tokens.jsonl", args.train_conversations)
+    ours = bench.train_ours("ours", data, args.epochs, {})  # stages 03-05, the landed defaults
+    draft = Path(ours["draft"])
+    # the held-out prompts with each row's kind as stage 06's `category` too: both group the prompts alike
+    prompts = bench.work / "eval_prompts_categorised.jsonl"
+    rows = [json.loads(line) for line in (chat / "eval_prompts.jsonl").read_text().splitlines() if line.strip()]
+    atomic_write_text(prompts, "".join(json.dumps({**r, "category": r["kind"]}) + "\n" for r in rows))
+    settings = vllm_settings(args, bench)
+    flags = s06.stage06_flags(asdict(settings), gpu=not bench.cpu)
+    gpu_share = ["--gpu-memory-utilization", str(settings.extra_engine_args["gpu_memory_utilization"])] if not bench.cpu else []
+    # 06's own defaults otherwise (on a CPU, eager and its KV cache: compiling costs minutes on 2 cores)
+    user_flags = ["--max-tokens", str(args.max_tokens), "--no-baseline", *gpu_share,
+                  *(["--enforce-eager", "--cpu-kv-cache-gib", str(settings.kv_cache_gib)] if bench.cpu else [])]
+    faults = {f: s06.fault_draft(draft, f, bench.work / f"fault-{f}" / "draft") for f in s06.FAULTS}
+    k_top = max(args.ks)
+    out = bench.work / "stage06"
+    out.mkdir(parents=True, exist_ok=True)
+    jobs = {f"06-k{k}": ((), lambda done, k=k: s06.run_stage06(draft, out / f"k{k}", prompts, k, flags,
+                                                               bench.logs / f"06-k{k}.log")) for k in args.ks}
+    jobs["06-user-defaults"] = ((), lambda done: s06.run_stage06(draft, out / "user-defaults", prompts, k_top, user_flags,
+                                                                  bench.logs / "06-user-defaults.log"))
+    for fault, path in faults.items():
+        if path is None:
+            continue
+        jobs[f"06-{fault}"] = ((), lambda done, f=fault, d=path: s06.run_stage06(d, out / f, prompts, k_top, flags,
+                                                                               bench.logs / f"06-{f}.log"))
+    jobs["bench"] = ((), lambda done: measure_acceptance(bench.target, {"ours": str(draft)}, prompts, ks=args.ks,
+                                                          settings=settings, log_dir=bench.logs, log=log, jobs=len(args.ks),
+                                                          num_prompts=None))
+    done = in_dependency_order(jobs, args.jobs)
+    failed = {name: f"{type(r).__name__}: {str(r)[-400:]}" for name, r in done.items() if isinstance(r, BaseException)}
+    if "bench" in failed:
+        raise SystemExit(f"bench-acceptance --vs-stage06: the bench's measurement failed: {failed['bench']}")
+    measured = done["bench"]
+    measured.pop("baseline_token_ids", None)
+    comparison = {}
+    for k in args.ks:
+        spec = measured["runs"][f"ours-k{k}"]["spec_decode"]
+        staged = done.get(f"06-k{k}")
+        row = {"bench_tau": spec["mean_acceptance_length"], "bench_tau_stderr": spec["mean_acceptance_length_stderr"],
+               "bench_per_pos": spec["acceptance_rate_per_pos"], "stage06": staged}
+        if isinstance(staged, dict) and "tau" in staged:
+            row.update(s06.agreement(spec["mean_acceptance_length"], spec["mean_acceptance_length_stderr"],
+                                     staged["tau"], staged["tau_stderr"]))
+        comparison[str(k)] = row
+        log(f"k={k}: bench {spec['mean_acceptance_length']:.3f} ± {spec['mean_acceptance_length_stderr']:.3f}, 06 "
+            + (f"{staged['tau']:.3f} ± {staged['tau_stderr']:.3f} (difference {row['difference']:+.3f}, within one "
+               f"standard error: {row['within_one_bench_stderr']})" if "difference" in row else f"failed: {staged}"))
+    fault_results = {f: done.get(f"06-{f}", "not made: the draft has no d2t (its vocabulary is the target's)")
+                     for f in s06.FAULTS}
+    for fault, result in fault_results.items():
+        line = result.get("last_line", result) if isinstance(result, dict) else result
+        log(f"fault {fault}: 06 exit {result.get('rc') if isinstance(result, dict) else '-'}: {line}")
+    results = {
+        "what": "stage 06 (eagle3-train/06_evaluate.py) against bench/acceptance.py's measurement: the same draft "
+                "(trained and exported by stages 01-05 at the landed defaults), held-out prompts, k and engine settings",
+        "commit": git_commit(), "device": args.device, "target": target, "data": data_summary, "draft": str(draft),
+        "training": {"epochs": args.epochs, "times": ours["times"], "offline": ours["offline"]},
+        "prompts": str(prompts), "settings": asdict(settings), "stage06_flags": flags,
+        "comparison": comparison, "stage06_user_defaults": done["06-user-defaults"], "faults": fault_results,
+        "failed": failed, "bench": measured, "wall_s": time.perf_counter() - started,
+    }
+    write_results(output, results)
+    log(f"results -> {output}")
+    return 0
+
+
 def screen_records_report(records: Path, output: Path | None, val_depth: int) -> int:
     """--screen-records DIR: the screen's table from a hold's records alone (acceptance-wait's curves-records.tgz,
     unpacked): what a hold cut short had trained, each run's epochs with a validation; no engine, no training."""
@@ -929,6 +1011,9 @@ def main() -> int:
                         help="steps of each step shape's solo timing run (0: no timing, no equal-GPU-time column)")
     screen.add_argument("--screen-vllm-top", type=int, default=3,
                         help="recipes measured in vLLM besides ours and plain (0: none)")
+    parser.add_argument("--vs-stage06", action="store_true",
+                        help="stage 06 against the bench on one pipeline-trained draft (issue 45): tau at each --ks "
+                             "with the same prompts and engine settings, 06 with its own defaults, 06 on two faults")
     screen.add_argument("--screen-records", type=Path, default=None, metavar="DIR",
                         help="print the screen table of a hold's unpacked records (its runs' epochs so far); runs nothing")
     args = parser.parse_args()
@@ -950,6 +1035,8 @@ def main() -> int:
         return run_curves(args, bench, target, started, load_start)
     if args.screen:
         return run_screen(args, bench, target, started, load_start)
+    if args.vs_stage06:
+        return run_vs_stage06(args, bench, target, started)
     data_summary = bench.build_data()
     chat = bench.work / "chat"
     t_data = time.perf_counter() - started

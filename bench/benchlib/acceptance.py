@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from eagle3_pipeline import evaluate
+from eagle3_pipeline.eval_prompts import prompt_messages
 from eagle3_pipeline.evaluate import (  # noqa: F401  (re-exported: the bench's scripts and tests import them here)
     SPEC_DECODE_COUNTERS,
     SPEC_DECODE_PER_POS,
@@ -76,7 +77,10 @@ def offline_estimate(val_metrics: Mapping[str, float]) -> dict:
 def prompt_token_ids(target_dir: str | os.PathLike, prompts_path: str | os.PathLike,
                      limit: int | None = None) -> list[list[int]]:
     """Held-out prompts (jsonl rows with OpenAI `messages`) rendered with the target's chat
-    template, generation prompt appended, as token ids."""
+    template, generation prompt appended, as token ids. The prompt is the conversation without a final
+    assistant message only (stage 06's rule, `eval_prompts.prompt_messages`): a multi-turn prompt keeps the
+    target's own earlier answer. (Until the 06-vs-bench comparison found it, every assistant message was
+    dropped here, so multi-turn prompts were measured without their first answer.)"""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
@@ -89,7 +93,7 @@ def prompt_token_ids(target_dir: str | os.PathLike, prompts_path: str | os.PathL
         rows = rows[:limit]
     out = []
     for row in rows:
-        messages = [m for m in row["messages"] if m["role"] != "assistant"]
+        messages = prompt_messages(row["messages"])
         ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
         if hasattr(ids, "keys"):
             ids = ids["input_ids"]
@@ -98,11 +102,12 @@ def prompt_token_ids(target_dir: str | os.PathLike, prompts_path: str | os.PathL
 
 
 def prompt_kinds(prompts_path: str | os.PathLike, limit: int | None = None) -> list[str] | None:
-    """The `kind` of each held-out prompt row (code, explanation, multi-turn, ...), or None if unlabelled."""
+    """The `kind` (or stage 06's `category`) of each held-out prompt row (code, explanation, multi-turn, ...), or
+    None if unlabelled."""
     with open(prompts_path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     rows = rows[:limit] if limit is not None else rows
-    kinds = [row.get("kind") for row in rows]
+    kinds = [row.get("kind") or row.get("category") for row in rows]
     return kinds if all(kinds) else None
 
 
