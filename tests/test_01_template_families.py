@@ -103,6 +103,9 @@ def test_kimi_k2_tool_call_turns_train_the_content_the_model_wrote_never_a_parts
         5: calls(1, "Paris"),  # content "" is nothing, not a truthy [{'type': 'text', 'text': ''}]
         7: "Paris: 11 C, rain.<|im_end|>",
     })
+    # vLLM's history holds the parts list's repr where the model wrote text: no one row can train both
+    with pytest.raises(InputError, match=r"turn 1 renders differently inside the whole conversation .*parts list"):
+        rows_for_record(chat, {"messages": messages, "tools": TOOLS}, 0, "conversation", len(chat.tokenizer), "x")
 
 
 # --- DeepSeek-V3.1: arguments concatenated as strings ----------------------------------------------

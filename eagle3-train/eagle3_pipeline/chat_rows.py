@@ -466,7 +466,8 @@ def rows_for_conversation(chat: ChatTokenizer, messages: list[dict], conversatio
         if ids[:end] != earlier_prompt + earlier_gen:
             raise InputError(
                 f"{where}: turn {i} renders differently inside the whole conversation (the template rewrites "
-                f"history, e.g. drops earlier reasoning); use --rows-per turn")
+                f"history, e.g. drops earlier reasoning or prints earlier content as vLLM's parts list, where the "
+                f"model wrote text); use --rows-per turn")
         mask[start:end] = [1] * (end - start)
     return [Row(conversation, -1, ids, mask)]
 
