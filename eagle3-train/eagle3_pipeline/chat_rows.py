@@ -21,8 +21,12 @@ which templates that strip it (Kimi-K2.5 renders every turn up to the last one w
 `<think></think>` + content; DeepSeek-R1 renders no think block; DeepSeek-V3.1 renders `</think>` +
 content) get put back where the model writes it: right after the generation prompt's `<think>`,
 closed by the template's own `</think>` (or `REASONING\n</think>\n\n`, R1's layout, where it renders
-none). Any exception a template raises on a row is one line naming the turn. NOTES.md "Stage 01"
-states the rule.
+none). The turn's content goes in as the text the model wrote, one string, never vLLM's parts list (a
+template may print content raw: Kimi-K2's tool-call branch would train the list's repr). A template
+that ends a turn only by opening the next message (GLM-4.5) gets that opener, an eos id, as the
+turn's stop token. Any exception a template raises on a row is one line naming the turn (with the
+remedy where the template joins tool-call arguments as strings, which vLLM cannot render either); a
+template that does not compile is refused once, at load. NOTES.md "Stage 01" states the rule.
 """
 
 from __future__ import annotations
@@ -100,6 +104,7 @@ class ChatTokenizer:
             raise InputError(f"{tokenizer_dir}: cannot load tokenizer ({type(exc).__name__}: {first_line(exc)})") from None
         if not getattr(self.tokenizer, "chat_template", None):
             raise InputError(f"{tokenizer_dir}: tokenizer has no chat template (chat_template.jinja / tokenizer_config.json)")
+        _compile_template(self.tokenizer.chat_template, tokenizer_dir)
         self.template_kwargs = dict(template_kwargs or {})
         self.content_format = content_format(self.tokenizer.chat_template)
         if end_of_turn_tokens:
@@ -125,6 +130,21 @@ class ChatTokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
 
+def _compile_template(chat_template: str | dict, tokenizer_dir: str) -> None:
+    """A template that does not compile fails every row alike: refused once, here, in one line."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    templates = chat_template.items() if isinstance(chat_template, dict) else [("", chat_template)]
+    for name, template in templates:
+        try:
+            _compile_jinja_template(template)
+        except Exception as exc:  # jinja2's TemplateSyntaxError, or whatever transformers' compiler raises
+            which = f"chat template {name!r}" if name else "chat template"
+            hint = " (is the file JSON-escaped? write it as plain Jinja)" if "\\n" in template or '\\"' in template else ""
+            raise InputError(f"{tokenizer_dir}: the {which} does not compile ({type(exc).__name__}: "
+                             f"{first_line(exc)}){hint}") from None
+
+
 def content_format(chat_template: str) -> str:
     """'openai' when the template loops over a message's content (it takes a list of parts), else
     'string': the rule vLLM's chat path uses to decide how it passes content (simplified: any
@@ -146,19 +166,25 @@ def content_format(chat_template: str) -> str:
     return "openai" if any(is_content(loop.iter) for loop in tree.find_all(nodes.For)) else "string"
 
 
-def template_messages(messages: list[dict], fmt: str, trained: int | None = None) -> list[dict]:
+def template_messages(messages: list[dict], fmt: str, trained: int | None = None,
+                      trained_as_parts: bool = False) -> list[dict]:
     """The messages as vLLM's chat path hands them to the template (0.32, `parse_chat_messages`):
     null content becomes '' ('string' format) or [] ('openai'), text parts are joined with '\n'
     ('string') or kept as parts, reasoning goes in as `reasoning` and `reasoning_content`, `name`,
     `tool_call_id` and parsed tool-call arguments are kept. Message `trained` (the turn being
     rendered as the model writes it) also carries its reasoning as `thinking`, for templates that
-    read that name (gpt-oss)."""
+    read that name (gpt-oss), and in the 'openai' format its content as the text the model wrote,
+    one string (parts only with `trained_as_parts`, for templates that read nothing else): a
+    template may print content raw in one branch (Kimi-K2 does for turns with tool calls), where a
+    parts list would render as its Python repr, which the model never writes."""
     out = []
     for k, message in enumerate(messages):
         m = {key: value for key, value in message.items() if key not in REASONING_FIELDS}
         content = message.get("content")
         if fmt == "string":
             m["content"] = "\n".join(p["text"] for p in content) if isinstance(content, list) else (content or "")
+        elif k == trained and not trained_as_parts and message["role"] == "assistant":
+            m["content"] = plain_text(content)
         else:
             m["content"] = content if isinstance(content, list) else [] if content is None else [{"type": "text", "text": content}]
             if message["role"] == "tool":  # vLLM joins a tool result's text parts in both formats
@@ -258,16 +284,30 @@ def generation_text(chat: ChatTokenizer, messages: list[dict], i: int, tools: li
     fmt = chat.content_format
     history = template_messages(messages[:i], fmt)
     message = messages[i]
-    real = template_messages(messages[: i + 1], fmt, trained=i)[i]
-    rendered = chat.render(history + [real], add_generation_prompt=False, tools=tools)
-    marked_message, markers = _marked_turn(message, rendered)
-    marked = template_messages(messages[:i] + [marked_message], fmt, trained=i)[i]
-    rendered_marked = chat.render(history + [marked], add_generation_prompt=False, tools=tools)
-    in_prompt, body = _split_prompt(chat, history, tools, prompt, rendered, where, i)
-    in_prompt_marked, body_marked = _split_prompt(chat, history, tools, prompt, rendered_marked, where, i)
-    if in_prompt != in_prompt_marked:
-        raise InputError(f"{where}: turn {i}: the template lays the turn out differently for different texts")
-    spoken = _text_before_stop(chat, body_marked)  # what the model writes, as the template renders it
+
+    def rendered_turn(as_parts: bool) -> tuple[str, str, str, dict[str, str], str]:
+        real = template_messages(messages[: i + 1], fmt, trained=i, trained_as_parts=as_parts)[i]
+        rendered = chat.render(history + [real], add_generation_prompt=False, tools=tools)
+        marked_message, markers = _marked_turn(message, rendered)
+        marked = template_messages(messages[:i] + [marked_message], fmt, trained=i, trained_as_parts=as_parts)[i]
+        rendered_marked = chat.render(history + [marked], add_generation_prompt=False, tools=tools)
+        in_prompt, body = _split_prompt(chat, history, tools, prompt, rendered, where, i)
+        in_prompt_marked, body_marked = _split_prompt(chat, history, tools, prompt, rendered_marked, where, i)
+        if in_prompt != in_prompt_marked:
+            raise InputError(f"{where}: turn {i}: the template lays the turn out differently for different texts")
+        # what the model writes, as the template renders it
+        return in_prompt, body, rendered_marked, markers, _text_before_stop(chat, body_marked)
+
+    # The turn's content goes in as the text the model wrote; as parts only where the template renders
+    # no string content (it reads parts alone).
+    try:
+        in_prompt, body, rendered_marked, markers, spoken = turn = rendered_turn(as_parts=False)
+    except Exception:
+        if fmt != "openai":
+            raise
+        turn = None
+    if fmt == "openai" and (turn is None or ("content" in markers and spoken.count(markers["content"]) != 1)):
+        in_prompt, body, rendered_marked, markers, spoken = rendered_turn(as_parts=True)
 
     def shown(field: str) -> bool:
         return field in markers and spoken.count(markers[field]) == 1
@@ -322,13 +362,41 @@ def generation_text(chat: ChatTokenizer, messages: list[dict], i: int, tools: li
     return reasoning + separator + THINK_CLOSE + separator * 2 + body
 
 
+def next_message_opener(chat: ChatTokenizer, messages: list[dict], i: int, tools: list[dict] | None,
+                        prompt: str) -> int | None:
+    """The end-of-turn token of a template that ends an assistant turn only by opening the next message
+    (GLM-4.5: `...answer<|user|>`, `...</tool_call><|observation|>`; its eos ids are those openers): the
+    model emits it as its stop token and vLLM's output ends on it. The next message is the turn's natural
+    one: a tool result after tool calls, a user message otherwise (rendered with a marker as its text);
+    the opener is the last end-of-turn token before that text, after the turn's own role header. None
+    where there is no such token."""
+    fmt = chat.content_format
+    rendered = chat.render(template_messages(messages[: i + 1], fmt), add_generation_prompt=False, tools=tools)
+    n = 0
+    while MARK.format(n) in rendered:
+        n += 1000
+    marker = MARK.format(n)
+    calls = messages[i].get("tool_calls") or []
+    following = ({"role": "tool", "tool_call_id": calls[0]["id"], "content": marker} if calls
+                 else {"role": "user", "content": marker})
+    text = chat.render(template_messages(messages[: i + 1] + [following], fmt), add_generation_prompt=False,
+                       tools=tools)
+    before = text[: text.find(marker)] if marker in text else ""
+    at, stop = max(((before.rfind(s), s) for s in chat.stop_texts), default=(-1, ""))
+    head = chat.render(template_messages(messages[:i], fmt), add_generation_prompt=False, tools=tools)
+    header = prompt[len(head):] if prompt.startswith(head) else ""  # the turn's role header
+    if at < 0 or not header.strip() or header in before[at:]:
+        return None  # no end-of-turn token opens the next message after this turn
+    return chat.tokenizer.convert_tokens_to_ids(stop)
+
+
 def cut_at_end_of_turn(chat: ChatTokenizer, ids: list[int], i: int, where: str) -> list[int]:
     """The model stops at its end-of-turn token; what a template renders after it is not generated."""
     end = next((k for k, t in enumerate(ids) if t in chat.stop_ids), None)
     if end is None:
-        raise InputError(f"{where}: turn {i} renders no end-of-turn token {chat.stop_texts}: the template ends "
-                         f"assistant turns some other way (GLM-4.5 starts the next message instead); pass the "
-                         f"tokens its turns end on with --end-of-turn-tokens, or use another template")
+        raise InputError(f"{where}: turn {i} renders no end-of-turn token {chat.stop_texts}, and the next message "
+                         f"does not open with one either: the template ends assistant turns some other way; pass "
+                         f"the tokens its turns end on with --end-of-turn-tokens, or use another template")
     if chat.decode(ids[end + 1:]).strip():
         raise InputError(f"{where}: turn {i}: the template renders text after the end-of-turn token")
     return ids[: end + 1]
@@ -342,11 +410,37 @@ def turn_row(chat: ChatTokenizer, messages: list[dict], i: int, tools: list[dict
         prompt = chat.render(template_messages(messages[:i], chat.content_format), add_generation_prompt=True,
                              tools=tools)
         generated = chat.tokenize(generation_text(chat, messages, i, tools, where, prompt))
+        if not chat.stop_ids.intersection(generated):  # GLM-4.5: the turn ends where the next message opens
+            opener = next_message_opener(chat, messages, i, tools, prompt)
+            generated += [] if opener is None else [opener]
         return chat.tokenize(prompt), cut_at_end_of_turn(chat, generated, i, where)
     except InputError:
         raise
     except Exception as exc:  # templates fail in many types; one bad row must not stop the run
-        raise InputError(f"{where}: turn {i}: the chat template fails ({type(exc).__name__}: {first_line(exc)})") from None
+        reason = f"the chat template fails ({type(exc).__name__}: {first_line(exc)})"
+        if isinstance(exc, TypeError) and _renders_with_text_arguments(chat, messages[: i + 1], tools):
+            reason += (": it joins tool-call arguments as text, but vLLM hands them to templates as objects (parsed "
+                       "from the JSON), so vLLM cannot serve this conversation with this template either; prepare "
+                       "and serve with one that renders object arguments (`arguments | tojson`, as vLLM's "
+                       "examples/tool_chat_template_deepseekv31.jinja does): chat_template.jinja of a --tokenizer "
+                       "folder, vLLM's --chat-template")
+        raise InputError(f"{where}: turn {i}: {reason}") from None
+
+
+def _renders_with_text_arguments(chat: ChatTokenizer, messages: list[dict], tools: list[dict] | None) -> bool:
+    """Whether the template renders these messages once tool-call arguments are JSON text: it joins
+    them as strings (DeepSeek-V3.1's and R1's own templates), where vLLM hands them over parsed."""
+    as_text = template_messages(messages, chat.content_format)
+    if not any(m.get("tool_calls") for m in as_text):
+        return False
+    for m in as_text:
+        for call in m.get("tool_calls") or []:  # template_messages copied each call's function
+            call["function"]["arguments"] = json.dumps(call["function"]["arguments"], ensure_ascii=False)
+    try:
+        chat.render(as_text, add_generation_prompt=False, tools=tools)
+    except Exception:
+        return False
+    return True
 
 
 def trained_turns(messages: list[dict]) -> list[int]:
@@ -372,7 +466,8 @@ def rows_for_conversation(chat: ChatTokenizer, messages: list[dict], conversatio
         if ids[:end] != earlier_prompt + earlier_gen:
             raise InputError(
                 f"{where}: turn {i} renders differently inside the whole conversation (the template rewrites "
-                f"history, e.g. drops earlier reasoning); use --rows-per turn")
+                f"history, e.g. drops earlier reasoning or prints earlier content as vLLM's parts list, where the "
+                f"model wrote text); use --rows-per turn")
         mask[start:end] = [1] * (end - start)
     return [Row(conversation, -1, ids, mask)]
 
