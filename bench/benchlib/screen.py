@@ -145,7 +145,7 @@ def parse_screen_chat(values: Sequence[str]) -> dict[str, str]:
     out = {}
     for value in values:
         name, eq, path = value.partition("=")
-        if not eq or not name or not path or DATA_PREFIX in name or "+" in name or "/" in name:
+        if not eq or not name or not path or any(c in name for c in ":+/"):
             raise ValueError(f"--screen-chat {value}: expected NAME=DIR or NAME=chat-NAME.tar.xz (NAME without ':', "
                              f"'+' or '/')")
         out[name] = path
