@@ -765,6 +765,8 @@ def run_screen(args, bench: Bench, target: dict, started: float, load_start) -> 
         rows = bench.work / f"chat-{chat_name}-{size}x-rows.jsonl"
         data_counts[key] = same_prompts_rows(chat / "train_tokens.jsonl", chat_dirs[chat_name] / "train_tokens.jsonl",
                                              conversations, rows)
+        log(f"  dataset {key}: {data_counts[key]['prompts_matched']} of the size's {data_counts[key]['prompts']} prompts "
+            f"in {chat_name} ({data_counts[key]['rows']} rows; {data_counts[key]['prompts_missing']} missing)")
         return bench.prepared(f"chat-{chat_name}-{size}x", rows, data_counts[key]["prompts"])
 
     datasets = in_dependency_order({key: ((), lambda done, key=key: dataset_job(key)) for key in dataset_keys}, args.jobs)
