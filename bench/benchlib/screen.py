@@ -232,7 +232,9 @@ def data_lever_table(curves_by_size: Mapping[str, Mapping], vllm: Mapping, vllm_
     """The data lever in vLLM (a data recipe's offline tau is on its own dataset's held-out rows, so only vLLM's
     held-out prompts compare datasets): per data recipe, its tau / its base's (the same recipe on the size's own
     dataset) at equal training GPU time (its checkpoint at the base's last steps, `vllm_equal`) and at equal
-    epochs (last checkpoints, `vllm`); `prompts-2x` likewise is the "twice the prompts" arm."""
+    epochs (last checkpoints, `vllm`); `prompts-2x` likewise is the "twice the prompts" arm, and a `data:NAME`
+    recipe is also set against it at equal GPU time (`vs_prompts_2x_kK`: the same GPU time on other answers to the
+    same prompts, or on new prompts)."""
     rows = []
     for size, recipes in curves_by_size.items():
         for name in recipes:
@@ -253,6 +255,16 @@ def data_lever_table(curves_by_size: Mapping[str, Mapping], vllm: Mapping, vllm_
                         ratio, se = lc._ratio((tau["tau"], tau["tau_stderr"]), (base_tau["tau"], base_tau["tau_stderr"]))
                         row[f"{label}_k{k}"] = {"tau": tau["tau"], "tau_stderr": tau["tau_stderr"], "base_tau": base_tau["tau"],
                                                 "ratio": ratio, "stderr": se}
+            # the same GPU time spent on twice the prompts instead (both at their base's last steps)
+            twin = PROMPTS_2X if base == "ours" else f"{base}+{PROMPTS_2X}"
+            twin_equal = vllm_equal.get(size, {}).get(twin)
+            if twin != name and equal and twin_equal:
+                row["vs"] = twin
+                for k in ks:
+                    a, b = equal.get(str(k)), twin_equal.get(str(k))
+                    if a and b:
+                        ratio, se = lc._ratio((a["tau"], a["tau_stderr"]), (b["tau"], b["tau_stderr"]))
+                        row[f"vs_prompts_2x_k{k}"] = {"ratio": ratio, "stderr": se}
             rows.append(row)
     return rows
 
@@ -267,6 +279,7 @@ def format_data_lever(rows: Sequence[Mapping], ks: Sequence[int]) -> list[str]:
         for k in ks:
             line += f" | k={k} = GPU time {_fmt(r.get(f'equal_time_k{k}')):>12} (epoch {r.get('equal_time_epoch', -1) + 1})" \
                     f" = epochs {_fmt(r.get(f'equal_epochs_k{k}')):>12}"
+            line += f" / {r['vs']} at = GPU time {_fmt(r.get(f'vs_prompts_2x_k{k}')):>12}" if "vs" in r else ""
         lines.append(line)
     return lines
 

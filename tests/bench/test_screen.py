@@ -316,6 +316,14 @@ def test_a_data_recipe_is_compared_with_its_base_in_vllm_at_equal_gpu_time():
     assert rows[0]["equal_time_k3"]["ratio"] == pytest.approx(1.1) and rows[0]["equal_epochs_k3"]["ratio"] == pytest.approx(1.15)
     lines = sc.format_data_lever(rows, [3])
     assert "data:a2" in lines[1] and "1.100" in lines[1] and "(epoch 2)" in lines[1]
+    # with the twice-the-prompts arm: each against ours, and the sampled answers against new prompts at equal time
+    curves["1"]["prompts-2x"] = data
+    vllm["1"]["prompts-2x"] = tau(2.2)
+    equal = {"data:a2": {"epoch": 1, "steps": 40, **tau(2.2)}, "prompts-2x": {"epoch": 1, "steps": 40, **tau(2.0)}}
+    rows = {r["recipe"]: r for r in sc.data_lever_table(curves, vllm, {"1": equal}, [3])}
+    assert rows["prompts-2x"]["equal_time_k3"]["ratio"] == pytest.approx(1.0) and "vs" not in rows["prompts-2x"]
+    assert rows["data:a2"]["vs"] == "prompts-2x" and rows["data:a2"]["vs_prompts_2x_k3"]["ratio"] == pytest.approx(1.1)
+    assert "/ prompts-2x at = GPU time  1.100±" in sc.format_data_lever(list(rows.values()), [3])[1]
 
 
 def test_a_timing_is_reused_for_the_same_class_at_the_same_packing_only():
