@@ -237,7 +237,8 @@ class Bench:
         elif self.args.screen:  # the largest --screen-data size (twice it for a prompts-2x recipe): until issue 44
             # the screen regenerated 1x only, and a larger size's stage 01 quietly took those 1x conversations
             factor = sc.base_chat_factor(self.args.screen_data, ["ours", *self.args.screen_recipes])
-            sized = f"--screen: --screen-data {max(self.args.screen_data)} (x2 for prompts-2x) = {factor}"
+            sized = f"--screen: --screen-data {max(self.args.screen_data)}" + (
+                " with prompts-2x" if factor > max(self.args.screen_data) else "")
         if sized:
             wanted = self.args.train_conversations * factor
             with open(prompts) as handle:

@@ -145,9 +145,9 @@ def parse_screen_chat(values: Sequence[str]) -> dict[str, str]:
     out = {}
     for value in values:
         name, eq, path = value.partition("=")
-        if not eq or not name or not path or any(c in name for c in ":+/"):
+        if not eq or not name or not path or any(c in name for c in ":+/") or name == PROMPTS_2X:
             raise ValueError(f"--screen-chat {value}: expected NAME=DIR or NAME=chat-NAME.tar.xz (NAME without ':', "
-                             f"'+' or '/')")
+                             f"'+' or '/', not {PROMPTS_2X})")
         out[name] = path
     return out
 

@@ -200,7 +200,7 @@ def test_data_recipes_train_other_rows_at_their_bases_step_cost():
     for name in ("fc-norm+data:answers-2", "data:x+decay-0.8", "ours"):
         assert ":" not in sc.run_slug(name) and sc.recipe_of_slug(sc.run_slug(name)) == name
     assert sc.parse_screen_chat(["answers-2=/x/chat-answers-2.tar.xz"]) == {"answers-2": "/x/chat-answers-2.tar.xz"}
-    for wrong in ("answers-2", "=dir", "a:b=dir", "a+b=dir"):
+    for wrong in ("answers-2", "=dir", "a:b=dir", "a+b=dir", "prompts-2x=dir"):
         with pytest.raises(ValueError, match="--screen-chat"):
             sc.parse_screen_chat([wrong])
 
