@@ -41,10 +41,10 @@ SCREEN_RECIPES: dict[str, dict] = {
     "muon": {"train": ["--optimizer", "muon"]},
     "warmup-10": {"train": ["--extra-args=--scheduler-warmup-ratio", "--extra-args=0.1"], "cost_as": "ours"},
     "lr-2e-3": {"train": ["--lr", "2e-3"], "cost_as": "ours"},
-    # EAGLE's feature noise on the aux inputs (stage 04 --noise-std). 0.05: the std of the Gaussian noise transform
-    # speculators' own earlier sources applied to `hidden_states` (train/noise_transforms.py, gone from 0.9.0), and
-    # close to EAGLE-1's uniform noise of width 0.2 (std 0.2 / sqrt(12) = 0.058). Costs as ours: one randn_like over
-    # the aux states per step beside the draft's forward and backward.
+    # EAGLE's feature noise on the aux inputs (stage 04 --noise-std). 0.05: the default std of the Gaussian noise
+    # transform in speculators' own repository (src/speculators/train/noise_transforms.py, on `hidden_states` only;
+    # not in the 0.9.0 wheel), and close to EAGLE-1's uniform noise of width 0.2 (std 0.2 / sqrt(12) = 0.058). Costs
+    # as ours: one randn_like over the aux states per step beside the draft's forward and backward.
     "noise": {"train": ["--noise-std", "0.05"], "cost_as": "ours"},
     # the data lever's third arm: twice the prompts, each answered once (the next size's dataset)
     "prompts-2x": {"data": "prompts-2x", "cost_as": "ours"},

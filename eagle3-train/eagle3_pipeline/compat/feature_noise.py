@@ -1,9 +1,10 @@
 """Feature noise: Gaussian noise on the draft's input aux hidden states while it trains (stage 04 --noise-std).
 
 EAGLE trains its draft on the target's features with noise added (EAGLE-1's `AddUniformNoise` on its input
-features; speculators' own earlier sources had `AddGaussianNoise` on `hidden_states` only, std 0.05, in
-train/noise_transforms.py, absent from the 0.9.0 wheel): at inference the draft's later steps read features that are not the target's exact
-ones, and a draft that has only ever seen exact features overfits to them. speculators 0.9.0 has no such flag
+features; speculators' own repository has `AddGaussianNoise` on `hidden_states` only, default std 0.05, in
+src/speculators/train/noise_transforms.py, which the 0.9.0 wheel does not ship): at inference the draft's later
+steps read features that are not the target's exact ones, and a draft that has only ever seen exact features
+overfits to them. speculators 0.9.0 has no such flag
 (no `--noise-std` in its CLI or trainer). This wraps two of its names:
 
 - `Eagle3DraftModel.get_trainer_kwargs` returns (train kwargs, val kwargs); the wrapper adds `NOISE_KWARG` to the
