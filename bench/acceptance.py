@@ -28,6 +28,8 @@ Results: bench/results/<cpu|gpu>-acceptance-smollm2.json and the printed tables.
     python bench/acceptance.py --curves-report bench/results/h200-acceptance-curves-smollm2.json
     python bench/acceptance.py --device cuda --screen --jobs 7 --ks 5                   # recipe screen (issue 37)
     python bench/acceptance.py --screen-records DIR                                     # a cut hold's screen table
+    python bench/acceptance.py --device cuda --screen --screen-recipes fc-norm data:answers-2 prompts-2x \
+        --screen-chat answers-2=chat-answers-2.tar.xz --kimi-costs KIMI.json     # the data lever, a projection (issue 44)
 
 --curves: per data size, ours at 8K and 32K tokens/step, ours at 32K with a scaled and warmed-up lr, and plain
 speculators, each trained once, one at a time, with a checkpoint per epoch; vLLM measures every checkpoint; tau
@@ -236,14 +238,21 @@ class Bench:
         if not prompts.is_file():
             run([sys.executable, BENCH / "chat_data.py", "prompts", "--out", prompts], self.logs / "prompts.log", "prompts")
         factor = max([RECIPES[r]["data"] for r in self.args.recipes if isinstance(RECIPES[r].get("data"), int)] or [1])
+        sized = None
         if self.args.curves:
-            factor = max(self.args.curve_data)
+            factor, sized = max(self.args.curve_data), f"--curves: --curve-data {max(self.args.curve_data)}"
+        elif self.args.screen:  # the largest --screen-data size (twice it for a prompts-2x recipe): until issue 44
+            # the screen regenerated 1x only, and a larger size's stage 01 quietly took those 1x conversations
+            factor = sc.base_chat_factor(self.args.screen_data, ["ours", *self.args.screen_recipes])
+            sized = f"--screen: --screen-data {max(self.args.screen_data)}" + (
+                " with prompts-2x" if factor > max(self.args.screen_data) else "")
+        if sized:
             wanted = self.args.train_conversations * factor
             with open(prompts) as handle:
                 available = sum(json.loads(line).get("split") == "train" for line in handle if line.strip())
             if available < wanted:  # regenerate would quietly make fewer conversations than the size says
-                raise SystemExit(f"bench-acceptance --curves: {prompts}: {available:,} training prompts, fewer than the "
-                                 f"{wanted:,} conversations --curve-data {factor} x --train-conversations "
+                raise SystemExit(f"bench-acceptance {sized}: {prompts}: {available:,} training prompts, fewer than the "
+                                 f"{wanted:,} conversations {factor} x --train-conversations "
                                  f"{self.args.train_conversations} needs; use smaller sizes or more prompts")
         if not (chat / "summary.json").is_file():
             run([sys.executable, BENCH / "chat_data.py", "regenerate", "--target", self.target, "--prompts", prompts,
@@ -618,89 +627,186 @@ def step_ms_of(metrics_jsonl: Path) -> list[float]:
 
 
 SCREEN_POSITIONS = "screen-positions.json"
+SCREEN_TIMING = "screen-timing.json"
 
 
 def screen_run_dir(work: Path, size: int | str, name: str) -> Path:
-    return work / f"screen-{size}x-{name}"
+    return work / f"screen-{size}x-{sc.run_slug(name)}"
+
+
+def run_packing(metrics_jsonl: Path) -> int | None:
+    """Tokens per step a training packed (its metrics.jsonl's args record), None before it started."""
+    from eagle3_pipeline.metrics import read_metrics
+
+    return sc.packing_of(read_metrics(metrics_jsonl))
+
+
+def screen_checkpoints(work: Path, size: int | str, name: str) -> Path:
+    run_dir = screen_run_dir(work, size, name)
+    return run_dir if sc.resolve_recipe(name).get("plain") else run_dir / "checkpoints"
 
 
 def screen_curves(work: Path, sizes, names, ks, timing: dict, positions: dict, whole: bool = True) -> dict[str, dict]:
     """The offline curves of the screen's runs in `work`: each epoch with a validation, tau at `ks` (benchlib.screen);
-    `whole`: every run must have all its epochs (a finished screen), else the epochs there are (a cut hold's records)."""
+    `whole`: every run must have all its epochs (a finished screen), else the epochs there are (a cut hold's records).
+    A run's step seconds are its class's solo timing at the same packing (sc.timing_for)."""
     curves: dict[str, dict] = {}
     for f in sizes:
         for n in names:
-            run_dir = screen_run_dir(work, f, n)
-            ckpts = run_dir if sc.resolve_recipe(n).get("plain") else run_dir / "checkpoints"
+            ckpts = screen_checkpoints(work, f, n)
             try:
                 costs = lc.read_gpu_seconds(ckpts / "metrics.jsonl")
             except (OSError, ValueError) as exc:  # a run that never trained a step (a cut hold's records: skipped)
                 if whole:
                     raise SystemExit(f"bench-acceptance --screen: {ckpts}: {exc}") from None
                 continue
-            step_s = timing.get(f"{f}x/{sc.cost_class(n)}", {}).get("step_s")
+            dataset = sc.run_dataset(int(f), n)
+            packing = run_packing(ckpts / "metrics.jsonl")
+            step_s, why = sc.timing_for(timing, f"{f}x/{sc.cost_class(n)}", packing)
+            if why:
+                log(f"  {f}x/{n}: no equal-GPU-time x: {why}")
             points = [sc.offline_point(e, costs[e], offline_estimate(read_val_metrics(ckpts / str(e)))["full_acc"],
-                                       positions[str(f)], ks, step_s)
+                                       positions[dataset], ks, step_s)
                       for e in sorted(costs) if whole or (ckpts / str(e) / "val_metrics.json").is_file()]
             if points:
                 curves.setdefault(str(f), {})[n] = {"recipe": sc.resolve_recipe(n), "cost_class": sc.cost_class(n),
-                                                    "step_s": step_s, "val_positions": positions[str(f)],
+                                                    "step_s": step_s, "val_positions": positions[dataset],
+                                                    "dataset": dataset, "total_seq_len": packing,
+                                                    **({"timing_note": why} if why else {}),
                                                     "checkpoints": str(ckpts), "points": points}
     return curves
+
+
+def screen_chat_dir(name: str, source: Path, work: Path) -> Path:
+    """--screen-chat NAME=PATH: a regenerated chat directory (bench/chat_data.py regenerate's OUT, with
+    train_tokens.jsonl), or the chat-NAME.tar.xz that `h200_vllm_gpu.sh regenerate` returns, unpacked once into
+    WORK/screen-chat/NAME (its one folder inside)."""
+    import tarfile
+
+    def chat_in(folder: Path) -> Path | None:
+        if (folder / "train_tokens.jsonl").is_file():
+            return folder
+        inner = [d for d in folder.iterdir() if d.is_dir() and (d / "train_tokens.jsonl").is_file()] if folder.is_dir() else []
+        return inner[0] if len(inner) == 1 else None
+
+    if source.is_dir():
+        found = chat_in(source)
+        if found is None:
+            raise SystemExit(f"bench-acceptance --screen-chat {name}={source}: no train_tokens.jsonl there "
+                             f"(expected bench/chat_data.py regenerate's output folder)")
+        return found
+    if not source.is_file() or not source.name.endswith((".tar.xz", ".tar")):
+        raise SystemExit(f"bench-acceptance --screen-chat {name}={source}: neither a chat folder nor a .tar.xz archive")
+    unpacked = work / "screen-chat" / name
+    if not (unpacked.is_dir() and chat_in(unpacked)):
+        tmp = unpacked.with_name(unpacked.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        try:
+            with tarfile.open(source) as archive:
+                archive.extractall(tmp, filter="data")
+        except (tarfile.TarError, OSError, EOFError) as exc:
+            raise SystemExit(f"bench-acceptance --screen-chat {name}={source}: unreadable archive ({exc})") from None
+        if chat_in(tmp) is None:
+            raise SystemExit(f"bench-acceptance --screen-chat {name}={source}: no train_tokens.jsonl in the archive")
+        shutil.rmtree(unpacked, ignore_errors=True)
+        os.replace(tmp, unpacked)
+    return chat_in(unpacked)
+
+
+def same_prompts_rows(base_rows: Path, other_rows: Path, conversations: int, out: Path) -> dict:
+    """The rows of another chat for exactly the prompts the size's own dataset trains on (the first `conversations`
+    of the bench's chat, as stage 01 --max-samples counts them), written to `out` (atomically)."""
+    with open(base_rows) as handle:
+        prompts = sc.first_prompts((json.loads(line).get("primary_id") for line in handle if line.strip()), conversations)
+    with open(other_rows) as handle:
+        kept, counts = sc.same_prompts(handle, prompts)
+    if not kept:
+        raise SystemExit(f"bench-acceptance --screen-chat: {other_rows}: none of the {len(prompts)} prompts of "
+                         f"{base_rows} (regenerate it from the same prompts file, --train-limit at least {conversations})")
+    atomic_write_text(out, "".join(kept))
+    return counts
 
 
 def run_screen(args, bench: Bench, target: dict, started: float, load_start) -> int:
     """--screen (issue 37): per data size one dataset, every --screen-recipes trained on it (--jobs at once: equal
     epochs do not need a quiet GPU), validated on the held-out rows to --screen-val-depth TTT steps at every epoch;
-    then the --screen-vllm-top recipes by offline tau, plus ours and plain, in vLLM; then each step shape timed alone
-    (--screen-timing-steps: the equal-GPU-time x). Results merge into one JSON across invocations."""
+    then the --screen-vllm-top recipes by offline tau, plus ours, plain and the data lever's recipes, in vLLM; then
+    each step shape timed alone (--screen-timing-steps: the equal-GPU-time x), unless a timing of the same class at
+    the same packing is already known (another size here, or the carried results file). Results merge into one
+    JSON across invocations."""
     output = args.output or REPO / "bench" / "results" / f"{'cpu' if bench.cpu else 'h200'}-screen-smollm2.json"
+    earlier = json.loads(output.read_text()) if output.is_file() else {}
+    earlier = earlier if earlier.get("benchmark") == "screen-smollm2" else {}
     names = list(dict.fromkeys(["ours", "plain", *args.screen_recipes]))
-    recipes = {n: sc.resolve_recipe(n) for n in names}
+    try:
+        recipes = {n: sc.resolve_recipe(n) for n in names}
+        chats = sc.parse_screen_chat(args.screen_chat)
+        kimi = load_kimi_costs(args.kimi_costs)
+    except ValueError as exc:
+        raise SystemExit(f"bench-acceptance --screen: {exc}") from None
+    missing = [c for c in sc.chat_names(names) if c not in chats]
+    if missing:
+        raise SystemExit(f"bench-acceptance --screen: recipe data:{missing[0]} needs --screen-chat {missing[0]}=DIR "
+                         f"(a chat_data.py regenerate folder or its chat-NAME.tar.xz)")
     ks = list(range(1, args.screen_val_depth + 1))
     bench.build_data()
     chat = bench.work / "chat"
+    chat_dirs = {c: screen_chat_dir(c, Path(chats[c]), bench.work) for c in sc.chat_names(names)}
     val_env = {val_depth.ENV: str(args.screen_val_depth)}
     flags = [*CURVE_04_FLAGS, "--val-ttt-steps", args.screen_val_depth, "--num-workers", args.screen_workers]
     plain_flags = ["--num-workers", args.screen_workers]
-
-    def name_of(f: int) -> str:  # the curves' datasets: a --work shared with --curves extracts once
-        return f"curves-{f}x"
 
     def train(run: str, data: Path, vocab: Path, epochs: int, recipe: dict, extra: list) -> dict:
         if recipe.get("plain"):
             return bench.train_plain(run, data, epochs, extra=plain_flags + extra, env=val_env)
         return bench.train_ours(run, data, epochs, recipe, vocab=vocab, export=False, extra=flags + extra)
 
-    # 1. datasets and one vocabulary per size (the first training must not build it while the others wait)
-    tasks = {f: ((), lambda done, f=f: bench.prepared(name_of(f), chat / "train_tokens.jsonl",
-                                                     args.train_conversations * f)) for f in args.screen_data}
-    datasets = in_dependency_order(tasks, args.jobs)
-    for f, result in datasets.items():
+    # 1. datasets (a size's own: the curves' datasets, so a --work shared with --curves extracts once; a data
+    # recipe's: its chat's rows for the size's prompts) and one vocabulary each (built before the trainings)
+    dataset_keys = list(dict.fromkeys(sc.run_dataset(f, n) for f in args.screen_data for n in names))
+    data_counts: dict[str, dict] = {}
+
+    def dataset_job(key: str):
+        size, _, chat_name = key.partition(":")
+        conversations = args.train_conversations * int(size)
+        if not chat_name:
+            return bench.prepared(f"curves-{size}x", chat / "train_tokens.jsonl", conversations)
+        rows = bench.work / f"chat-{chat_name}-{size}x-rows.jsonl"
+        data_counts[key] = same_prompts_rows(chat / "train_tokens.jsonl", chat_dirs[chat_name] / "train_tokens.jsonl",
+                                             conversations, rows)
+        log(f"  dataset {key}: {data_counts[key]['prompts_matched']} of the size's {data_counts[key]['prompts']} prompts "
+            f"in {chat_name} ({data_counts[key]['rows']} rows; {data_counts[key]['prompts_missing']} missing)")
+        return bench.prepared(f"chat-{chat_name}-{size}x", rows, data_counts[key]["prompts"])
+
+    datasets = in_dependency_order({key: ((), lambda done, key=key: dataset_job(key)) for key in dataset_keys}, args.jobs)
+    for key, result in datasets.items():
         if isinstance(result, BaseException):
-            raise SystemExit(f"bench-acceptance --screen: dataset {f}x failed: {result}")
+            raise SystemExit(f"bench-acceptance --screen: dataset {key} failed: {result}")
     vocabs = {}
-    for f in args.screen_data:
-        vocabs[f] = bench.work / f"{name_of(f)}-vocab"
-        run(stage("03_build_vocab_mapping.py", "--data", datasets[f], "--output", vocabs[f]),
-            bench.logs / f"{name_of(f)}-vocab.log", f"03 vocab {name_of(f)}")
+    for key in dataset_keys:
+        vocabs[key] = datasets[key].parent.with_name(datasets[key].parent.name + "-vocab")
+        run(stage("03_build_vocab_mapping.py", "--data", datasets[key], "--output", vocabs[key]),
+            bench.logs / f"{vocabs[key].name}.log", f"03 vocab {datasets[key].parent.name}")
 
     # the held-out positions, before any training: they travel with the records, so a cut hold's records report alone
-    positions = {str(f): val_positions(datasets[f]) for f in args.screen_data}
+    positions = {key: val_positions(datasets[key]) for key in dataset_keys}
     atomic_write_text(bench.work / SCREEN_POSITIONS, json.dumps(positions))
 
     # 2. every recipe, --jobs at once
-    jobs = {(f, n): ((), lambda done, f=f, n=n: train(f"screen-{f}x-{n}", datasets[f], vocabs[f], args.screen_epochs,
-                                                       recipes[n], []))
-            for f in args.screen_data for n in names}
-    trained = in_dependency_order(jobs, args.jobs)
+    def run_job(f: int, n: str):
+        key = sc.run_dataset(f, n)
+        return lambda done: train(screen_run_dir(bench.work, f, n).name, datasets[key], vocabs[key], args.screen_epochs,
+                                  recipes[n], [])
+
+    trained = in_dependency_order({(f, n): ((), run_job(f, n)) for f in args.screen_data for n in names}, args.jobs)
     failed = {f"{f}x/{n}": f"{type(r).__name__}: {str(r)[-400:]}" for (f, n), r in trained.items() if isinstance(r, BaseException)}
     for key, why in failed.items():
         log(f"  FAILED {key}: {why}")
     t_train = time.perf_counter() - started
 
     # 3. offline curves: every epoch's validation, tau at k = 1..depth with a standard error; gpu_s once timed (5.)
-    timing_path = bench.work / "screen-timing.json"
+    timing_path = bench.work / SCREEN_TIMING
     timing = json.loads(timing_path.read_text()) if timing_path.is_file() else {}
     finished = [n for n in names if not any(isinstance(trained[(f, n)], BaseException) for f in args.screen_data)]
 
@@ -709,16 +815,28 @@ def run_screen(args, bench: Bench, target: dict, started: float, load_start) -> 
 
     curves = offline_curves()
 
-    # 4. vLLM: the top recipes by offline tau at the largest k, plus ours and plain, last checkpoint each
+    # 4. vLLM: ours, plain, the data lever's recipes and their bases (a data recipe's offline tau is on its own
+    # dataset's held-out rows: only vLLM compares datasets; also at its base's last steps, equal GPU time), and the
+    # top recipes by offline tau at the largest k; last checkpoint each
     settings = vllm_settings(args, bench)
     cache_path = bench.work / "vllm-screen.json"
     cache = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
     vllm: dict[str, dict] = {}
+    vllm_equal: dict[str, dict] = {}
     k_top = max(args.ks)
     for size, by_name in curves.items():
-        order = [n for n, _ in sc.ranking(by_name, min(k_top, args.screen_val_depth)) if n not in ("ours", sc.PLAIN)]
-        chosen = ["ours", sc.PLAIN, *order[:args.screen_vllm_top]] if args.screen_vllm_top else []
+        data_runs = [n for n in by_name if "data" in recipes[n]]
+        always = list(dict.fromkeys(["ours", sc.PLAIN, *data_runs, *(sc.data_base(n) for n in data_runs)]))
+        order = [n for n, _ in sc.ranking(by_name, min(k_top, args.screen_val_depth)) if n not in always]
+        chosen = [*always, *order[:args.screen_vllm_top]] if args.screen_vllm_top else []
         drafts = {n: str(Path(by_name[n]["checkpoints"]) / str(args.screen_epochs - 1)) for n in chosen if n in by_name}
+        equal_epochs = {}
+        for n in data_runs:
+            base = by_name.get(sc.data_base(n))
+            if n in drafts and base:
+                equal_epochs[n] = sc.equal_steps_epoch(by_name[n], sc.last_point(base)["steps"])
+                if equal_epochs[n] != args.screen_epochs - 1:
+                    drafts[f"{n}@e{equal_epochs[n]}"] = str(Path(by_name[n]["checkpoints"]) / str(equal_epochs[n]))
         todo = {n: d for n, d in drafts.items() if cache.get(f"{size}x/{n}-k{k_top}", {}).get("stamp") != draft_stamp(d)}
         known = (cache["baseline"], cache["baseline_token_ids"]) if "baseline" in cache else None
 
@@ -741,57 +859,83 @@ def run_screen(args, bench: Bench, target: dict, started: float, load_start) -> 
         tmp = cache_path.with_name(cache_path.name + ".tmp")
         tmp.write_text(json.dumps(cache, default=str))
         os.replace(tmp, cache_path)
+
+        def taus_of(label: str) -> dict | None:
+            entry = cache.get(f"{size}x/{label}-k{k_top}")
+            if not entry:
+                return None
+            taus = lc.checkpoint_taus({k_top: entry["run"]}, [k for k in (3, 5, k_top) if k <= k_top])
+            return {k: v for k, v in taus.items() if k != "by_kind"}
+
         for n in drafts:
-            entry = cache.get(f"{size}x/{n}-k{k_top}")
-            if entry:
-                taus = lc.checkpoint_taus({k_top: entry["run"]}, [k for k in (3, 5, k_top) if k <= k_top])
-                vllm.setdefault(size, {})[n] = {k: v for k, v in taus.items() if k != "by_kind"}
+            if "@e" not in n and (taus := taus_of(n)):
+                vllm.setdefault(size, {})[n] = taus
+        for n, e in equal_epochs.items():
+            taus = taus_of(n if e == args.screen_epochs - 1 else f"{n}@e{e}")
+            if taus:
+                point = next(p for p in by_name[n]["points"] if p["epoch"] == e)
+                vllm_equal.setdefault(size, {})[n] = {"epoch": e, "steps": point["steps"], **taus}
     t_vllm = time.perf_counter() - started - t_train
     # 5. each step shape alone, after vLLM (a hold that runs out of time still has the rest): its median step after
-    # compilation is the recipe's cost per step; kept in screen-timing.json, so a rerun times only what is missing
+    # compilation is the recipe's cost per step; kept in screen-timing.json, so a rerun times only what is missing.
+    # A class already timed at the same packing (another size here, or the carried results file) is not timed again.
     if args.screen_timing_steps:
+        wanted: dict[str, int | None] = {}
         for f in args.screen_data:
-            for cls in dict.fromkeys(sc.cost_class(n) for n in names if (f, n) in trained and (f"{f}x/{n}" not in failed)):
-                key = f"{f}x/{cls}"
-                if timing.get(key, {}).get("steps") == args.screen_timing_steps:
-                    continue
-                # the screen's epochs (stage 04's short-run packing rule sees the same run), cut by --max-steps
-                done = train(f"screen-{f}x-timing-{cls}", datasets[f], vocabs[f], args.screen_epochs,
-                             recipes.get(cls) or sc.resolve_recipe(cls), ["--max-steps", args.screen_timing_steps])
-                metrics = Path(done["checkpoints"]) / "metrics.jsonl"
-                step_ms = step_ms_of(metrics)
-                timing[key] = {"steps": args.screen_timing_steps, "step_s": sc.solo_step_seconds(step_ms), "step_ms": step_ms}
-                log(f"  timing {key}: {1000 * timing[key]['step_s']:.1f} ms/step alone")
-                atomic_write_text(timing_path, json.dumps(timing, indent=2))
+            for n in names:
+                if (f, n) in trained and f"{f}x/{n}" not in failed and sc.run_dataset(f, n) == str(f):
+                    key = f"{f}x/{sc.cost_class(n)}"
+                    wanted[key] = wanted.get(key) or run_packing(screen_checkpoints(bench.work, f, n) / "metrics.jsonl")
+        fill = sc.mean_fill(earlier)  # for the carried entries recorded before their packing was
+        carried = {k: {**e, **({"mean_tokens_per_step": fill[k]} if k in fill and "total_seq_len" not in e else {})}
+                   for k, e in earlier.get("timing", {}).items()}
+        donors = [(SCREEN_TIMING, dict(timing))] + ([(output.name, carried)] if carried else [])
+        recipes_then = {n: r for inv in earlier.get("invocations", []) for n, r in inv.get("setup", {}).get("recipes", {}).items()}
+        for line in sc.seed_timing(timing, wanted, donors, recipes_then):
+            log(f"  {line}")
+        atomic_write_text(timing_path, json.dumps(timing, indent=2))
+        for key in wanted:
+            f, cls = int(key.split("x/", 1)[0]), key.split("/", 1)[1]
+            entry = timing.get(key, {})
+            if entry.get("seeded_from") or entry.get("steps") == args.screen_timing_steps:
+                continue
+            # the screen's epochs (stage 04's short-run packing rule sees the same run), cut by --max-steps
+            done = train(f"screen-{f}x-timing-{sc.run_slug(cls)}", datasets[str(f)], vocabs[str(f)], args.screen_epochs,
+                         recipes.get(cls) or sc.resolve_recipe(cls), ["--max-steps", args.screen_timing_steps])
+            metrics = Path(done["checkpoints"]) / "metrics.jsonl"
+            step_ms = step_ms_of(metrics)
+            timing[key] = {"steps": args.screen_timing_steps, "step_s": sc.solo_step_seconds(step_ms), "step_ms": step_ms,
+                           "total_seq_len": run_packing(metrics)}
+            log(f"  timing {key}: {1000 * timing[key]['step_s']:.1f} ms/step alone")
+            atomic_write_text(timing_path, json.dumps(timing, indent=2))
     curves = offline_curves()
     t_timing = time.perf_counter() - started - t_train - t_vllm
 
     # 6. the tables, offline against vLLM, and the curves JSON's own check of the same (issue 37 item 1)
     report_ks = [k for k in (3, 5) if k <= args.screen_val_depth] or [args.screen_val_depth]
-    rows = sc.screen_table(curves, report_ks, vllm)
     agreement = {}
     for size, measured in vllm.items():
-        both = [n for n in measured if str(k_top) in measured[n] and n in curves[size]]
+        both = [n for n in measured if str(k_top) in measured[n] and n in curves[size] and "data" not in recipes[n]]
         agreement[size] = {"k": k_top, "recipes": both, "spearman": sc.spearman(
             [sc.last_point(curves[size][n])["tau"][str(k_top)]["tau"] for n in both],
             [measured[n][str(k_top)]["tau"] for n in both])}
     curves_file = REPO / "bench" / "results" / "h200-acceptance-curves-smollm2.json"
     on_curves = sc.curves_offline_vs_vllm(json.loads(curves_file.read_text())["curves"], 3) if curves_file.is_file() else None
-    for line in sc.format_screen(rows, report_ks):
+    merged_curves, merged_from = curves, []
+    if earlier:
+        merged_curves = {**earlier["curves"], **curves}
+        vllm = {**earlier.get("vllm", {}), **vllm}
+        vllm_equal = {**earlier.get("vllm_equal_time", {}), **vllm_equal}
+        merged_from = earlier.get("invocations", [])
+    rows = sc.screen_table(merged_curves, report_ks, vllm, kimi)
+    lever = sc.data_lever_table(merged_curves, vllm, vllm_equal, sorted({*report_ks, k_top}))
+    for line in sc.format_screen(rows, report_ks) + sc.format_data_lever(lever, sorted({*report_ks, k_top})):
         log(line)
     for size, a in agreement.items():
         log(f"offline vs vLLM at {size}x, k={a['k']}: Spearman {a['spearman']} over {a['recipes']}")
     if on_curves:
         log(f"offline vs vLLM on {curves_file.name} (k=3): Spearman {on_curves['spearman_all_checkpoints']:.3f} over "
             f"{on_curves['points']} checkpoints")
-    merged_curves, merged_from = curves, []
-    if output.is_file():
-        earlier = json.loads(output.read_text())
-        if earlier.get("benchmark") == "screen-smollm2":
-            merged_curves = {**earlier["curves"], **curves}
-            vllm = {**earlier.get("vllm", {}), **vllm}
-            merged_from = earlier.get("invocations", [])
-            rows = sc.screen_table(merged_curves, report_ks, vllm)
     invocation = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                   "command": shlex.join([sys.executable, *sys.argv]), "commit": git_commit(), "data_sizes": args.screen_data,
                   "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "device": args.device,
@@ -801,6 +945,8 @@ def run_screen(args, bench: Bench, target: dict, started: float, load_start) -> 
                             "val_depth": args.screen_val_depth, "jobs": args.jobs, "loader_workers": args.screen_workers,
                             "timing_steps": args.screen_timing_steps, "vllm_top": args.screen_vllm_top, "vllm_k": k_top,
                             "recipes": recipes, "ours_04_flags": list(map(str, flags)), "plain_flags": plain_flags,
+                            "screen_chat": {c: str(d) for c, d in chat_dirs.items()},
+                            "datasets": {key: {"path": str(datasets[key]), **data_counts.get(key, {})} for key in dataset_keys},
                             "vllm_settings": settings.__dict__}, "failed": failed}
     results = {
         "benchmark": "screen-smollm2",
@@ -809,12 +955,18 @@ def run_screen(args, bench: Bench, target: dict, started: float, load_start) -> 
                    "each epoch's checkpoint, validation unrolled to val_depth TTT steps for every recipe "
                    "(compat/val_depth.py); stderr treats the held-out positions as independent (a lower bound); "
                    "gpu_s = optimizer steps x the recipe's solo median step (its step shape timed alone, "
-                   "timing_steps steps, the first 3 left out); vLLM measures the top recipes' last checkpoints"),
+                   "timing_steps steps, the first 3 left out; a class timed at the same packing at another size or in "
+                   "the carried file is reused: timing[*].seeded_from); vLLM measures the top recipes' last checkpoints; "
+                   "a data recipe (data:NAME, prompts-2x) trains on other rows, so its offline tau is on its own "
+                   "held-out rows and vLLM compares it with its base at equal GPU time (data_lever)"),
         "invocations": merged_from + [invocation], "target": target, "data": bench.build_data(),
-        "timing": timing, "curves": merged_curves, "vllm": vllm, "table": rows,
+        "timing": timing, "curves": merged_curves, "vllm": vllm, "vllm_equal_time": vllm_equal, "table": rows,
+        "data_lever": lever,
         "offline_vs_vllm": {"screen": agreement, "curves_1x": on_curves and {k: v for k, v in on_curves.items() if k != "pairs"},
                             "curves_pairs": on_curves and on_curves["pairs"]},
     }
+    if kimi:
+        results["projection"] = kimi
     write_results(output, results)
     log(f"wrote {output}")
     return 0
@@ -893,27 +1045,55 @@ def run_vs_stage06(args, bench: Bench, target: dict, started: float) -> int:
     return 0
 
 
-def screen_records_report(records: Path, output: Path | None, val_depth: int) -> int:
+def load_kimi_costs(path: Path | None) -> dict | None:
+    """--kimi-costs FILE: bench/train_throughput.py's results JSON -> the projection's costs (benchlib.screen)."""
+    if path is None:
+        return None
+    try:
+        costs = sc.kimi_costs(json.loads(Path(path).read_text()))
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ValueError(f"--kimi-costs {path}: {exc}") from None
+    return {"what": "projection: the equal-time ratio at Kimi-K2.5 geometry, x = a checkpoint's trained tokens / its "
+                    "cost class's training tokens/s there (the run of that name in this file); a recipe whose class "
+                    "has no run shows '-'; Kimi runs at another packing than the screen's are another step shape "
+                    "(compare runs' tokens_per_step with the curves' total_seq_len)",
+            "source": str(path), **costs}
+
+
+def screen_records_report(records: Path, output: Path | None, val_depth: int, kimi_path: Path | None = None) -> int:
     """--screen-records DIR: the screen's table from a hold's records alone (acceptance-wait's curves-records.tgz,
-    unpacked): what a hold cut short had trained, each run's epochs with a validation; no engine, no training."""
+    unpacked): what a hold cut short had trained, each run's epochs with a validation; no engine, no training.
+    Timing entries made before the packing was recorded get it from their timing run's metrics.jsonl there."""
+    try:
+        kimi = load_kimi_costs(kimi_path)
+    except ValueError as exc:
+        raise SystemExit(f"bench-acceptance --screen-records: {exc}") from None
     positions = json.loads((records / SCREEN_POSITIONS).read_text())
-    timing = json.loads((records / "screen-timing.json").read_text()) if (records / "screen-timing.json").is_file() else {}
+    timing = json.loads((records / SCREEN_TIMING).read_text()) if (records / SCREEN_TIMING).is_file() else {}
+    for key, entry in timing.items():
+        if "total_seq_len" not in entry:
+            size, cls = key.split("x/", 1)
+            timing_run = records / f"screen-{size}x-timing-{sc.run_slug(cls)}"
+            entry["total_seq_len"] = run_packing(timing_run / ("metrics.jsonl" if cls == sc.PLAIN else
+                                                               "checkpoints/metrics.jsonl"))
     found: dict[str, list[str]] = {}
     for run_dir in sorted(records.glob("screen-*x-*")):
-        size, _, name = run_dir.name.removeprefix("screen-").partition("x-")
-        if not name.startswith("timing-"):
-            found.setdefault(size, []).append(name)
+        size, _, slug = run_dir.name.removeprefix("screen-").partition("x-")
+        if not slug.startswith("timing-") and run_dir.is_dir():
+            found.setdefault(size, []).append(sc.recipe_of_slug(slug))
     ks = list(range(1, val_depth + 1))
     curves = {}
     for size, names in found.items():
         curves.update(screen_curves(records, [size], names, ks, timing, positions, whole=False))
     report_ks = [k for k in (3, 5) if k <= val_depth]
-    rows = sc.screen_table(curves, report_ks)
+    rows = sc.screen_table(curves, report_ks, kimi=kimi)
     for line in sc.format_screen(rows, report_ks):
         log(line)
     if output:
         results = {"benchmark": "screen-smollm2", "partial": f"from the records in {records.name}: the epochs each run "
                    "had validated when they were copied", "curves": curves, "timing": timing, "table": rows}
+        if kimi:
+            results["projection"] = kimi
         write_results(output, results)
         log(f"wrote {output}")
     return 0
@@ -1000,7 +1180,8 @@ def main() -> int:
                              "the top few in vLLM; results bench/results/<cpu|h200>-screen-smollm2.json")
     screen.add_argument("--screen-recipes", nargs="+", default=sc.DEFAULT_SCREEN,
                         help="recipe names (benchlib/screen.py SCREEN_RECIPES), 'a+b' combines two; ours and plain "
-                             "always run")
+                             "always run; data:NAME trains on --screen-chat NAME's answers to the size's prompts, "
+                             "prompts-2x on twice the prompts (the next size's dataset)")
     screen.add_argument("--screen-data", type=int, nargs="+", default=[1], help="data sizes (multiples of --train-conversations)")
     screen.add_argument("--screen-epochs", type=int, default=6, help="epochs of every screened recipe")
     screen.add_argument("--screen-val-depth", type=int, default=5,
@@ -1016,9 +1197,17 @@ def main() -> int:
                              "with the same prompts and engine settings, 06 with its own defaults, 06 on two faults")
     screen.add_argument("--screen-records", type=Path, default=None, metavar="DIR",
                         help="print the screen table of a hold's unpacked records (its runs' epochs so far); runs nothing")
+    screen.add_argument("--screen-chat", nargs="+", default=[], metavar="NAME=PATH",
+                        help="a chat for the data lever's recipe data:NAME: bench/chat_data.py regenerate's output "
+                             "folder (e.g. --answers-per-prompt 2 --temperature 0.8 from the same prompts), or the "
+                             "chat-NAME.tar.xz `h200_vllm_gpu.sh regenerate NAME` returns (unpacked into the work dir)")
+    screen.add_argument("--kimi-costs", type=Path, default=None, metavar="FILE",
+                        help="bench/train_throughput.py results JSON (runs plain, ours, fc-norm, ...): a projection "
+                             "column, the equal-time ratio at Kimi-K2.5 geometry (trained tokens / the cost class's "
+                             "Kimi tokens/s); with --screen or --screen-records")
     args = parser.parse_args()
     if args.screen_records:
-        return screen_records_report(args.screen_records, args.output, args.screen_val_depth)
+        return screen_records_report(args.screen_records, args.output, args.screen_val_depth, args.kimi_costs)
     if args.curves_report:
         return curves_report(args.curves_report)
     output = args.output or REPO / "bench" / "results" / f"{args.device}-acceptance-smollm2.json"

@@ -99,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg, identity_inputs,
         target_config_sha256=target.config_sha256, draft_config=draft.model_dump(exclude={"description"}),
         ttt_steps=ttt_steps(cfg, draft), world_size=cfg.nproc * cfg.nnodes, **source,
+        # feature noise changes what is trained, yet a run without it keeps the identity it had before the flag
+        **({"noise_std": cfg.noise_std} if cfg.noise_std > 0 else {}),
     )
     check_writable_dir(out_dir, "--output")
     if cfg.nnodes > 1 and not cfg.check:  # nodes share --output (node 0 writes it): one process per node

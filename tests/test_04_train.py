@@ -1,7 +1,11 @@
 """Stage 04: speculators' real trainer on the miniature; Kimi head tensors; CPU layer; resume."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -10,11 +14,12 @@ from safetensors import safe_open
 from eagle3_pipeline.checkpoints import complete as checkpoint_dirs
 from eagle3_pipeline.compat import cpu_trainer
 from eagle3_pipeline.config import DraftConfig, TrainConfig, build_config
+from eagle3_pipeline.errors import ConfigError
 from eagle3_pipeline.metrics import read_metrics
 from eagle3_pipeline.target import weight_map
 from eagle3_pipeline.training import resolve_kernels, speculators_argv
 
-from conftest import run_stage
+from conftest import REPO, run_stage
 
 
 def _kimi_tensor(target, key):
@@ -174,3 +179,96 @@ def test_the_exported_checkpoint_is_the_best_offline_tau_not_the_lowest_loss(tmp
         val.update({key: 0.5 for key in val if key.startswith("full_acc_")})
         (work / epoch / "val_metrics.json").write_text(json.dumps(val))
     assert choose_checkpoint(work, 3)[0] == work / "1" and os.readlink(work / "checkpoint_best") == "1"
+
+
+# Stage 04 in one process (nproc 1 runs speculators' trainer in-process), with two spies around
+# Eagle3DraftModel.forward: `inner` (installed before compat.apply, so the noise wrapper sits above it) sees what
+# speculators' forward receives; `outer` (installed right after compat.apply) sees what the trainer passes. Prints,
+# per forward call, train/val mode and the largest change of the aux slots and of the last slot between the two.
+_SPY_04 = textwrap.dedent("""
+    import json, runpy, sys
+    from speculators.models.eagle3 import core
+    from eagle3_pipeline import compat
+
+    calls, keys = [], ("hidden_states", "verifier_last_hidden_states")
+    below_noise = core.Eagle3DraftModel.forward
+
+    def inner(self, *args, **kwargs):
+        calls[-1]["inner"] = {k: kwargs[k].detach().clone() for k in keys}
+        return below_noise(self, *args, **kwargs)
+
+    core.Eagle3DraftModel.forward = inner
+    original_apply = compat.apply
+
+    def apply(metrics_path):
+        applied = original_apply(metrics_path)
+        wrapped = core.Eagle3DraftModel.forward
+
+        def outer(self, *args, **kwargs):
+            calls.append({"training": self.training, "outer": {k: kwargs[k].detach().clone() for k in keys}})
+            return wrapped(self, *args, **kwargs)
+
+        core.Eagle3DraftModel.forward = outer
+        return applied
+
+    compat.apply = apply
+    sys.argv = ["04_train.py", *sys.argv[1:]]
+    try:
+        runpy.run_path(SCRIPT, run_name="__main__")
+    except SystemExit as exc:
+        assert not exc.code, exc.code
+    report = []
+    for c in calls:
+        aux = (c["inner"]["hidden_states"] - c["outer"]["hidden_states"])
+        report.append({"training": c["training"], "aux_max": float(aux.abs().max()), "aux_std": float(aux.std()),
+                       "last_max": float((c["inner"]["verifier_last_hidden_states"]
+                                          - c["outer"]["verifier_last_hidden_states"]).abs().max())})
+    print("SPY " + json.dumps(report))
+""")
+
+
+def _spied_04(tmp_path, kimi_run, kimi_target, *flags):
+    out = tmp_path / "ckpt"
+    driver = _SPY_04.replace("SCRIPT", repr(str(REPO / "eagle3-train" / "04_train.py")))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    result = subprocess.run([sys.executable, "-c", driver, "--profile", "cpu-mini", "--target", str(kimi_target),
+                             "--data", str(kimi_run["data"]), "--vocab", str(kimi_run["vocab"]), "--output", str(out),
+                             "--epochs", "1", "--logger", "", *flags],
+                            capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    calls = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("SPY "))[4:])
+    return calls, json.loads((out / "manifest.json").read_text())
+
+
+@pytest.mark.slow
+def test_noise_std_perturbs_only_the_aux_slots_of_training_steps(tmp_path, kimi_run, kimi_target):
+    """--noise-std (compat/feature_noise.py) with speculators' real trainer: 0 leaves every batch as the loader made
+    it and installs nothing; 0.5 changes the aux slots of each training step by N(0, 0.5^2) and never the last slot
+    (the target logits' source), and validation's batches stay as they were. Recorded in the config and identity."""
+    calls, manifest = _spied_04(tmp_path / "off", kimi_run, kimi_target)
+    assert any(c["training"] for c in calls) and any(not c["training"] for c in calls)
+    assert all(c["aux_max"] == 0 and c["last_max"] == 0 for c in calls)
+    assert "feature_noise" not in manifest["compat_applied"] and manifest["config"]["noise_std"] == 0
+    assert "noise_std" not in manifest["identity"]["settings"]  # a run without noise keeps the identity it had
+
+    calls, manifest = _spied_04(tmp_path / "on", kimi_run, kimi_target, "--noise-std", "0.5")
+    train, val = [c for c in calls if c["training"]], [c for c in calls if not c["training"]]
+    assert train and val
+    assert all(c["aux_max"] > 0 and 0.4 < c["aux_std"] < 0.6 for c in train)
+    assert all(c["last_max"] == 0 for c in calls)
+    assert all(c["aux_max"] == 0 for c in val)
+    assert "feature_noise" in manifest["compat_applied"]
+    assert manifest["config"]["noise_std"] == 0.5 and manifest["identity"]["settings"]["noise_std"] == 0.5
+
+
+def test_feature_noise_is_out_of_place_and_zero_is_nothing():
+    from eagle3_pipeline.compat import feature_noise
+
+    x = torch.ones(1, 64, 12)
+    assert feature_noise.add_noise(x, 0.0) is x
+    y = feature_noise.add_noise(x, 0.1)
+    assert torch.equal(x, torch.ones(1, 64, 12)) and y.dtype == x.dtype and not torch.equal(x, y)
+    cfg, _ = build_config(TrainConfig, {"target": "t", "data": "d", "vocab": "v", "output": "o"})
+    assert cfg.noise_std == 0.0
+    with pytest.raises(ConfigError, match="--noise-std .*greater than or equal to 0"):
+        build_config(TrainConfig, {"target": "t", "data": "d", "vocab": "v", "output": "o", "noise_std": -0.1})

@@ -44,6 +44,8 @@ _APPLY_AND_LOOK = textwrap.dedent("""
         "sample_check": bool(getattr(cli.create_train_val_loaders, "_sample_check", False)),
         "finite_loss": cli.Trainer.__name__ == "FiniteLossTrainer",
         "val_depth": bool(getattr(Eagle3DraftModel.get_trainer_kwargs, "_eagle3_val_depth", False)),
+        "feature_noise": bool(getattr(Eagle3DraftModel.forward, "_eagle3_feature_noise", False))
+                         and bool(getattr(Eagle3DraftModel.get_trainer_kwargs, "_eagle3_feature_noise", False)),
         "online_generation": dataloader.ArrowDataset.__name__ == "OnlineArrowDataset",
     }
     print(json.dumps({"applied": applied, "visible": visible}))
@@ -53,7 +55,8 @@ _APPLY_AND_LOOK = textwrap.dedent("""
 def test_apply_returns_the_name_of_every_change_it_made_and_no_other(tmp_path):
     # stage 04's sample-check settings (training.export_compat_settings), as every training process gets them
     checks = json.dumps({"slots": 4, "hidden": 64, "dtype": "float32", "storage": "dtype", "on_bad": "stop"})
-    env = {**os.environ, "EAGLE3_SAMPLE_CHECK": checks, "EAGLE3_VAL_TTT_STEPS": "5"}  # validation deeper than training
+    env = {**os.environ, "EAGLE3_SAMPLE_CHECK": checks, "EAGLE3_VAL_TTT_STEPS": "5",  # validation deeper than training
+           "EAGLE3_NOISE_STD": "0.05"}  # stage 04 --noise-std 0.05
     env.pop("EAGLE3_INPUT_CHECKS", None)
     result = subprocess.run([sys.executable, "-c", _APPLY_AND_LOOK, str(tmp_path / METRICS_FILE)],
                             capture_output=True, text=True, timeout=300, env=env)
@@ -65,7 +68,7 @@ def test_apply_returns_the_name_of_every_change_it_made_and_no_other(tmp_path):
     assert ("cpu_trainer" in report["applied"]) == (torch.accelerator.current_accelerator() is None)
     assert ("device_prefetch" in report["applied"]) == torch.cuda.is_available()
     assert {"interrupt_progress", "samples_record", "metrics_jsonl", "sample_check", "finite_loss",
-            "val_depth"} <= set(report["applied"])
+            "val_depth", "feature_noise"} <= set(report["applied"])
     assert "online_generation" not in report["applied"]  # files mode (no EAGLE3_HIDDEN_STATES): speculators untouched
 
 

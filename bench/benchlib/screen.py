@@ -2,24 +2,28 @@
 trainer's own offline acceptance length on held-out rows, the top few then measured in vLLM.
 
 Pure functions, unit-tested in tests/bench/test_screen.py: the recipe table and its composition ("a+b"),
-offline tau with a standard error from a checkpoint's validation accuracies, GPU seconds from solo step
-timings, the ranking, Spearman's rank correlation (offline against vLLM), and the printed tables. The
-equal-time and equal-epoch ratios are benchlib.curves' own tables, fed with offline points.
+the data lever's datasets (`data:NAME`, `prompts-2x`: which rows a run trains on), offline tau with a standard
+error from a checkpoint's validation accuracies, GPU seconds from solo step timings and their reuse across data
+sizes and holds (the same step shape: class and packing), the projection at Kimi-K2.5 geometry, the ranking,
+Spearman's rank correlation (offline against vLLM), and the printed tables. The equal-time and equal-epoch ratios
+are benchlib.curves' own tables, fed with offline points.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from . import curves as lc
 
 # One change each from the landed defaults ("ours": stage 04 as a user runs it), plus plain speculators.
 # `train`: stage 04 flags; `draft`: draft_config.json fields changed; `cost_as`: the recipe whose solo step
 # time this one's equals (the same kernels per step: only scalars such as lr, decay, warm-up differ), so the
-# timing phase times each step shape once. speculators 0.9.0 has no --noise-std and no --lk-loss-eta flag
-# (lk_hybrid's eta is its default, 3.0).
+# timing phase times each step shape once. `data`: the rows it trains on instead of the size's dataset (the data
+# lever, below). speculators 0.9.0 has no --noise-std (stage 04's is compat/feature_noise.py) and no --lk-loss-eta
+# flag (lk_hybrid's eta is its default, 3.0).
 SCREEN_RECIPES: dict[str, dict] = {
     "ours": {},
     "plain": {"plain": True},
@@ -37,29 +41,55 @@ SCREEN_RECIPES: dict[str, dict] = {
     "muon": {"train": ["--optimizer", "muon"]},
     "warmup-10": {"train": ["--extra-args=--scheduler-warmup-ratio", "--extra-args=0.1"], "cost_as": "ours"},
     "lr-2e-3": {"train": ["--lr", "2e-3"], "cost_as": "ours"},
+    # EAGLE's feature noise on the aux inputs (stage 04 --noise-std). 0.05: the default std of the Gaussian noise
+    # transform in speculators' own repository (src/speculators/train/noise_transforms.py, on `hidden_states` only;
+    # not in the 0.9.0 wheel), and close to EAGLE-1's uniform noise of width 0.2 (std 0.2 / sqrt(12) = 0.058). Costs
+    # as ours: one randn_like over the aux states per step beside the draft's forward and backward.
+    "noise": {"train": ["--noise-std", "0.05"], "cost_as": "ours"},
+    # the data lever's third arm: twice the prompts, each answered once (the next size's dataset)
+    "prompts-2x": {"data": "prompts-2x", "cost_as": "ours"},
 }
+# `data:NAME` (a recipe part, like any other): the size's prompts answered as in --screen-chat NAME (e.g. two sampled
+# answers per prompt, bench/chat_data.py regenerate --answers-per-prompt 2 --temperature 0.8), the same prompts as
+# the size's own dataset; costs as ours per step (the same step shape when the packing is the same; checked).
+DATA_PREFIX = "data:"
+PROMPTS_2X = "prompts-2x"
 # The first hold's leads and the levers it could not finish (bench/README.md "Recipe screen"); `--screen-recipes` for more
 DEFAULT_SCREEN = ["ours", "plain", "fc-norm", "muon", "fc-norm+muon", "lk-hybrid", "ttt-7+decay-0.8"]
 PLAIN = "plain"
 
 
+def _part(part: str) -> dict:
+    """One recipe part: a SCREEN_RECIPES entry, or `data:NAME` (another dataset, the same step)."""
+    if part.startswith(DATA_PREFIX) and len(part) > len(DATA_PREFIX):
+        return {"data": part[len(DATA_PREFIX):], "cost_as": "ours"}
+    if part not in SCREEN_RECIPES:
+        raise ValueError(f"screen recipe part {part!r}: unknown (known: {', '.join(SCREEN_RECIPES)}, or data:NAME "
+                         f"with --screen-chat NAME=DIR)")
+    return SCREEN_RECIPES[part]
+
+
 def resolve_recipe(name: str) -> dict:
-    """A recipe by name; "a+b" merges a's and b's changes (flags appended, draft fields merged). A composite's
-    cost is its own (no `cost_as`) unless every part but one costs as ours."""
+    """A recipe by name; "a+b" merges a's and b's changes (flags appended, draft fields merged, at most one
+    dataset). A composite's cost is its own (no `cost_as`) unless every part but one costs as ours."""
     parts = name.split("+")
-    unknown = [p for p in parts if p not in SCREEN_RECIPES]
-    if unknown:
-        raise ValueError(f"screen recipe {name!r}: unknown {unknown} (known: {', '.join(SCREEN_RECIPES)})")
+    try:
+        recipes = [_part(p) for p in parts]
+    except ValueError as exc:
+        raise ValueError(f"screen recipe {name!r}: {exc}") from None
     if len(parts) == 1:
-        return dict(SCREEN_RECIPES[name])
+        return dict(recipes[0])
     if PLAIN in parts:
         raise ValueError(f"screen recipe {name!r}: plain is speculators' defaults and combines with nothing")
+    if len([r for r in recipes if "data" in r]) > 1:
+        raise ValueError(f"screen recipe {name!r}: one dataset per recipe")
     merged: dict = {"train": [], "draft": {}}
-    for part in parts:
-        recipe = SCREEN_RECIPES[part]
+    for recipe in recipes:
         merged["train"] += recipe.get("train", [])
         merged["draft"].update(recipe.get("draft", {}))
-    costly = [p for p in parts if SCREEN_RECIPES[p].get("cost_as") != "ours" and p != "ours"]
+        if "data" in recipe:
+            merged["data"] = recipe["data"]
+    costly = [p for p, r in zip(parts, recipes) if r.get("cost_as") != "ours" and p != "ours"]
     if len(costly) <= 1:
         merged["cost_as"] = costly[0] if costly else "ours"
     return {k: v for k, v in merged.items() if v}
@@ -71,6 +101,85 @@ def cost_class(name: str) -> str:
     while (nxt := resolve_recipe(seen).get("cost_as")) and nxt != seen:
         seen = nxt
     return seen
+
+
+def run_slug(name: str) -> str:
+    """A recipe name as a directory name (`data:NAME` -> `data-NAME`: no colon in a path); `recipe_of_slug` reverses it."""
+    return "+".join(p.replace(DATA_PREFIX, "data-", 1) if p.startswith(DATA_PREFIX) else p for p in name.split("+"))
+
+
+def recipe_of_slug(slug: str) -> str:
+    return "+".join(DATA_PREFIX + p[len("data-"):] if p.startswith("data-") else p for p in slug.split("+"))
+
+
+# ---------------------------------------------------------------------------------------------
+# The data lever: which rows a run trains on
+
+
+def run_dataset(size: int, name: str) -> str:
+    """The dataset a screen run trains on, as a key: str(size) for the size's own dataset (the first size x
+    --train-conversations conversations of the bench's chat; the key screen-positions.json has always used),
+    str(2 x size) for `prompts-2x` (the next size's dataset), "SIZE:NAME" for `data:NAME` (chat NAME's rows for
+    the same prompts as the size's own dataset)."""
+    data = resolve_recipe(name).get("data")
+    if data is None:
+        return str(size)
+    if data == PROMPTS_2X:
+        return str(2 * size)
+    return f"{size}:{data}"
+
+
+def base_chat_factor(sizes: Sequence[int], names: Sequence[str]) -> int:
+    """Conversations the bench's own chat must hold, in multiples of --train-conversations: the largest size, or
+    twice it where a recipe trains on the next size's dataset."""
+    return max(int(run_dataset(f, n)) for f in sizes for n in names if ":" not in run_dataset(f, n))
+
+
+def chat_names(names: Sequence[str]) -> list[str]:
+    """The --screen-chat datasets the recipes train on (`data:NAME`), in order."""
+    return list(dict.fromkeys(d for n in names if (d := resolve_recipe(n).get("data")) and d != PROMPTS_2X))
+
+
+def parse_screen_chat(values: Sequence[str]) -> dict[str, str]:
+    """`--screen-chat NAME=DIR_OR_ARCHIVE ...` -> {NAME: path}."""
+    out = {}
+    for value in values:
+        name, eq, path = value.partition("=")
+        if not eq or not name or not path or any(c in name for c in ":+/") or name == PROMPTS_2X:
+            raise ValueError(f"--screen-chat {value}: expected NAME=DIR or NAME=chat-NAME.tar.xz (NAME without ':', "
+                             f"'+' or '/', not {PROMPTS_2X})")
+        out[name] = path
+    return out
+
+
+def first_prompts(primary_ids: Iterable[str | None], n: int) -> list[str]:
+    """The first n conversations' keys in a chat's train_tokens.jsonl order: what stage 01 --max-samples n keeps
+    (chat_rows.build_rows counts distinct `primary_id`s; a prompt's several answers share one)."""
+    seen: dict[str, None] = {}
+    for pid in primary_ids:
+        if pid is None:
+            raise ValueError("a training row without primary_id: stage 01 would count it as its own conversation")
+        if pid not in seen:
+            if len(seen) >= n:
+                break
+            seen[pid] = None
+    return list(seen)
+
+
+def same_prompts(lines: Iterable[str], prompts: Sequence[str]) -> tuple[list[str], dict]:
+    """The rows (jsonl lines) of another chat whose prompt (`primary_id`) is one of `prompts` (the size's own
+    dataset's), in their order; and the counts (prompts matched, prompts missing: an answer the other chat dropped
+    as too long or empty)."""
+    wanted, kept, found = set(prompts), [], set()
+    for line in lines:
+        if not line.strip():
+            continue
+        pid = json.loads(line).get("primary_id")
+        if pid in wanted:
+            kept.append(line if line.endswith("\n") else line + "\n")
+            found.add(pid)
+    return kept, {"prompts": len(prompts), "prompts_matched": len(found), "prompts_missing": len(wanted - found),
+                  "rows": len(kept)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,6 +213,195 @@ def solo_step_seconds(step_ms: Sequence[float], skip: int = lc.COMPILE_WINDOW) -
     if not step_ms:
         raise ValueError("a timing run without a timed step")
     return statistics.median(list(step_ms)[min(skip, len(step_ms) - 1):]) / 1000.0
+
+
+def data_base(name: str) -> str:
+    """The recipe a data recipe is compared with: the same changes on the size's own dataset (ours if none)."""
+    kept = [p for p in name.split("+") if "data" not in _part(p)]
+    return "+".join(kept) or "ours"
+
+
+def equal_steps_epoch(curve: Mapping, steps: int) -> int:
+    """The epoch of `curve` whose optimizer steps are nearest `steps` (the earlier on a tie): a data recipe trains
+    more rows per epoch at its base's step cost (the same class), so equal steps are equal training GPU time."""
+    return min(curve["points"], key=lambda p: (abs(p["steps"] - steps), p["epoch"]))["epoch"]
+
+
+def data_lever_table(curves_by_size: Mapping[str, Mapping], vllm: Mapping, vllm_equal: Mapping,
+                     ks: Sequence[int]) -> list[dict]:
+    """The data lever in vLLM (a data recipe's offline tau is on its own dataset's held-out rows, so only vLLM's
+    held-out prompts compare datasets): per data recipe, its tau / its base's (the same recipe on the size's own
+    dataset) at equal training GPU time (its checkpoint at the base's last steps, `vllm_equal`) and at equal
+    epochs (last checkpoints, `vllm`); `prompts-2x` likewise is the "twice the prompts" arm, and a `data:NAME`
+    recipe is also set against it at equal GPU time (`vs_prompts_2x_kK`: the same GPU time on other answers to the
+    same prompts, or on new prompts)."""
+    rows = []
+    for size, recipes in curves_by_size.items():
+        for name in recipes:
+            if "data" not in resolve_recipe(name):
+                continue
+            base = data_base(name)
+            row = {"data": size, "recipe": name, "base": base, "dataset": resolve_recipe(name)["data"]}
+            equal = vllm_equal.get(size, {}).get(name)
+            if equal:
+                row["equal_time_epoch"], row["equal_time_steps"] = equal["epoch"], equal["steps"]
+            for k in ks:
+                key = str(k)
+                base_tau = vllm.get(size, {}).get(base, {}).get(key)
+                if not base_tau:
+                    continue
+                for label, tau in (("equal_time", (equal or {}).get(key)), ("equal_epochs", vllm.get(size, {}).get(name, {}).get(key))):
+                    if tau:
+                        ratio, se = lc._ratio((tau["tau"], tau["tau_stderr"]), (base_tau["tau"], base_tau["tau_stderr"]))
+                        row[f"{label}_k{k}"] = {"tau": tau["tau"], "tau_stderr": tau["tau_stderr"], "base_tau": base_tau["tau"],
+                                                "ratio": ratio, "stderr": se}
+            # the same GPU time spent on twice the prompts instead (both at their base's last steps)
+            twin = PROMPTS_2X if base == "ours" else f"{base}+{PROMPTS_2X}"
+            twin_equal = vllm_equal.get(size, {}).get(twin)
+            if twin != name and equal and twin_equal:
+                row["vs"] = twin
+                for k in ks:
+                    a, b = equal.get(str(k)), twin_equal.get(str(k))
+                    if a and b:
+                        ratio, se = lc._ratio((a["tau"], a["tau_stderr"]), (b["tau"], b["tau_stderr"]))
+                        row[f"vs_prompts_2x_k{k}"] = {"ratio": ratio, "stderr": se}
+            rows.append(row)
+    return rows
+
+
+def format_data_lever(rows: Sequence[Mapping], ks: Sequence[int]) -> list[str]:
+    if not rows:
+        return []
+    lines = ["data lever (vLLM tau / the same recipe on the size's own dataset; = GPU time: the data recipe's checkpoint "
+             "at its base's last steps)"]
+    for r in rows:
+        line = f"{r['data']}x {r['recipe']:<28} vs {r['base']:<14}"
+        for k in ks:
+            line += f" | k={k} = GPU time {_fmt(r.get(f'equal_time_k{k}')):>12} (epoch {r.get('equal_time_epoch', -1) + 1})" \
+                    f" = epochs {_fmt(r.get(f'equal_epochs_k{k}')):>12}"
+            line += f" / {r['vs']} at = GPU time {_fmt(r.get(f'vs_prompts_2x_k{k}')):>12}" if "vs" in r else ""
+        lines.append(line)
+    return lines
+
+
+def packing_of(records: Iterable[Mapping]) -> int | None:
+    """Tokens packed per step of a training, from its metrics.jsonl records (speculators' args record, written
+    at each launch: data.total_seq_len; the last launch's); None if none was written."""
+    seq = None
+    for record in records:
+        data = record.get("data")
+        if isinstance(data, Mapping) and "total_seq_len" in data:
+            seq = int(data["total_seq_len"])
+    return seq
+
+
+def timing_for(timing: Mapping[str, Mapping], key: str, packing: int | None) -> tuple[float | None, str | None]:
+    """(step seconds, why not) for a run whose step shape is timing[key]'s class at `packing` tokens per step: a
+    timing recorded at another packing is another step shape (a run whose short-run rule packed otherwise, e.g. a
+    data recipe with twice the rows), so it gives no step seconds. An entry without a recorded packing (made
+    before it was recorded) is taken as it is."""
+    entry = timing.get(key)
+    if not entry:
+        return None, None
+    recorded = entry.get("total_seq_len")
+    if recorded is not None and packing is not None and recorded != packing:
+        return None, f"{key} was timed at {recorded} tokens/step, this run packed {packing}"
+    return entry["step_s"], None
+
+
+# A timing recorded before its packing was (the first 1x hold's file): its class's runs of that size in the same
+# results file packed `tokens / steps` tokens per step on average; a packer fills a step to within a row of its
+# size (1x: 7,883 of 8,192), so a mean in [FILL_LOW x P, P] says the runs packed P, never 4P.
+FILL_LOW = 0.75
+
+
+def mean_fill(results: Mapping) -> dict[str, float]:
+    """{"SIZEx/CLASS": mean tokens per optimizer step of that class's runs there} from a screen results file's curves
+    (last points), for its timing entries that record no packing."""
+    out = {}
+    for size, recipes in results.get("curves", {}).items():
+        for name, curve in recipes.items():
+            last = last_point(curve)
+            if last.get("steps"):
+                out.setdefault(f"{size}x/{curve.get('cost_class') or cost_class(name)}", last["tokens"] / last["steps"])
+    return out
+
+
+def _packing_match(entry: Mapping, packing: int) -> str | None:
+    """How a donor entry's packing is known to equal `packing`, or None."""
+    if entry.get("total_seq_len") is not None:
+        return "recorded" if entry["total_seq_len"] == packing else None
+    fill = entry.get("mean_tokens_per_step")
+    if fill and FILL_LOW * packing <= fill <= packing:
+        return f"inferred: its runs' mean {fill:.0f} tokens/step fits {packing}"
+    return None
+
+
+def seed_timing(timing: dict, wanted: Mapping[str, int | None], donors: Sequence[tuple[str, Mapping]],
+                recipes_then: Mapping[str, Mapping] | None = None) -> list[str]:
+    """Fill timing's missing keys ("SIZEx/CLASS" -> the packing that size's runs of CLASS trained at) from donor
+    timings of the same class at the same packing: the step shape is the class's kernels at that many tokens per
+    step, whatever the data size. `donors`: (source, timing dict) in order of preference (this work's own
+    screen-timing.json first, then a carried results file's `timing`); `recipes_then`: the donor file's recipes
+    (its invocations' setup), so a class whose flags changed since is not reused. A donor entry without a recorded
+    packing is reused only with its runs' `mean_tokens_per_step` (mean_fill) inside [FILL_LOW x packing, packing].
+    Each seeded entry says where it came from and how its packing is known (`seeded_from`). Returns log lines."""
+    lines = []
+    for key, packing in wanted.items():
+        if key in timing or packing is None:
+            continue
+        cls = key.split("/", 1)[1]
+        if recipes_then is not None and cls in recipes_then and recipes_then[cls] != resolve_recipe(cls):
+            lines.append(f"timing {key}: not reused ({cls}'s flags differ from the carried file's)")
+            continue
+        for source, entries in donors:
+            match = next(((k, e, how) for k, e in entries.items() if k.split("/", 1)[1] == cls and k != key
+                          and e.get("step_s") and (how := _packing_match(e, packing))), None)
+            if match:
+                donor_key, entry, how = match
+                kept = {k: v for k, v in entry.items() if k not in ("seeded_from", "mean_tokens_per_step")}
+                timing[key] = {**kept, "total_seq_len": packing,
+                               "seeded_from": {"source": source, "key": donor_key, "packing": how,
+                                               **({"via": entry["seeded_from"]} if "seeded_from" in entry else {})}}
+                lines.append(f"timing {key}: {1000 * entry['step_s']:.1f} ms/step from {source} {donor_key} "
+                             f"(same class, {packing} tokens/step)")
+                break
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------
+# The projection at Kimi-K2.5 geometry
+
+
+def kimi_costs(throughput: Mapping) -> dict:
+    """Each run's training tokens/s at Kimi-K2.5 geometry in a bench/train_throughput.py results JSON (`runs`:
+    plain, ours, and ours-variants such as fc-norm), keyed by run name = the screen's cost class."""
+    runs = {name: {"tokens_per_s": float(r["tokens_per_s"]), "tokens_per_step": r.get("tokens_per_step")}
+            for name, r in throughput.get("runs", {}).items() if isinstance(r, Mapping) and r.get("tokens_per_s")}
+    if not runs:
+        raise ValueError("no run with tokens_per_s (expected bench/train_throughput.py's results JSON)")
+    return {"gpu": throughput.get("gpu"), "commit": throughput.get("commit"), "date": throughput.get("date"),
+            "geometry": throughput.get("geometry"), "runs": runs}
+
+
+def projected_curves(curves_by_size: Mapping[str, Mapping], costs: Mapping) -> dict[str, dict]:
+    """The screen's curves with x = the checkpoint's trained tokens / its cost class's Kimi-geometry tokens/s (the
+    GPU seconds the same tokens would cost at Kimi-K2.5's width); recipes whose class has no Kimi run are left out."""
+    out: dict[str, dict] = {}
+    for size, recipes in curves_by_size.items():
+        for name, curve in recipes.items():
+            run = costs["runs"].get(curve.get("cost_class") or cost_class(name))
+            if run:
+                points = [{**p, "gpu_s": p["tokens"] / run["tokens_per_s"]} for p in curve["points"]]
+                out.setdefault(size, {})[name] = {**curve, "points": points, "kimi": run}
+    return out
+
+
+def packing_differs(curve: Mapping) -> bool:
+    """The Kimi run packed another number of tokens per step than the screen's run (beyond the few percent a
+    packer leaves empty): its tokens/s is another step shape's."""
+    seq, kimi = curve.get("total_seq_len"), (curve.get("kimi") or {}).get("tokens_per_step")
+    return bool(seq and kimi) and abs(kimi - seq) > 0.05 * seq
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,11 +473,15 @@ def curves_offline_vs_vllm(curves: Mapping, k: int = 3) -> dict:
 # Tables
 
 
-def screen_table(curves_by_size: Mapping[str, Mapping], ks: Sequence[int], vllm: Mapping | None = None) -> list[dict]:
+def screen_table(curves_by_size: Mapping[str, Mapping], ks: Sequence[int], vllm: Mapping | None = None,
+                 kimi: Mapping | None = None) -> list[dict]:
     """One row per (data size, recipe): offline tau at each k at the last and at the best epoch, and the ratio
     to plain at equal epochs (last epoch) and at equal GPU time (curves.equal_time_table at the largest matched
-    budget; absent until the timing phase gave every recipe a gpu_s), with vLLM's tau where measured."""
+    budget; absent until the timing phase gave every recipe a gpu_s), with vLLM's tau where measured. `kimi`
+    (kimi_costs): the same equal-time ratio projected to Kimi-K2.5 geometry (`projected_time_kK`: x = trained
+    tokens / the class's Kimi tokens/s; absent where a class has no Kimi figure)."""
     rows = []
+    projected = projected_curves(curves_by_size, kimi) if kimi else {}
     for size, recipes in curves_by_size.items():
         timed = {n: c for n, c in recipes.items() if all(p["gpu_s"] is not None for p in c["points"])}
         for name, curve in recipes.items():
@@ -205,6 +507,14 @@ def screen_table(curves_by_size: Mapping[str, Mapping], ks: Sequence[int], vllm:
                         if et and et[0].get("overlap"):
                             row[f"equal_time_k{k}"] = {"ratio": et[0]["ratio_at_max"], "stderr": et[0]["ratio_at_max_stderr"],
                                                        "gpu_s": et[0]["gpu_s_max"], "ratio_min": et[0]["ratio_min"]}
+                proj = projected.get(size, {})
+                if name != PLAIN and name in proj and PLAIN in proj:
+                    pt = lc.equal_time_table({size: {name: proj[name], PLAIN: proj[PLAIN]}}, k)
+                    if pt and pt[0].get("overlap"):
+                        row[f"projected_time_k{k}"] = {
+                            "ratio": pt[0]["ratio_at_max"], "stderr": pt[0]["ratio_at_max_stderr"],
+                            "kimi_gpu_s": pt[0]["gpu_s_max"], "kimi_tokens_per_s": proj[name]["kimi"]["tokens_per_s"],
+                            "packing_differs": packing_differs(proj[name]) or packing_differs(proj[PLAIN])}
                 measured = (vllm or {}).get(size, {}).get(name, {}).get(key)
                 if measured:
                     row[f"vllm_k{k}"] = measured
@@ -219,21 +529,27 @@ def _fmt(entry: Mapping | None, value: str = "ratio", err: str = "stderr") -> st
 def format_screen(rows: Sequence[Mapping], ks: Sequence[int]) -> list[str]:
     lines = []
     for size in dict.fromkeys(r["data"] for r in rows):
+        size_rows = [r for r in rows if r["data"] == size]
+        projection = any(f"projected_time_k{k}" in r for r in size_rows for k in ks)
         lines.append(f"screen at {size}x data: offline tau (held-out rows, last epoch), ratio to plain at equal epochs "
-                     f"and at equal training GPU time, vLLM where measured")
-        head = f"{'recipe':<22} {'steps':>6} {'step ms':>8}"
+                     f"and at equal training GPU time, vLLM where measured"
+                     + ("; projection: the equal-time ratio at Kimi-K2.5 geometry (trained tokens / the class's "
+                        "Kimi tokens/s; * = a Kimi run at another packing than the screen's)" if projection else ""))
+        head = f"{'recipe':<26} {'steps':>6} {'step ms':>8}"
         for k in ks:
             head += f" | k={k} {'offline':>13} {'best@ep':>8} {'= epochs':>12} {'= GPU time':>12} {'vLLM':>13}"
+            head += f" {'projection':>12}" if projection else ""
         lines.append(head)
-        size_rows = [r for r in rows if r["data"] == size]
         top = max(ks)
         for r in sorted(size_rows, key=lambda r: -r.get(f"tau_k{top}", {}).get("tau", 0)):
             step_ms = "-" if r.get("step_s") is None else f"{1000 * r['step_s']:.1f}"
-            line = f"{r['recipe']:<22} {r['steps']:>6} {step_ms:>8}"
+            line = f"{r['recipe']:<26} {r['steps']:>6} {step_ms:>8}"
             for k in ks:
                 tau = r.get(f"tau_k{k}")
                 line += (f" | k={k} {_fmt(tau, 'tau', 'tau_stderr'):>13} "
                          f"{(str(r.get(f'best_epoch_k{k}', '-'))):>8} {_fmt(r.get(f'equal_epochs_k{k}')):>12} "
                          f"{_fmt(r.get(f'equal_time_k{k}')):>12} {_fmt(r.get(f'vllm_k{k}'), 'tau', 'tau_stderr'):>13}")
+                proj = r.get(f"projected_time_k{k}")
+                line += f" {_fmt(proj) + ('*' if proj and proj['packing_differs'] else ''):>12}" if projection else ""
             lines.append(line)
     return lines

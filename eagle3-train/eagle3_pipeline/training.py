@@ -19,7 +19,7 @@ from pathlib import Path
 
 from . import compat, online, resume
 from .checkpoints import latest_progress
-from .compat import flex_forward_config, val_depth
+from .compat import feature_noise, flex_forward_config, val_depth
 from .compat import sample_check as checks
 from .compat.flex_forward_config import traced_calls_summary
 from .compat.sample_check import read_records, stop_line
@@ -277,6 +277,10 @@ def export_compat_settings(cfg: TrainConfig, sample_check: dict | None = None, d
         os.environ[val_depth.ENV] = str(depth)
     else:
         os.environ.pop(val_depth.ENV, None)
+    if cfg.noise_std > 0:  # compat/feature_noise.py; 0 installs nothing
+        os.environ[feature_noise.ENV] = repr(cfg.noise_std)
+    else:
+        os.environ.pop(feature_noise.ENV, None)
     if sample_check is None:
         os.environ.pop(checks.ENV, None)
     else:

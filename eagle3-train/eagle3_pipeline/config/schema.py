@@ -280,6 +280,12 @@ class TrainConfig(StageConfig):
     val_ttt_steps: Optional[int] = _field(None, "TTT steps validation unrolls, so the offline acceptance length covers "
                                                 "the served k (default: the deeper of the training TTT steps and "
                                                 "draft_config.json's num_speculative_tokens)", ge=1, identity=False)
+    # not identity: recorded resolved, and only when on (04_train.py adds noise_std to the identity when > 0), so
+    # every run without noise, made before the flag existed or after, keeps its identity (a resume is not refused)
+    noise_std: float = _field(0.0, "std of the Gaussian noise added to the draft's input aux hidden states while it "
+                                   "trains (EAGLE's feature-noise augmentation; never to the last slot the target "
+                                   "logits come from, never in validation; compat/feature_noise.py); 0 = off",
+                              ge=0, identity=False)
     attn_impl: Literal["auto", "simple_flex_attention", "sdpa", "eager"] = _field("auto", "draft attention; auto = flex_attention on GPU, sdpa on CPU", identity=False)
     loss_impl: Literal["auto", "fused", "eager"] = _field("auto", "loss kernel; auto = fused (Triton) on GPU, eager on CPU", identity=False)
     hidden_states_dtype: Literal["auto", "bfloat16", "float32"] = _field("auto", "training compute dtype for hidden states (speculators autocast); auto = bfloat16 on GPU, float32 on CPU", identity=True)
