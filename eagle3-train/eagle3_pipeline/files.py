@@ -255,7 +255,9 @@ def check_writable_dir(directory: Path, flag: str) -> None:
         reason = "Read-only file system" if _read_only_fs(existing) else "Permission denied"
     else:
         return
-    raise StageError(f"{directory}: output directory is not writable ({reason}); fix {flag}")
+    # PathError (exit 74) as the same cause found while writing (README: "a path a stage cannot write ... exit 74"):
+    # one code for one cause, whether the preflight or the write finds it.
+    raise PathError(f"{directory}: output directory is not writable ({reason}); fix {flag}")
 
 
 def _read_only_fs(path: Path) -> bool:
