@@ -108,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
               "rerun with the old value, choose another --output, or pass --overwrite to train anew (deletes only "
               "this stage's checkpoints and logs)")
     refuse_unowned(out_dir, "train")  # before anything is locked, deleted or trained: only ours, by our manifest
-    if finished(out_dir, "train", identity, cfg.overwrite, cfg.check, remedy=remedy) and \
+    damaged = ("a resume does not redo a finished run's files: put it back from a copy, or train again into a new "
+               "--output (nothing was changed)")
+    if finished(out_dir, "train", identity, cfg.overwrite, cfg.check, remedy=remedy, damaged=damaged) and \
             checkpoints.require_recorded_best(out_dir):
         # Rerunning would train extra steps (--max-steps) and rewrite the manifest stage 05 was built on.
         log.info("%s: already trained with these settings and inputs; nothing to do", out_dir)
@@ -233,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         compat_applied=compat_applied(out_dir / METRICS_FILE),
         hidden_states=server or {"mode": "files", "from": inputs["extract"]["path"]},
         bad_samples=skipped_samples(out_dir), trained=trained, **slicing,
-    ))
+    ), outputs=checkpoints.written_files(out_dir))
     return 0
 
 

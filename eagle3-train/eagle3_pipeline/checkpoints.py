@@ -184,6 +184,25 @@ def own_outputs(out_dir: Path) -> list[Path]:
     return found
 
 
+# What a finished run's manifest does not record by its bytes (stage 04's `output_files`): the states vLLM generated
+# (a cache, checked sample by sample when read), a sliced run's view of one position's rows (links, remade per slice),
+# and the trainer's logs (tensorboard, per-rank sample logs: records for people, which other nodes' ranks may write).
+UNRECORDED = ("hidden_states_cache", "slice_data", "logs")
+
+
+def written_files(out_dir: Path) -> list[str]:
+    """The files (paths relative to out_dir) stage 04 and speculators' trainer wrote: its finished manifest records
+    them by size and digest (contract.write_manifest's `outputs`), so a rerun never calls a damaged run finished."""
+    out_dir = Path(out_dir)
+    names: list[str] = []
+    for item in own_outputs(out_dir):
+        if item.is_symlink() or item.name in UNRECORDED:
+            continue
+        found = [item] if item.is_file() else sorted(p for p in item.rglob("*") if p.is_file() and not p.is_symlink())
+        names += [p.relative_to(out_dir).as_posix() for p in found]
+    return names
+
+
 def delete_own(out_dir: Path) -> list[str]:
     """Delete stage 04's outputs (manifest last, so a kill midway leaves an unfinished run); returns names."""
     items = own_outputs(out_dir)
