@@ -129,6 +129,18 @@ def require_recorded_best(out_dir: Path) -> bool:
     return True
 
 
+def refuse_damaged(out_dir: Path, changed: dict[str, str]) -> None:
+    """A finished run whose files differ from what its manifest recorded (stage.finished's `damaged`): a resume has
+    nothing left to train, so nothing would redo them; refused in one line naming the first (a damaged best
+    checkpoint: `require_recorded_best`'s line, which names the checkpoint to export instead)."""
+    require_recorded_best(out_dir)
+    name, how = next(iter(changed.items()))
+    more = f" (and {len(changed) - 1} other file(s))" if len(changed) > 1 else ""
+    raise ContractError(f"{Path(out_dir) / name}: {how} since 04_train.py wrote it (its size and digest are in "
+                        f"{Path(out_dir) / MANIFEST_NAME}){more}; a resume does not redo a finished run's files: put it "
+                        f"back from a copy, or train again into a new --output (nothing was changed)")
+
+
 def incomplete(out_dir: Path) -> list[tuple[Path, str]]:
     """Checkpoint folders a killed save left unusable, with the reason."""
     return [(p, reason) for p in epoch_folders(out_dir) if (reason := incomplete_reason(p))]

@@ -140,7 +140,7 @@ def read_own_manifest(out_dir: Path) -> Manifest | None:
 def finished(out_dir: Path, stage: str, identity: dict, overwrite: bool = False, check: bool = False,
              lock_file: Path | None = None, input_change_redoes: bool = False, extra_done: bool = True,
              remedy: str = "rerun with the old value, choose another --output, or pass --overwrite to replace it",
-             outputs: Sequence[str] = (), damaged: str | None = None) -> bool:
+             outputs: Sequence[str] = (), damaged: Callable[[dict[str, str]], None] | None = None) -> bool:
     """True when out_dir already holds exactly what this invocation would write (the stage is a no-op).
 
     Takes the output's exclusive lock first (not with --check, which writes nothing). Returns False
@@ -153,7 +153,8 @@ def finished(out_dir: Path, stage: str, identity: dict, overwrite: bool = False,
     wrote; a finished run with one of them gone is redone, never reported done. So is one whose files differ from the
     sizes and digests its manifest recorded (`output_files`, contract.write_manifest's `outputs`; a manifest written
     before that records none, and is checked by the files' presence alone). `damaged`: a stage that cannot redo its
-    own files within a finished run (04: a resume has nothing left to train) refuses instead, this ending its line.
+    own files within a finished run (04: a resume has nothing left to train) refuses instead: called with the changed
+    files ({name: how}), it raises the stage's one line.
     """
     if not check:
         lock_output(out_dir, lock_file)
@@ -173,10 +174,8 @@ def finished(out_dir: Path, stage: str, identity: dict, overwrite: bool = False,
             return False
         changed = {name: "missing" for name in outputs if not (out_dir / name).exists()}
         changed.update(changed_outputs(out_dir, manifest.output_files))  # by the bytes written, not by existence
-        if changed and damaged:
-            name, how = next(iter(changed.items()))
-            raise ContractError(f"{out_dir / name}: {how} since {STAGES[stage]} wrote it (its size and digest in {path})"
-                                f"{f' and {len(changed) - 1} other file(s)' if len(changed) > 1 else ''}; {damaged}")
+        if changed and damaged is not None:
+            damaged(changed)
         if changed:
             log.info("%s: %s (this stage wrote %s); redoing it", out_dir,
                      "; ".join(f"{name} {how}" for name, how in changed.items()), "it" if len(changed) == 1 else "them")
