@@ -421,3 +421,21 @@ def test_each_file_a_stage_wrote_damaged_is_redone_or_refused_never_finished(sta
         assert all(under(r, redoes) for r in changed), f"changed outside {redoes}: {context}"
         states = stage_states(work)  # its content is what it was: every stage made from it is finished too
         assert all(s["state"] == "finished" for s in states.values()), (context, states)
+
+
+def test_a_manifest_from_before_the_record_is_still_read_and_a_cut_draft_still_redone(kimi_run, kimi_target, tmp_path,
+                                                                                      capsys, caplog):
+    """Manifests written before `output_files` (older runs) are read as before: a whole draft is a no-op; one whose
+    model.safetensors was cut short is redone, its header giving the size the record would have."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="eagle3")
+    work = copy_run(kimi_run, tmp_path / "w")
+    path = work / "draft" / "manifest.json"
+    path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k != "output_files"}))
+    code, shown, errors = run_in_process("export", work, kimi_target, capsys, caplog)
+    assert code == 0 and "nothing to do" in shown, shown[-3000:]
+    os.truncate(work / "draft" / "model.safetensors", 4096)
+    code, shown, errors = run_in_process("export", work, kimi_target, capsys, caplog)
+    assert code == 0 and "nothing to do" not in shown and "model.safetensors unreadable safetensors" in shown, shown[-3000:]
+    assert "output_files" in json.loads(path.read_text())  # the redone export records them

@@ -33,6 +33,7 @@ from .files import (
     hold_lock,
     release_locks,
     remove_path,
+    safetensors_problem,
     sha256_file,
     sha256_json,
 )
@@ -152,9 +153,9 @@ def finished(out_dir: Path, stage: str, identity: dict, overwrite: bool = False,
     `remedy`: the end of the refusal (02 has no --overwrite). `outputs`: the files (names in out_dir) the stage
     wrote; a finished run with one of them gone is redone, never reported done. So is one whose files differ from the
     sizes and digests its manifest recorded (`output_files`, contract.write_manifest's `outputs`; a manifest written
-    before that records none, and is checked by the files' presence alone). `damaged`: a stage that cannot redo its
-    own files within a finished run (04: a resume has nothing left to train) refuses instead: called with the changed
-    files ({name: how}), it raises the stage's one line.
+    before that records none: its files are checked by presence, a safetensors file by its header's size).
+    `damaged`: a stage that cannot redo its own files within a finished run (04: a resume has nothing left to train)
+    refuses instead: called with the changed files ({name: how}), it raises the stage's one line.
     """
     if not check:
         lock_output(out_dir, lock_file)
@@ -174,6 +175,10 @@ def finished(out_dir: Path, stage: str, identity: dict, overwrite: bool = False,
             return False
         changed = {name: "missing" for name in outputs if not (out_dir / name).exists()}
         changed.update(changed_outputs(out_dir, manifest.output_files))  # by the bytes written, not by existence
+        if manifest.output_files is None:  # a manifest from before the record: no sizes to compare, but a safetensors
+            # file's header gives its own size, so one cut short still shows
+            changed.update({name: problem for name in outputs if str(name).endswith(".safetensors")
+                            and (out_dir / name).is_file() and (problem := safetensors_problem(out_dir / name))})
         if changed and damaged is not None:
             damaged(changed)
         if changed:
