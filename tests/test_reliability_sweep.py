@@ -9,6 +9,9 @@ changed; `redone`: exit 0 and files changed, all of them under the case's `redoe
 `no-op`: exit 0 and no file changed but logs and locks. Every copy lives elsewhere than where the run was made,
 so every case is also a moved work directory. Single stages run as scripts (a user's command, seconds each);
 run_all.sh only where the case is about it.
+
+Then (issue 46) every file stages 01-05 wrote, deleted or cut short one at a time, each stage run in this process:
+redone within its own outputs or refused in one line, never "nothing to do", and --status never "finished" over it.
 """
 
 from __future__ import annotations
