@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                              dropped_too_long=prepared.dropped_too_long,
                              truncated_too_long=prepared.truncated_too_long, **stats),
         train_data_ratio=train_data_ratio(num_train, len(rows)), max_seq_len=cfg.max_seq_len,
-    ))
+    ), outputs=[*prepared_outputs(out_dir), REJECTED_NAME])
     capped = f" (the first {cfg.max_samples}: --max-samples capped the input)" if prepared.capped else ""
     log.info("prepared %d rows (%d train / %d val, %d loss tokens) from %d conversations%s, %d bad row(s) skipped%s -> %s",
              stats["rows"], stats["train_rows"], stats["val_rows"], stats["loss_tokens"], prepared.conversations, capped,

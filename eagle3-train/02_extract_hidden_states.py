@@ -34,7 +34,7 @@ from eagle3_pipeline.extract.run import (
     staging_dir,
     validate_sample_of_files,
 )
-from eagle3_pipeline.files import DiskFull, check_writable_dir, remove_stale_temps
+from eagle3_pipeline.files import DiskFull, check_writable_dir, fingerprints_problem, remove_stale_temps
 from eagle3_pipeline.hidden_states import HS_DIRNAME, StateFormat, hs_file, hs_files, row_of
 from eagle3_pipeline.manifest import ExtractCounts, ExtractManifest
 from eagle3_pipeline.plan import check_plan_lines
@@ -91,8 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     same_selection = getattr(read_own_manifest(hs_dir), "selection", None) == cfg.rows
     if finished(hs_dir, "extract", identity, check=cfg.check, input_change_redoes=True, remedy=remedy,
                 extra_done=same_selection and all_rows_landed(hs_dir, wanted)) and not cfg.check:
-        # The manifest says finished; the files must still be what this stage wrote (size, fingerprint).
+        # The manifest says finished; the files must still be what this stage wrote (size, fingerprint), by a record
+        # that is itself what this stage wrote (gone or damaged: every file is re-checked, and the record rewritten).
         changed = changed_files(hs_dir, wanted)
+        if record_problem := fingerprints_problem(hs_dir, read_own_manifest(hs_dir).fingerprints):
+            changed = dict.fromkeys(wanted, record_problem)
         if not changed:
             # Nothing to redo, and the manifest is left as it is (stages 03/04 recorded its content).
             log.info("%s: already extracted with these settings; nothing to do (--validate re-checks every file)", hs_dir)

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         outputs=list(OUTPUTS), target=prepared.target, draft_vocab_size=draft_vocab,
         target_vocab_size=target_vocab, shapes={"d2t": list(d2t.shape), "t2d": list(t2d.shape)},
         coverage=VocabCoverage(**{k: v for k, v in report.items() if k not in ("draft_vocab_size", "target_vocab_size")}),
-    ))
+    ), outputs=OUTPUTS)
     log.info("draft vocab %d of %d (%s): covers %.1f%% of loss-masked train tokens, %.1f%% of val -> %s",
              draft_vocab, target_vocab, source, 100 * report["train_coverage"], 100 * report["val_coverage"], out_dir)
     warning = coverage_warning(report)

@@ -110,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
               "rerun with the old value, choose another --output, or pass --overwrite to train anew (deletes only "
               "this stage's checkpoints and logs)")
     refuse_unowned(out_dir, "train")  # before anything is locked, deleted or trained: only ours, by our manifest
-    if finished(out_dir, "train", identity, cfg.overwrite, cfg.check, remedy=remedy) and \
+    if finished(out_dir, "train", identity, cfg.overwrite, cfg.check, remedy=remedy,
+                damaged=lambda changed: checkpoints.refuse_damaged(out_dir, changed)) and \
             checkpoints.require_recorded_best(out_dir):
         # Rerunning would train extra steps (--max-steps) and rewrite the manifest stage 05 was built on.
         log.info("%s: already trained with these settings and inputs; nothing to do", out_dir)
@@ -235,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         compat_applied=compat_applied(out_dir / METRICS_FILE),
         hidden_states=server or {"mode": "files", "from": inputs["extract"]["path"]},
         bad_samples=skipped_samples(out_dir), trained=trained, **slicing,
-    ))
+    ), outputs=checkpoints.written_files(out_dir))
     return 0
 
 

@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         write_manifest(staging, ExportManifest(
             identity=identity, config=cfg.model_dump(), config_sha256=config_fingerprint(cfg), inputs=inputs,
             target=target, verifier_name=verifier, checkpoint=checkpoint.name, num_speculative_tokens=num_tokens,
-            verified=check, serve_command=command))
+            verified=check, serve_command=command),
+            outputs=sorted(p.name for p in staging.iterdir() if p.is_file() and not p.name.startswith(".")))
     log.info("exported %s (%s, %d params) -> %s", checkpoint.name, check["class"], check["parameters"], out_dir)
     print(f"draft: {out_dir.resolve()}")
     print(f"serve: {command}")

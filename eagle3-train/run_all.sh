@@ -9,7 +9,8 @@
 #           --trust-remote-code    passed to the stages that load the target (01, 02, 04)
 #           --args-0N "FLAGS"      extra flags for stage N, e.g. --args-04 "--epochs 3 --lr 5e-4"
 #           --eval                 after 05, run 06_evaluate.py on its default prompts (eagle3-train/samples/
-#                                  eval_prompts.jsonl: chat, code, maths, tool calls, multi-turn) into WORK/eval
+#                                  eval_prompts.jsonl: chat, code, maths, tool calls, multi-turn) into WORK/eval,
+#                                  given WORK's checkpoints, data and vocab (a moved WORK needs no --args-06)
 #           --eval-prompts FILE    the same on your prompts (jsonl of OpenAI messages, optional `category`);
 #                                  a verdict that fails (tau ~1: a broken draft) stops the run with its line
 #           --from NN              start at stage NN (earlier ones must be finished: their manifest complete)
@@ -19,7 +20,8 @@
 #                                  epochs > 1 re-extract every slice. --plan prints N for the free disk.
 #                                  kill/rerun resumes at the right slice and step (eagle3_pipeline/slices.py);
 #                                  a WORK whose 04 trained otherwise (unsliced, another N, epochs or input) is refused
-#           --status               show each stage's state and log (a missing log says so), then exit
+#           --status               show each stage's state and log (a missing log says so), then exit; a stage
+#                                  is `stale` when a file it wrote changed or its input is not finished (says which)
 #           --print-config         print every stage's resolved config (value # source), then exit
 #           --plan [--rows N --tokens-per-row T] [RATES]
 #                                  the run plan (hidden-state bytes in bf16 and fp8, disk, read bandwidth,
@@ -116,7 +118,10 @@ stage_args() {  # the flags of stage $1, one per line (values may hold spaces)
     03) printf '%s\n' --data "$work/data" --output "$work/vocab" ;;
     04) printf '%s\n' --target "$target" --data "$work/data" --vocab "$work/vocab" --output "$work/checkpoints" ;;
     05) printf '%s\n' --checkpoints "$work/checkpoints" --vocab "$work/vocab" --output "$work/draft" ;;
-    06) printf '%s\n' --draft "$work/draft" --output "$work/eval"
+    # 06 reads the training run behind the draft (04), its data (01) and vocab (03): this WORK's, as 05 gets --vocab
+    # (the paths 05's and 04's manifests recorded are gone once WORK moved)
+    06) printf '%s\n' --draft "$work/draft" --checkpoints "$work/checkpoints" --data "$work/data" --vocab "$work/vocab" \
+          --output "$work/eval"
         [[ -z "$eval_prompts" ]] || printf '%s\n' --prompts "$eval_prompts" ;;
   esac
   [[ -n "$trust" && "$1" =~ ^0[1246]$ ]] && printf '%s\n' "$trust"

@@ -139,3 +139,21 @@ def test_run_all_plan_passes_the_rates_through(kimi_config, tmp_path):
     assert result.returncode == 0, result.stderr
     assert "(--decode-tokens-per-s)" in result.stdout and "(--extract-tokens-per-s)" in result.stdout
     assert "1.50 GB/s (--disk-write-gb-s)" in result.stdout
+
+
+@pytest.mark.parametrize("damage", ["cut short", "not complete"])
+def test_a_damaged_data_manifest_is_named_never_no_prepared_data(kimi_config, tmp_path, capsys, damage):
+    """Issue 46 K: before, `--plan` over a prepared WORK/data whose manifest was cut short (or left unfinished) said
+    "no prepared data yet", although the data was there."""
+    data = tmp_path / "w" / "data"
+    data.mkdir(parents=True)
+    manifest = write_manifest(data, PrepareManifest(counts=PrepareCounts(rows=7, tokens=700),
+                                                    complete=damage != "not complete"))
+    if damage == "cut short":
+        manifest.path.write_bytes(manifest.path.read_bytes()[:200])
+    assert main(["--target", str(kimi_config), "--profile", "cpu-mini", "--work", str(tmp_path / "w")]) == 3
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {data / 'manifest.json'}: ") and "\n" not in err, err
+    assert "no prepared data yet" not in err
+    assert ("unreadable manifest" if damage == "cut short" else "stage 01 did not finish") in err, err
+    assert "rerun 01_prepare_dataset.py" in err and "--rows and --tokens-per-row" in err

@@ -249,7 +249,7 @@ def test_unwritable_output_directory_is_refused_before_any_work(capsys, kimi_tar
     out = blocker / "out"
     code, error = refused(capsys, "prepare", "--profile", "cpu-mini", "--target", kimi_target, "--data",
                           SAMPLES / "conversations.jsonl", "--output", out)
-    assert (code, error) == (1, f"{out}: output directory is not writable (Not a directory); fix --output")
+    assert (code, error) == (74, f"{out}: output directory is not writable (Not a directory); fix --output")
 
 
 # --- 02: hidden states ------------------------------------------------------------------------------
@@ -507,7 +507,7 @@ def test_unwritable_checkpoint_directory_is_refused(capsys, work, kimi_target, t
     (tmp_path / "a-file").write_text("")
     out = tmp_path / "a-file" / "ckpt"
     code, error = refused(capsys, *_train(work, kimi_target, out))
-    assert (code, error) == (1, f"{out}: output directory is not writable (Not a directory); fix --output")
+    assert (code, error) == (74, f"{out}: output directory is not writable (Not a directory); fix --output")
 
 
 def _spoil_hidden_states(work: dict, rows) -> None:
@@ -630,6 +630,25 @@ def test_an_output_directory_that_cannot_be_created_is_one_line_naming_it(stage,
     code, error = refused(capsys, *_stage_args(stage, ref, work, kimi_target, out))
     assert code == 74 and error.startswith(f"{out.parent}: creating the directory failed ("), error
     assert error.endswith("); fix the path (permissions, mount, free space) or choose another one, then rerun")
+
+
+@pytest.mark.parametrize("stage", ["prepare", "extract", "vocab", "train", "export", "evaluate"])
+def test_an_unwritable_output_found_before_the_stage_starts_exits_74_as_when_writing(stage, capsys, ref, work,
+                                                                                     kimi_target, tmp_path):
+    """Issue 46: the preflight's `output directory is not writable` exited 1, a failed write of the same path 74
+    (README promises 74): one code for one cause, in every stage. The output lies under a file (Not a directory):
+    no mode bits involved, so root sees it too."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    out = blocker / "out"
+    if stage == "extract":  # 02 writes into --data's hidden_states/: there, a file
+        shutil.rmtree(work["hs"])
+        work["hs"].write_text("not a directory")
+        out = work["hs"]
+    code, error = refused(capsys, *_stage_args(stage, ref, work, kimi_target, out))
+    flag = "--data" if stage == "extract" else "--output"
+    where = out.parent if stage == "export" else out  # 05 replaces --output as a whole: its parent is written
+    assert (code, error) == (74, f"{where}: output directory is not writable (Not a directory); fix {flag}")
 
 
 @pytest.mark.parametrize("stage", ["prepare", "extract", "vocab", "train"])

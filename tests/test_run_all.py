@@ -281,7 +281,9 @@ def test_eval_runs_stage_06_after_05_on_the_default_or_given_prompts(tmp_path, s
     assert default.returncode == 0, default.stdout + default.stderr
     assert started(work)[-1] == "06"
     call = [line for line in calls(work) if line.startswith("06 start")][-1]
-    assert f"--draft {work / 'draft'} --output {work / 'eval'}" in call and "--prompts" not in call
+    # and WORK's own training run, data and vocab (issue 46 J: a moved WORK's recorded paths are gone)
+    assert f"--draft {work / 'draft'} --checkpoints {work / 'checkpoints'} --data {work / 'data'} --vocab " \
+           f"{work / 'vocab'} --output {work / 'eval'}" in call and "--prompts" not in call, call
     assert "06 evaluate" in (work / "logs" / "run_all.log").read_text() and (work / "logs" / "06_evaluate.log").is_file()
     mine = driver(tmp_path / "w2", stub, "--eval-prompts", "mine.jsonl", "--args-06", "--temperature 0.7")
     assert mine.returncode == 0

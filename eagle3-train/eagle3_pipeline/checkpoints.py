@@ -129,6 +129,18 @@ def require_recorded_best(out_dir: Path) -> bool:
     return True
 
 
+def refuse_damaged(out_dir: Path, changed: dict[str, str]) -> None:
+    """A finished run whose files differ from what its manifest recorded (stage.finished's `damaged`): a resume has
+    nothing left to train, so nothing would redo them; refused in one line naming the first (a damaged best
+    checkpoint: `require_recorded_best`'s line, which names the checkpoint to export instead)."""
+    require_recorded_best(out_dir)
+    name, how = next(iter(changed.items()))
+    more = f" (and {len(changed) - 1} other file(s))" if len(changed) > 1 else ""
+    raise ContractError(f"{Path(out_dir) / name}: {how} since 04_train.py wrote it (its size and digest are in "
+                        f"{Path(out_dir) / MANIFEST_NAME}){more}; a resume does not redo a finished run's files: put it "
+                        f"back from a copy, or train again into a new --output (nothing was changed)")
+
+
 def incomplete(out_dir: Path) -> list[tuple[Path, str]]:
     """Checkpoint folders a killed save left unusable, with the reason."""
     return [(p, reason) for p in epoch_folders(out_dir) if (reason := incomplete_reason(p))]
@@ -182,6 +194,25 @@ def own_outputs(out_dir: Path) -> list[Path]:
         if link.is_symlink() and link.name.startswith("epoch") and link.readlink().name.isdigit():
             found.append(link)
     return found
+
+
+# What a finished run's manifest does not record by its bytes (stage 04's `output_files`): the states vLLM generated
+# (a cache, checked sample by sample when read), a sliced run's view of one position's rows (links, remade per slice),
+# and the trainer's logs (tensorboard, per-rank sample logs: records for people, which other nodes' ranks may write).
+UNRECORDED = ("hidden_states_cache", "slice_data", "logs")
+
+
+def written_files(out_dir: Path) -> list[str]:
+    """The files (paths relative to out_dir) stage 04 and speculators' trainer wrote: its finished manifest records
+    them by size and digest (contract.write_manifest's `outputs`), so a rerun never calls a damaged run finished."""
+    out_dir = Path(out_dir)
+    names: list[str] = []
+    for item in own_outputs(out_dir):
+        if item.is_symlink() or item.name in UNRECORDED:
+            continue
+        found = [item] if item.is_file() else sorted(p for p in item.rglob("*") if p.is_file() and not p.is_symlink())
+        names += [p.relative_to(out_dir).as_posix() for p in found]
+    return names
 
 
 def delete_own(out_dir: Path) -> list[str]:

@@ -17,10 +17,10 @@ import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from .errors import ContractError, StageError
-from .files import atomic_write_json, sha256_json
+from .files import atomic_write_json, output_record, sha256_json
 from .manifest import MANIFEST_NAME, STAGES, Manifest, parse_manifest
 
 _VERSIONED_PACKAGES = (
@@ -61,16 +61,19 @@ def content_sha256(manifest: Manifest) -> str:
     return sha256_json({"stage": manifest.stage, "identity": manifest.identity, "content": manifest.content_dict()})
 
 
-def write_manifest(directory: Path, manifest: Manifest, fresh: bool = True) -> Manifest:
+def write_manifest(directory: Path, manifest: Manifest, fresh: bool = True, outputs: Iterable[str] = ()) -> Manifest:
     """Write `directory/manifest.json` atomically; call it after every output exists.
 
     `fresh`: a new record of this run (provenance filled in now); False rewrites one that was read
-    (slices.release marking it released) as it is but for the caller's changes.
+    (slices.release marking it released) as it is but for the caller's changes. `outputs`: the files (names in
+    `directory`) the stage wrote, recorded by size and digest (`output_files`) for stage.finished to check on reruns.
     """
     update: dict[str, Any] = {}
     if fresh:
         update = {"created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                   "command": list(sys.argv), "git_commit": git_commit(), "versions": package_versions()}
+    if outputs:
+        update["output_files"] = output_record(directory, outputs)
     manifest = type(manifest).model_validate({**manifest.model_dump(), **update})  # re-checked: assignment is not
     manifest.content_sha256 = content_sha256(manifest)
     path = manifest_path(directory)

@@ -255,7 +255,9 @@ def check_writable_dir(directory: Path, flag: str) -> None:
         reason = "Read-only file system" if _read_only_fs(existing) else "Permission denied"
     else:
         return
-    raise StageError(f"{directory}: output directory is not writable ({reason}); fix {flag}")
+    # PathError (exit 74) as the same cause found while writing (README: "a path a stage cannot write ... exit 74"):
+    # one code for one cause, whether the preflight or the write finds it.
+    raise PathError(f"{directory}: output directory is not writable ({reason}); fix {flag}")
 
 
 def _read_only_fs(path: Path) -> bool:
@@ -325,6 +327,19 @@ def changed_fingerprints(directory: Path, names: list[str]) -> dict[str, str] | 
     return changed
 
 
+def fingerprints_problem(directory: Path, recorded: dict | None) -> str | None:
+    """Why the fingerprints file a manifest recorded (`write_fingerprints`' record: its sha256) cannot be trusted now
+    (gone, cut short, edited), or None; None too for a manifest that records none (written before fingerprints)."""
+    if not recorded:
+        return None
+    path = Path(directory) / recorded.get("file", FINGERPRINTS_NAME)
+    if not path.is_file():
+        return f"{path.name} (the record of the files' fingerprints) is missing"
+    if sha256_file(path) != recorded.get("sha256"):
+        return f"{path.name} (the record of the files' fingerprints) differs from what the manifest recorded of it"
+    return None
+
+
 def safetensors_problem(path: Path) -> str | None:
     """Why a safetensors file cannot be read (truncated, garbled header), or None; reads only its header."""
     path = Path(path)
@@ -344,3 +359,53 @@ def safetensors_problem(path: Path) -> str | None:
     if 8 + header_len + end != size:
         return f"unreadable safetensors (the header says {8 + header_len + end:,} B, the file has {size:,} B: truncated?)"
     return None
+
+
+# --- a finished stage's own files, by the bytes it wrote (manifest `output_files`; stage.finished, --status) ----
+
+# Why two digests: a finished stage checks its files on every rerun (the no-op that says "nothing to do", run_all's
+# every stage, --status), and Kimi's are large: a 4 GB draft, GBs of optimizer state, a dataset of GBs. A full
+# sha256 reads all of it each time (tens of seconds on a network filesystem, for a no-op); the sampled fingerprint
+# (file_fingerprint: the size, the safetensors header, 8 blocks of 4 KiB) reads ~36 KiB and still shows a file cut
+# short, deleted, swapped for another or rewritten with another header. So: every byte of a file up to
+# FULL_DIGEST_MAX_BYTES (configs, reports, d2t/t2d, token counts, metrics: the ones edited by hand or half-written),
+# the sampled fingerprint above it (weights, optimizer state, the dataset's arrow file), whose contents the stages that
+# read them check again (05 loads and checks the draft's tensors, 04's loader each sample). The kind is recorded with
+# the digest, so a record stays checkable if the threshold changes.
+FULL_DIGEST_MAX_BYTES = 64 << 20
+
+
+def output_digest(path: Path, kind: str | None = None) -> str:
+    """`sha256:<hex>` (every byte) or `sampled:<fingerprint>`; `kind` forces one (a record's own kind)."""
+    path = Path(path)
+    kind = kind or ("sha256" if path.stat().st_size <= FULL_DIGEST_MAX_BYTES else "sampled")
+    return f"{kind}:" + (sha256_file(path) if kind == "sha256" else file_fingerprint(path))
+
+
+def output_record(directory: Path, names) -> dict[str, list]:
+    """{name: [size, digest]} of the files `names` (relative to directory) that are there now: what a stage wrote."""
+    directory = Path(directory)
+    record = {}
+    for name in names:
+        path = directory / name
+        if path.is_file() and not path.is_symlink():
+            record[str(name)] = [path.stat().st_size, output_digest(path)]
+    return record
+
+
+def changed_outputs(directory: Path, record: dict | None) -> dict[str, str]:
+    """The recorded files (manifest `output_files`) that are gone or differ now, with how ("missing", "cut short:
+    1,234 B, 5,678 B written", "same size, other bytes"); {} when every one is as written, or nothing was recorded."""
+    directory = Path(directory)
+    changed: dict[str, str] = {}
+    for name, (size, digest) in (record or {}).items():
+        path = directory / name
+        if not path.is_file():
+            changed[name] = "missing"
+            continue
+        now = path.stat().st_size
+        if now != size:
+            changed[name] = f"{'cut short' if now < size else 'grown'}: {now:,} B, {size:,} B written"
+        elif output_digest(path, str(digest).split(":", 1)[0]) != digest:
+            changed[name] = "same size, other bytes"
+    return changed

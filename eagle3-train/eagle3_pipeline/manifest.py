@@ -56,6 +56,10 @@ class Manifest(_Strict):
     config_sha256: str | None = None
     target: dict[str, Any] | None = None  # target.TargetInfo.summary()
     synthetic: bool | None = None  # bench/benchlib/throughput.py's manifests for plain speculators' data
+    # The files the stage wrote, by their bytes when it finished: name (relative to the directory) -> [size, digest]
+    # (files.output_record). stage.finished and run_all --status check them; absent in manifests written before
+    # (those are checked by the files' presence only). Not in content(): downstream identities do not change.
+    output_files: dict[str, list[int | str]] | None = None
     _path: Path | None = PrivateAttr(default=None)
     _sha256: str | None = PrivateAttr(default=None)
 

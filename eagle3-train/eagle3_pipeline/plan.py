@@ -241,9 +241,16 @@ def answer_tokens(data: Path, rows: int, tokens: int, answer_tokens_per_row: int
 def data_tokens(data: Path, rows: int | None, tokens_per_row: int | None) -> tuple[int, int, str]:
     """(rows, tokens, where from): stage 01's manifest in `data`, else the hypothetical figures."""
     manifest = manifest_path(data)
-    if rows is None and (counts := getattr(_recorded(manifest), "counts", None)) is not None:
-        if counts.tokens:
-            return counts.rows, counts.tokens, f"stage 01's {manifest}"
+    if rows is None and manifest.is_file():
+        # stage 01's output is there: its figures, or why they cannot be read (never "no prepared data yet")
+        found = parse_manifest(manifest, hint="rerun 01_prepare_dataset.py (run_all.sh does), or give --rows and "
+                                              "--tokens-per-row for the plan")
+        if found.stage != "prepare" or not found.complete or found.counts is None:
+            what = f"stage {found.stage!r}'s manifest" if found.stage != "prepare" else "stage 01 did not finish"
+            raise ContractError(f"{manifest}: {what}, no prepared data to plan from; rerun 01_prepare_dataset.py "
+                                f"(run_all.sh does), or give --rows and --tokens-per-row for the plan")
+        if found.counts.tokens:
+            return found.counts.rows, found.counts.tokens, f"stage 01's {manifest}"
     if rows is None or tokens_per_row is None:
         raise StageError(f"{manifest}: no prepared data yet; give --rows and --tokens-per-row for the plan")
     return rows, rows * tokens_per_row, f"--rows {rows:,} x --tokens-per-row {tokens_per_row:,}"

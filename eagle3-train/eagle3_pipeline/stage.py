@@ -26,7 +26,17 @@ from typing import Any, Callable, Sequence
 
 from .contract import manifest_path
 from .errors import ConfigError, ContractError, StageError, path_error_from
-from .files import LOCK_NAME, LockedError, hold_lock, release_locks, remove_path, sha256_file, sha256_json
+from .files import (
+    LOCK_NAME,
+    LockedError,
+    changed_outputs,
+    hold_lock,
+    release_locks,
+    remove_path,
+    safetensors_problem,
+    sha256_file,
+    sha256_json,
+)
 from .manifest import STAGES, Manifest, parse_manifest
 
 log = logging.getLogger("eagle3")
@@ -131,7 +141,7 @@ def read_own_manifest(out_dir: Path) -> Manifest | None:
 def finished(out_dir: Path, stage: str, identity: dict, overwrite: bool = False, check: bool = False,
              lock_file: Path | None = None, input_change_redoes: bool = False, extra_done: bool = True,
              remedy: str = "rerun with the old value, choose another --output, or pass --overwrite to replace it",
-             outputs: Sequence[str] = ()) -> bool:
+             outputs: Sequence[str] = (), damaged: Callable[[dict[str, str]], None] | None = None) -> bool:
     """True when out_dir already holds exactly what this invocation would write (the stage is a no-op).
 
     Takes the output's exclusive lock first (not with --check, which writes nothing). Returns False
@@ -141,7 +151,11 @@ def finished(out_dir: Path, stage: str, identity: dict, overwrite: bool = False,
     inputs differ the stage re-checks its existing files itself (02 keeps the rows whose token ids
     still match). `extra_done`: a stage-specific completeness condition (02: every row's file present).
     `remedy`: the end of the refusal (02 has no --overwrite). `outputs`: the files (names in out_dir) the stage
-    wrote; a finished run with one of them gone is redone, never reported done.
+    wrote; a finished run with one of them gone is redone, never reported done. So is one whose files differ from the
+    sizes and digests its manifest recorded (`output_files`, contract.write_manifest's `outputs`; a manifest written
+    before that records none: its files are checked by presence, a safetensors file by its header's size).
+    `damaged`: a stage that cannot redo its own files within a finished run (04: a resume has nothing left to train)
+    refuses instead: called with the changed files ({name: how}), it raises the stage's one line.
     """
     if not check:
         lock_output(out_dir, lock_file)
@@ -157,11 +171,20 @@ def finished(out_dir: Path, stage: str, identity: dict, overwrite: bool = False,
         raise ContractError(f"{path}: records no identity (not written by {STAGES[stage]}); {remedy}")
     diff = first_difference(recorded, identity)
     if diff is None:
-        gone = [name for name in outputs if not (out_dir / name).exists()] if manifest.complete else []
-        if gone:
-            log.info("%s: %s, which this stage wrote, %s gone; redoing it", out_dir, ", ".join(gone),
-                     "is" if len(gone) == 1 else "are")
-        return manifest.complete and extra_done and not gone
+        if not manifest.complete:
+            return False
+        changed = {name: "missing" for name in outputs if not (out_dir / name).exists()}
+        changed.update(changed_outputs(out_dir, manifest.output_files))  # by the bytes written, not by existence
+        if manifest.output_files is None:  # a manifest from before the record: no sizes to compare, but a safetensors
+            # file's header gives its own size, so one cut short still shows
+            changed.update({name: problem for name in outputs if str(name).endswith(".safetensors")
+                            and (out_dir / name).is_file() and (problem := safetensors_problem(out_dir / name))})
+        if changed and damaged is not None:
+            damaged(changed)
+        if changed:
+            log.info("%s: %s (this stage wrote %s); redoing it", out_dir,
+                     "; ".join(f"{name} {how}" for name, how in changed.items()), "it" if len(changed) == 1 else "them")
+        return extra_done and not changed
     if input_change_redoes and diff[0].startswith("inputs") and \
             first_difference(recorded["settings"], identity["settings"]) is None:
         log.info("%s: an input changed since (%s); re-checking every existing file", out_dir, describe_difference(diff))

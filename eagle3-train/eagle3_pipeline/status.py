@@ -6,7 +6,9 @@ A stage is `finished` only as `stage.finished` would find it without its flags: 
 complete, the upstream outputs it recorded (identity.inputs: their `content_sha256`) are the ones
 on disk now, every upstream stage is itself finished, and its stage-specific condition holds
 (02: every row's file present with the size and fingerprint it recorded; 04: the recorded best
-checkpoint whole). A manifest that cannot be read is `manifest unreadable`: the stage refuses it
+checkpoint whole), and the files it wrote have the sizes and digests its manifest recorded (`output_files`).
+A stage made from an upstream output that is unreadable, gone, unfinished or stale is `stale` too, naming it
+(`rerun` that one first). A manifest that cannot be read is `manifest unreadable`: the stage refuses it
 when run, naming the problem (it is no run to resume). What status cannot know without the flags
 is a changed setting: the stage itself says so when run (a finished stage is a no-op there, a stale
 one names the field).
@@ -19,12 +21,17 @@ from pathlib import Path
 
 from .checkpoints import MODEL_NAME, unreadable_weights
 from .errors import ContractError
-from .files import changed_fingerprints  # torch-free, as this module: run_all's python may have no torch
+from .files import (  # torch-free, as this module: run_all's python may have no torch
+    changed_fingerprints,
+    changed_outputs,
+    fingerprints_problem,
+)
 from .hidden_states import hs_name
 from .manifest import MANIFEST_NAME, Manifest, parse_manifest
 
 STAGES = (("01", "prepare", "data"), ("02", "extract", "data/hidden_states"), ("03", "vocab", "vocab"),
           ("04", "train", "checkpoints"), ("05", "export", "draft"), ("06", "evaluate", "eval"))
+NUMBERS = {stage: num for num, stage, _ in STAGES}
 OPTIONAL = {"evaluate"}  # run_all.sh --eval only: listed once it has a directory or a log
 
 
@@ -39,7 +46,13 @@ def _manifest(directory: Path) -> Manifest | str | None:
 
 
 def _extra_problem(stage: str, directory: Path, manifest: Manifest) -> str | None:
+    changed = changed_outputs(directory, manifest.output_files)  # the files it wrote, by the sizes and digests recorded
+    if changed:
+        name, how = next(iter(changed.items()))
+        return f"{name} {how}" + (f", and {len(changed) - 1} other file(s)" if len(changed) > 1 else "")
     if stage == "extract":
+        if record_problem := fingerprints_problem(directory, manifest.fingerprints):
+            return record_problem
         rows = manifest.counts.rows if manifest.counts else 0
         changed = changed_fingerprints(directory, [hs_name(i) for i in range(rows)])
         if changed:
@@ -76,19 +89,23 @@ def stage_states(work: Path) -> dict[str, dict]:
             continue
         contents[stage] = manifest.content_sha256  # what downstream stages recorded of it
         recorded = (manifest.identity or {}).get("inputs") or {}
-        why = None
+        why, rerun = None, num
         for upstream, value in recorded.items():
-            if upstream not in contents:
+            if upstream not in NUMBERS:
                 continue  # not a stage output (a data file, a target hash, a checkpoint)
-            if states.get(upstream, {}).get("state") != "finished":
-                why = f"{upstream} is {states.get(upstream, {}).get('state', 'not finished')}"
+            # an upstream this stage was made from that is unreadable, gone, unfinished or stale: never "finished"
+            # over it (its own rerun refuses it, or makes another output this one was not made from)
+            upstream_state = states.get(upstream, {}).get("state", "not started")
+            if upstream_state != "finished":
+                why = f"its input, {NUMBERS[upstream]} {upstream}, is {upstream_state}"
+                rerun = states.get(upstream, {}).get("rerun", NUMBERS[upstream])  # where the chain starts
             elif value != contents[upstream]:
                 why = f"made from another {upstream} output than {work / dict((s, r) for _, s, r in STAGES)[upstream]}"
             if why:
                 break
         why = why or _extra_problem(stage, directory, manifest)
         states[stage] = {"num": num, "state": "stale" if why else "finished", "log": str(log),
-                         **({"why": why} if why else {})}
+                         **({"why": why, "rerun": rerun} if why else {})}
     return states
 
 
@@ -97,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", required=True, type=Path)
     args = parser.parse_args(argv)
     for stage, info in stage_states(args.work).items():
-        state = info["state"] + (f" ({info['why']}; rerun {info['num']})" if info.get("why") else "")
+        state = info["state"] + (f" ({info['why']}; rerun {info['rerun']})" if info.get("why") else "")
         log = info["log"] + ("" if Path(info["log"]).is_file() else
                              " (no log yet)" if info["state"] == "not started" else " (missing)")
         print(f"{info['num']} {stage:<8} {state:<22} {log}")
