@@ -410,7 +410,9 @@ def disk_full_error(save: Path, checkpoint_bytes: int):
                       f"last complete checkpoint)")
 
 
-def write_command_file(out_dir: Path, argv: list[str], launch: list[str] | None, notes: tuple[str, ...] = ()) -> None:
+def write_command_file(out_dir: Path, argv: list[str], launch: list[str] | None, notes: tuple[str, ...] = (),
+                       node_rank: int = 0) -> None:
+    """command.txt; on a node other than node 0 (nodes share --output, node 0 writes its files) the log's lines."""
     plain = "speculators train " + " ".join(shlex.quote(a) for a in argv)
     lines = [
         "# the speculators trainer call this run makes (reproducible with speculators alone):",
@@ -419,4 +421,7 @@ def write_command_file(out_dir: Path, argv: list[str], launch: list[str] | None,
     ]
     if launch:
         lines += ["# launched as:", " ".join(shlex.quote(a) for a in launch)]
+    if node_rank > 0:
+        log.info("node %d's command:\n%s", node_rank, "\n".join(lines))
+        return
     atomic_write_text(Path(out_dir) / "command.txt", "\n".join(lines) + "\n")
