@@ -14,14 +14,16 @@ timeout, 15 minutes and more), so a node whose stage 04 stopped first (a flag, a
 mount, kill -9) would leave the others waiting that long. So each node keeps a presence record,
 `.eagle3.node<N>-of-<M>.json` in --output ({"node", "host", "pid", "status": "starting" | "error" |
 "ended", "error": one line, "time"}), and holds its node lock (`.eagle3.node<N>-of-<M>.lock`, flock,
-inherited by its torchrun and ranks) while any of them lives. While this node's torchrun waits, `watch`
-reads the other nodes' records every half second: a record of this attempt (written since this node
-started, or changed since) that says "error" or "ended", or whose node lock is free (its stage 04,
-torchrun and ranks are gone: the OS released the lock), stops this node's torchrun with one line naming
-that node and why. Once every rank of the launch has written its record (ranks.py), the rendezvous is
-over and torchrun's own failure detection takes over (tests/test_04_multirank.py). The record is written
-in place, not as temp + rename: a temp would sit where node 0 sweeps, and nothing treats it as an
-output (readers skip a record caught half-written and read it again half a second later).
+inherited by its torchrun and ranks) while any of them lives. While this node's torchrun waits,
+`run_launch` reads the other nodes' records every half second: a node whose lock is free (its stage 04,
+torchrun and ranks are gone: the OS released the lock) and whose record is of this attempt (written or
+changed since this node started, or its lock was seen held meanwhile) stops this node's torchrun with one
+line naming that node and why (its recorded error, or "killed"). An older record (that node not started
+again) counts after STALE_GRACE_S: its restart may simply be slower than this node's. Once every rank
+of the launch has written its record (ranks.py), the rendezvous is over and torchrun's own failure
+detection takes over (tests/test_04_multirank.py). The record is written in place, not as temp + rename:
+a temp would sit where node 0 sweeps, and nothing treats it as an output (readers skip a record caught
+half-written and read it again half a second later). Tests: tests/test_reliability_two_nodes.py.
 """
 
 from __future__ import annotations
