@@ -46,6 +46,7 @@ from eagle3_pipeline.training import (
     endpoint_down_error,
     export_compat_settings,
     fit_seq_len_to_run,
+    forget_redone_samples,
     launch_command,
     launch_env,
     read_upstream,
@@ -157,6 +158,7 @@ def train(cfg: TrainConfig, sources, here: nodes.Presence | None) -> int:
             log.info("--overwrite: deleted this stage's outputs from another run: %s", ", ".join(removed) or "none")
         remove_stale_temps(out_dir)
         remove_stale_temps(online.cache_dir(out_dir))  # hybrid samples a killed run was writing
+        forget_redone_samples(out_dir)  # --on-bad-sample skip: files redone since they were left out count no more
     # speculators resumes from the newest <epoch>/ by itself; make sure that one is whole.
     # One node tidies the (shared) checkpoint folder; the others must not race it.
     resume = prepare_resume(out_dir) if cfg.node_rank == 0 else {"incomplete_removed": [], "interrupted": None}

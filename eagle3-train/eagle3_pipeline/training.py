@@ -17,7 +17,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from . import compat, online, resume
+from . import checkpoints, compat, online, resume
 from .checkpoints import latest_progress
 from .compat import flex_forward_config, val_depth
 from .compat import sample_check as checks
@@ -359,6 +359,15 @@ def left_out_remedy(problem: str) -> str:
     return f"redo those files with 02_extract_hidden_states.py --validate{raise_it}; they are listed in {checks.RECORD_NAME}"
 
 
+def forget_redone_samples(out_dir: Path) -> None:
+    """Before a (re)start: samples left out (--on-bad-sample skip) whose files were redone since, as the stop line
+    advises, are no longer counted against --max-bad-fraction: the loader checks them again as it reads them."""
+    forgotten, _stops = checks.forget_redone(out_dir)
+    if forgotten:
+        log.info("%d sample(s) left out earlier have been redone since (their files changed): checked again as they "
+                 "are read, no longer counted in %s", forgotten, checks.RECORD_NAME)
+
+
 def skipped_samples(out_dir: Path) -> dict:
     """--on-bad-sample skip: the samples left out (each once, however many epochs or ranks read it)."""
     skipped: dict[str, str] = {}
@@ -385,9 +394,12 @@ def require_trained(cfg: TrainConfig, rows: int, out_dir: Path) -> dict[str, int
     if not done["optimizer_steps"] or not done["samples"]:
         left_out = skipped_samples(out_dir)["count"]
         why = f" ({left_out} sample(s) left out by --on-bad-sample skip)" if left_out else ""
+        # Its checkpoints hold the initial draft: a rerun (after the data is fixed) must not resume from them.
+        deleted = checkpoints.delete_checkpoints(out_dir)
         raise InputError(f"{out_dir}: training ran {done['optimizer_steps']} optimizer step(s) on {done['samples']} "
-                         f"sample(s){why}: nothing was trained, so the manifest does not say complete (stage 05 "
-                         f"exports none of these checkpoints); check --data ({cfg.data}) and {out_dir / checks.RECORD_NAME}")
+                         f"sample(s){why}: nothing was trained, so the manifest does not say complete and its "
+                         f"checkpoints ({', '.join(deleted) or 'none'}) were deleted (a rerun starts from the start); "
+                         f"check --data ({cfg.data}) and {out_dir / checks.RECORD_NAME}")
     return done
 
 
