@@ -28,7 +28,7 @@ from .config.resolution import Sources
 from .config.schema import SCRIPTS_DIR, DraftConfig, TrainConfig, load_draft_config, speculators_pass_through
 from .contract import read_manifest, require_equal, require_upstream
 from .errors import ConfigError, InputError, Interrupted, StageError
-from .files import atomic_write_text, is_disk_full
+from .files import DiskFull, atomic_write_text, is_disk_full
 from .hidden_states import HS_DIRNAME
 from .machine import cuda_capabilities
 from .manifest import ExtractManifest, PrepareManifest, VocabManifest
@@ -307,11 +307,13 @@ def run_in_process(argv: list[str], metrics_path: Path, checkpoint_bytes: int = 
 
     applied = compat.apply(metrics_path)
     log.info("compatibility fixes applied: %s", ", ".join(applied) or "none")
-    if is_rank_zero():  # stage 04 records them in its manifest (it may not be this process)
-        write_record(metrics_path, {COMPAT_KEY: applied})
     save = Path(argv[argv.index("--save-path") + 1])
     try:
+        if is_rank_zero():  # stage 04 records them in its manifest (it may not be this process)
+            write_record(metrics_path, {COMPAT_KEY: applied})
         speculators_main(SpeculatorsTrainConfig.resolve(argv))
+    except DiskFull as exc:  # a metrics record (metrics.write_record): the file and the free bytes
+        raise StageError(f"{exc}; free space, then rerun (training resumes from the last complete checkpoint)") from None
     except Exception as exc:
         if ENDPOINT_DOWN_TAG in str(exc):  # compat/online_generation.py stopped the run at a batch
             raise endpoint_down_error(str(exc).split(ENDPOINT_DOWN_TAG, 1)[1], save) from None
