@@ -496,13 +496,19 @@ def test_disk_full_while_writing_the_prepared_dataset_is_one_line(capsys, work, 
     assert left == [".eagle3.lock", "manifest.json"] and unfinished  # the staging folder's space given back
 
 
-def test_stage_01s_disk_estimates_cover_what_it_writes(work):
+def test_stage_01s_disk_estimates_cover_what_it_writes(work, kimi_target, monkeypatch):
     """Issue 46, H: the preflight promised 21.5 KB (4 x the 5.4 KB input) for the 41 KB stage 01 writes."""
-    from eagle3_pipeline.sizing import PREPARED_BYTES_PER_INPUT_BYTE, PREPARED_FIXED_BYTES, prepared_bytes
+    import eagle3_pipeline.preflight as preflight
+    from eagle3_pipeline.errors import PreflightError
+    from eagle3_pipeline.target import load_target_info
 
     written = sum(p.stat().st_size for p in work["data"].iterdir() if p.is_file())  # manifest included
-    before_tokenizing = (SAMPLES / "conversations.jsonl").stat().st_size * PREPARED_BYTES_PER_INPUT_BYTE
-    assert written <= before_tokenizing + PREPARED_FIXED_BYTES
+    monkeypatch.setattr(preflight, "disk_free", lambda path: written - 1)  # a byte short of what 01 wrote
+    with pytest.raises(PreflightError, match="the prepared dataset"):
+        preflight.preflight_prepare(str(SAMPLES / "conversations.jsonl"), None, 4096, load_target_info(kimi_target),
+                                    work["data"])
+    from eagle3_pipeline.sizing import prepared_bytes  # the figure 01's disk-full line gives, once it has tokenized
+
     counts = manifest(work["data"])["counts"]
     assert written <= prepared_bytes(counts["rows"], counts["tokens"]) <= 2 * written
 
