@@ -254,7 +254,7 @@ class TrainConfig(StageConfig):
         "line naming the file; 'skip' = leave it out, count it, list it in the manifest (bad_samples), and stop "
         "only above --max-bad-fraction", identity=False)
     max_bad_fraction: float = _field(0.01, "with --on-bad-sample skip: stop if more than this fraction of the samples "
-                                           "are left out (or all of them)", ge=0, le=1, identity=False)
+                                           "are left out (or all of them); a file redone since it was left out (02) counts no more", ge=0, le=1, identity=False)
     vllm_request_timeout: float = _field(120.0, "online/hybrid: seconds per vLLM request (speculators --request-timeout)", gt=0, identity=False)
     draft_config: str = _field(str(DEFAULT_DRAFT_CONFIG), "draft architecture file", identity=False)
     epochs: int = _field(10, "training epochs", ge=1, identity=True, speculators="--epochs")
