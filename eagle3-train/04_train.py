@@ -173,7 +173,7 @@ def train(cfg: TrainConfig, sources, here: nodes.Presence | None) -> int:
         hidden_states_storage=StateFormat.from_manifest(extracted).storage if extracted else "dtype",
     )
     if sliced:  # the view of this position's rows, its epoch in the run, one lr schedule over every position
-        spec_argv, steps = slices.position_argv(cfg, sliced, spec_argv, out_dir)
+        spec_argv, steps = slices.position_argv(cfg, sliced, spec_argv, out_dir, build=cfg.node_rank == 0)
         log.info("sliced run: position %d of %d (epoch %d, slice %d of %d, rows %s): %d optimizer step(s) of the %d the "
                  "lr schedule is planned over", position + 1, plan.positions, position // plan.num_slices + 1,
                  position % plan.num_slices + 1, plan.num_slices, plan.selection(position), steps[position], sum(steps))
