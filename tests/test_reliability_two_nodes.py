@@ -14,6 +14,7 @@ the two nodes is then the same on every run, never a race left to the machine's 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -25,9 +26,11 @@ from pathlib import Path
 
 import pytest
 
+from eagle3_pipeline import nodes
+
 from conftest import REPO, SCRIPTS, free_port
 
-pytestmark = [pytest.mark.reliability, pytest.mark.slow]
+pytestmark = pytest.mark.reliability  # the tests running stages are marked slow by their fixture (conftest)
 
 STOP_BOUND_S = 60  # a node gone before the rendezvous: seen within a poll (0.5 s), torchrun stopped within 5 s more
 WAIT_S = 420  # generous bound on a stage's start-up on a loaded 2-core machine; a pass never comes near it
@@ -232,3 +235,43 @@ def test_a_node_killed_before_the_rendezvous_stops_the_others_in_seconds(kimi_ru
         f"the out-of-memory killer, or its machine went down); this node stopped waiting for it at the rendezvous "
         f"(127.0.0.1:{port}); fix that node, then rerun the same command on every node")
     assert "Traceback" not in node0.output()
+
+
+# --- the presence records alone, without launching anything ------------------------------------------------
+
+def _record(out: Path, node: int, **fields) -> None:
+    nodes.record_path(out, node, 2).write_text(json.dumps({"node": node, "host": "h1", "pid": 7, "error": "", **fields}))
+
+
+def _hold(out: Path, node: int) -> int:
+    fd = os.open(nodes.lock_path(out, node, 2), os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # what that node's stage 04 holds while it (or its torchrun) lives
+    return fd
+
+
+def test_a_node_counts_as_gone_only_when_its_lock_is_free_and_its_record_is_of_this_attempt(tmp_path, monkeypatch):
+    out = tmp_path
+    _record(out, 1, status="error", error="an earlier attempt's stop", time=1.0)  # before node 0 started
+    here = nodes.Presence(out, 0, 2, "h0:29500")
+    assert here.gone() is None  # not started again yet: the rendezvous waits for it (up to STALE_GRACE_S)
+    fd = _hold(out, 1)  # node 1 starts again: lock first, then its record
+    _record(out, 1, status="starting", time=1.0)  # (a clock behind node 0's: the change still counts)
+    assert here.gone() is None  # alive
+    _record(out, 1, status="error", error="/data: no such directory (--data)", time=1.0)
+    assert here.gone() is None  # its stage 04 still holds the lock (writing its record, exiting)
+    os.close(fd)
+    assert here.gone() == "node 1 of 2 (host h1, pid 7) stopped before the rendezvous: /data: no such directory (--data)"
+
+    # killed: the record still says "starting", the lock is free; seen alive before, so of this attempt
+    fd = _hold(out, 1)
+    _record(out, 1, status="starting", time=1.0)
+    here = nodes.Presence(out, 0, 2)
+    assert here.gone() is None
+    os.close(fd)
+    assert "is gone before the rendezvous: its stage 04 and all it started ended without a word" in here.gone()
+
+    # an earlier attempt's record, never changed, lock free: counted only once its restart had STALE_GRACE_S
+    here = nodes.Presence(out, 0, 2)
+    assert here.gone() is None
+    monkeypatch.setattr(nodes, "STALE_GRACE_S", 0)
+    assert here.gone().startswith("node 1 of 2 (host h1, pid 7), not started again in 0 s since its stage 04 of ")
