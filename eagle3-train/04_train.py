@@ -13,11 +13,10 @@ Run with --help for flags and an example.
 
 from __future__ import annotations
 
-import subprocess
 import time
 from pathlib import Path
 
-from eagle3_pipeline import checkpoints, online, slices
+from eagle3_pipeline import checkpoints, nodes, online, slices
 from eagle3_pipeline.config import TrainConfig, load_draft_config, resolve_stage_config
 from eagle3_pipeline.contract import input_record, write_manifest
 from eagle3_pipeline.errors import Interrupted, StageError
@@ -47,6 +46,7 @@ from eagle3_pipeline.training import (
     endpoint_down_error,
     export_compat_settings,
     fit_seq_len_to_run,
+    forget_redone_samples,
     launch_command,
     launch_env,
     read_upstream,
@@ -65,6 +65,20 @@ from eagle3_pipeline.training import (
 def main(argv: list[str] | None = None) -> int:
     # 1. Config.
     cfg, sources = resolve_stage_config(TrainConfig, argv, run_time_notes=resolved_for_print_config)
+    if cfg.nnodes > 1 and cfg.launcher == "torchrun" and not cfg.check:
+        # Nodes share --output: each records how it ended, so a node that stops before the rendezvous
+        # stops the others in seconds, not at torchrun's rendezvous timeout (eagle3_pipeline/nodes.py).
+        # Its node lock first: only the node's one live stage 04 may write its record.
+        check_writable_dir(Path(cfg.output), "--output")
+        lock_output(Path(cfg.output), exclusive=False)
+        lock_output(Path(cfg.output), lock_file=nodes.lock_path(Path(cfg.output), cfg.node_rank, cfg.nnodes))
+        with nodes.presence(Path(cfg.output), cfg.node_rank, cfg.nnodes, cfg.rdzv_endpoint or "") as here:
+            return train(cfg, sources, here)
+    return train(cfg, sources, None)
+
+
+def train(cfg: TrainConfig, sources, here: nodes.Presence | None) -> int:
+    """The stage; `here`: this node's presence record (several nodes with torchrun), else None."""
     out_dir = Path(cfg.output)
     draft = load_draft_config(cfg.draft_config)
     target = load_target_info(cfg.target)
@@ -105,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     check_writable_dir(out_dir, "--output")
     if cfg.nnodes > 1 and not cfg.check:  # nodes share --output (node 0 writes it): one process per node
         lock_output(out_dir, exclusive=False)
-        lock_output(out_dir, lock_file=out_dir / f".eagle3.node{cfg.node_rank}-of-{cfg.nnodes}.lock")
+        lock_output(out_dir, lock_file=nodes.lock_path(out_dir, cfg.node_rank, cfg.nnodes))
     remedy = ("a resume restores the old optimizer and lr schedule from the checkpoints, so it cannot change a run; "
               "rerun with the old value, choose another --output, or pass --overwrite to train anew (deletes only "
               "this stage's checkpoints and logs)")
@@ -139,12 +153,15 @@ def main(argv: list[str] | None = None) -> int:
                                      epochs=cfg.epochs):
             log.info("%s", line)
         return 0
-    if cfg.node_rank == 0:  # one node tidies the (shared) folder
+    # One node tidies the (shared) folder. No other node's temp can be in flight there: node 0 alone writes
+    # in it, and the other nodes' ranks start after this, once node 0's torchrun is up (eagle3_pipeline/nodes.py).
+    if cfg.node_rank == 0:
         if replace:
             removed = checkpoints.delete_own(out_dir)
             log.info("--overwrite: deleted this stage's outputs from another run: %s", ", ".join(removed) or "none")
         remove_stale_temps(out_dir)
         remove_stale_temps(online.cache_dir(out_dir))  # hybrid samples a killed run was writing
+        forget_redone_samples(out_dir)  # --on-bad-sample skip: files redone since they were left out count no more
     # speculators resumes from the newest <epoch>/ by itself; make sure that one is whole.
     # One node tidies the (shared) checkpoint folder; the others must not race it.
     resume = prepare_resume(out_dir) if cfg.node_rank == 0 else {"incomplete_removed": [], "interrupted": None}
@@ -159,19 +176,23 @@ def main(argv: list[str] | None = None) -> int:
         hidden_states_storage=StateFormat.from_manifest(extracted).storage if extracted else "dtype",
     )
     if sliced:  # the view of this position's rows, its epoch in the run, one lr schedule over every position
-        spec_argv, steps = slices.position_argv(cfg, sliced, spec_argv, out_dir)
+        spec_argv, steps = slices.position_argv(cfg, sliced, spec_argv, out_dir, build=cfg.node_rank == 0)
         log.info("sliced run: position %d of %d (epoch %d, slice %d of %d, rows %s): %d optimizer step(s) of the %d the "
                  "lr schedule is planned over", position + 1, plan.positions, position // plan.num_slices + 1,
                  position % plan.num_slices + 1, plan.num_slices, plan.selection(position), steps[position], sum(steps))
     launch = launch_command(cfg, spec_argv)
     # First of this run's writes: what it may write is listed (a later --overwrite deletes only those).
-    write_manifest(out_dir, TrainManifest(complete=False, identity=identity, outputs=list(checkpoints.RUN_FILES), **slicing))
-    write_command_file(out_dir, spec_argv, launch, () if server is None else (online.command_note(cfg),))
+    # Several nodes: node 0 alone writes the shared files (one writer per file); the others log their command.
+    if cfg.node_rank == 0:
+        write_manifest(out_dir, TrainManifest(complete=False, identity=identity, outputs=list(checkpoints.RUN_FILES),
+                                              **slicing))
+    write_command_file(out_dir, spec_argv, launch, () if server is None else (online.command_note(cfg),),
+                       node_rank=cfg.node_rank)
 
     # 3. Work: speculators' trainer (it resumes from the newest checkpoint by itself).
     log.info("training with speculators (%s, hidden states %s); command in %s", "in-process" if launch is None else launch[0],
              "from stage 02's files" if server is None else f"{cfg.hidden_states} from {server['endpoint']}",
-             out_dir / "command.txt")
+             out_dir / "command.txt" if cfg.node_rank == 0 else "the line above (node 0 writes command.txt)")
     # Every sample is checked as the loader reads it (compat/sample_check.py): stage 02's storage, or vLLM's states.
     stored = StateFormat.from_manifest(extracted) if extracted else None
     sample_spec = {"slots": len(layer_ids), "hidden": target.hidden_size, "samples": prepared.counts.rows,
@@ -186,17 +207,18 @@ def main(argv: list[str] | None = None) -> int:
     else:
         clear_own(out_dir, cfg.nproc, cfg.node_rank)
         launched_at = time.time()
-        result = subprocess.run(launch, env=launch_env(), pass_fds=held_lock_fds())  # ranks hold the output lock too
-        if result.returncode == Interrupted.exit_code:
+        returncode = nodes.run_launch(launch, env=launch_env(), pass_fds=held_lock_fds(),  # ranks hold the output lock too
+                                      here=here, world=cfg.nproc * cfg.nnodes, save_path=out_dir)
+        if returncode == Interrupted.exit_code:
             raise Interrupted(f"training interrupted; checkpoint saved in {out_dir / INTERRUPTED} if the save finished; "
                               f"rerun the same command to resume")
-        if result.returncode != 0 and server is not None and (problem := online.endpoint_problem(server["endpoint"])):
+        if returncode != 0 and server is not None and (problem := online.endpoint_problem(server["endpoint"])):
             raise endpoint_down_error(problem, out_dir)
-        if result.returncode != 0 and (problem := stopped_on(out_dir)):  # a rank stopped on a bad sample or loss
+        if returncode != 0 and (problem := stopped_on(out_dir)):  # a rank stopped on a bad sample or loss
             raise bad_sample_error(problem, out_dir)
-        if result.returncode != 0:  # which rank or node stopped first, and where the rerun resumes
+        if returncode != 0:  # which rank or node stopped first, and where the rerun resumes
             raise StageError(stopped_line(out_dir, nproc=cfg.nproc, nnodes=cfg.nnodes, node_rank=cfg.node_rank,
-                                          since=launched_at, returncode=result.returncode))
+                                          since=launched_at, returncode=returncode))
     if cfg.dry_run:
         log.info("dry run: initialised draft written to %s", out_dir)
         return 0
@@ -204,8 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     if sliced:
         slicing["slices_trained"].append(slices.position_record(position, plan, extracted, steps[position]))
         if position < plan.positions - 1:
-            write_manifest(out_dir, TrainManifest(complete=False, identity=identity, outputs=list(checkpoints.RUN_FILES),
-                                                  inputs=inputs, **slicing))
+            if cfg.node_rank == 0:  # the one writer of the shared manifest
+                write_manifest(out_dir, TrainManifest(complete=False, identity=identity,
+                                                      outputs=list(checkpoints.RUN_FILES), inputs=inputs, **slicing))
             log.info("run position %d of %d trained; the next slice continues this run", position + 1, plan.positions)
             return 0
 

@@ -557,11 +557,53 @@ def test_a_run_that_trained_on_no_sample_never_gets_a_complete_manifest(capsys, 
     code, error = refused(capsys, *_train(work, kimi_target, out, "--on-bad-sample", "skip", "--max-bad-fraction", "1",
                                           "--epochs", "1"))
     assert code == 4, error
-    assert error.startswith(f"{out}: training ran ") and error.endswith(
-        f" optimizer step(s) on 0 sample(s) ({counts['train_rows']} sample(s) left out by --on-bad-sample skip): nothing "
-        f"was trained, so the manifest does not say complete (stage 05 exports none of these checkpoints); check --data "
-        f"({work['data']}) and {out / 'bad_samples.jsonl'}"), error
+    assert error == (
+        f"{out}: training ran 0 optimizer step(s) on 0 sample(s) ({counts['train_rows']} sample(s) left out by "
+        f"--on-bad-sample skip): nothing was trained, so the manifest does not say complete and its checkpoints (0, "
+        f"checkpoint_best, epoch0_end) "
+        f"were deleted (a rerun starts from the start); check --data ({work['data']}) and {out / 'bad_samples.jsonl'}")
     assert not manifest(out)["complete"] and not (out / "summary.json").exists()
+
+
+def test_a_run_that_trained_on_no_sample_leaves_nothing_to_resume_from(capsys, work, kimi_target, tmp_path):
+    """Issue 46, G: with every training sample left out, the trainer took optimizer steps on empty batches and saved
+    checkpoint 0, and the rerun after the files were redone resumed from it: epoch 0 never trained, nothing to
+    report. Now no step on no sample, no checkpoint of it: the rerun trains from the start and finishes."""
+    counts = _counts(work)
+    _spoil_hidden_states(work, range(counts["train_rows"]))
+    out = tmp_path / "ckpt"
+    train = _train(work, kimi_target, out, "--on-bad-sample", "skip", "--max-bad-fraction", "1", "--epochs", "1")
+    code, error = refused(capsys, *train)
+    assert code == 4 and "training ran 0 optimizer step(s) on 0 sample(s)" in error, error
+    assert not list(out.glob("[0-9]*")) and not (out / "checkpoint_best").exists()
+    _extract(capsys, work, kimi_target, "--validate")  # as the line advises: drop the bad files
+    _extract(capsys, work, kimi_target)  # and extract them again
+    succeeded(capsys, *train)  # a resume from an empty epoch 0 would train nothing and be refused
+    done = manifest(out)
+    assert done["complete"] and done["trained"]["samples"] > 0 and done["bad_samples"]["count"] == 0
+
+
+def _extract(capsys, work: dict, kimi_target: Path, *extra) -> None:
+    args = ["--profile", "cpu-mini", "--target", kimi_target, "--data", work["data"], *extra]
+    stage_module("extract").main([str(a) for a in args])  # --validate exits 4 when it dropped bad files
+    capsys.readouterr()
+
+
+def test_skip_finishes_once_the_bad_files_are_redone_as_advised(capsys, work, kimi_target, tmp_path):
+    """Issue 46, G: after a stop for too many bad files, redoing them as the line advises (02 --validate, then 02)
+    let no rerun finish: the old bad_samples.jsonl still counted them. Samples whose files were redone since are
+    checked again as they are read; the rerun trains on them and finishes."""
+    _spoil_hidden_states(work, (0, 1, 2))  # 3 of the 15 samples: over the 10% limit
+    out = tmp_path / "ckpt"
+    train = _train(work, kimi_target, out, "--on-bad-sample", "skip", "--max-bad-fraction", "0.1", "--epochs", "1")
+    code, error = refused(capsys, *train)
+    assert code == 4 and "> --max-bad-fraction 10.0%" in error and "redo those files with 02" in error, error
+    _extract(capsys, work, kimi_target, "--validate")  # drops the bad files
+    _extract(capsys, work, kimi_target)  # and extracts them again
+    succeeded(capsys, *train)
+    done = manifest(out)
+    assert done["complete"] and done["bad_samples"]["count"] == 0, done["bad_samples"]
+    assert done["trained"]["samples"] > 0
 
 
 # --- 05: export --------------------------------------------------------------------------------------

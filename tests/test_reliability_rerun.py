@@ -483,6 +483,62 @@ def test_disk_full_while_saving_a_checkpoint_is_one_line_with_the_numbers(capsys
         "; free space, then rerun (training resumes from the last complete checkpoint)")
 
 
+def test_disk_full_while_writing_the_prepared_dataset_is_one_line(capsys, work, kimi_target, tmp_path, monkeypatch):
+    """Issue 46, H: stage 01 ended in an ENOSPC traceback from the dataset writer; 02, 03, 05, 06 give one line."""
+    disk_fills_after_preflight(monkeypatch)
+    out = tmp_path / "data"
+    with small_disk(out, 16 * 1024):  # less than the dataset (~40 KB)
+        code, error = refused(capsys, *args("prepare", {**work, "data": out}, kimi_target))
+        left = sorted(p.name for p in out.iterdir())
+        unfinished = not manifest(out)["complete"]
+    assert code == 1 and error.startswith(f"{out}: disk full (") and " B free at " in error, error
+    assert "; the prepared dataset needs ~" in error and error.endswith("; free space, then rerun"), error
+    assert left == [".eagle3.lock", "manifest.json"] and unfinished  # the staging folder's space given back
+
+
+def test_stage_01s_disk_estimates_cover_what_it_writes(work, kimi_target, monkeypatch):
+    """Issue 46, H: the preflight promised 21.5 KB (4 x the 5.4 KB input) for the 41 KB stage 01 writes."""
+    import eagle3_pipeline.preflight as preflight
+    from eagle3_pipeline.errors import PreflightError
+    from eagle3_pipeline.target import load_target_info
+
+    written = sum(p.stat().st_size for p in work["data"].iterdir() if p.is_file())  # manifest included
+    monkeypatch.setattr(preflight, "disk_free", lambda path: written - 1)  # a byte short of what 01 wrote
+    with pytest.raises(PreflightError, match="the prepared dataset"):
+        preflight.preflight_prepare(str(SAMPLES / "conversations.jsonl"), None, 4096, load_target_info(kimi_target),
+                                    work["data"])
+    from eagle3_pipeline.sizing import prepared_bytes  # the figure 01's disk-full line gives, once it has tokenized
+
+    counts = manifest(work["data"])["counts"]
+    assert written <= prepared_bytes(counts["rows"], counts["tokens"]) <= 2 * written
+
+
+def test_disk_full_while_appending_training_metrics_is_one_line(capsys, work, kimi_target, tmp_path, monkeypatch):
+    """Issue 46, H: the disk filled (another job) after stage 04 wrote its manifest and command: its first metrics
+    record ended in an ENOSPC traceback."""
+    disk_fills_after_preflight(monkeypatch)
+    stage = stage_module("train")
+    out = tmp_path / "ckpt"
+    settings = stage.export_compat_settings
+
+    def then_the_disk_fills(*a, **k):  # right before training: every later write meets a full disk
+        settings(*a, **k)
+        with contextlib.suppress(OSError), open(out / "filler", "wb", buffering=0) as handle:
+            while True:
+                handle.write(b"\0" * 4096)
+
+    monkeypatch.setattr(stage, "export_compat_settings", then_the_disk_fills)
+    with small_disk(out, 1024 * 1024):
+        capsys.readouterr()
+        code = stage.main([str(a) for a in args("train", {**work, "checkpoints": out}, kimi_target, "--epochs", "1")[1:]])
+        err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert code == 1 and len(errors) == 1 and "Traceback" not in err, err[-3000:]
+    error = errors[0].removeprefix("error: ")
+    assert error.startswith(f"{out / 'metrics.jsonl'}: disk full (") and " B free at " in error, error
+    assert error.endswith("; free space, then rerun (training resumes from the last complete checkpoint)"), error
+
+
 # --- 7. draft_config.json is a typed schema -----------------------------------------------------------------
 
 @pytest.mark.parametrize("change,message", [

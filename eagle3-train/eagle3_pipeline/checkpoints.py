@@ -224,6 +224,16 @@ def delete_own(out_dir: Path) -> list[str]:
     return sorted(p.name for p in items)
 
 
+def delete_checkpoints(out_dir: Path) -> list[str]:
+    """Only the checkpoints (epoch folders, interrupted/, the links to them) of stage 04's own outputs; the logs
+    stay. For a run that trained on no sample: a rerun must start from the start, not resume from them."""
+    logs_and_reports = set(RUN_FILES) - {BEST_LINK}
+    items = [p for p in own_outputs(out_dir) if p.name not in logs_and_reports]
+    for item in items:
+        remove_path(item)
+    return sorted(p.name for p in items)
+
+
 def refuse_foreign_folders(out_dir: Path) -> None:
     """speculators resumes from the highest decimal folder: one a person made there would be "resumed"."""
     foreign = foreign_epoch_folders(out_dir)

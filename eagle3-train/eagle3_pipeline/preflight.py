@@ -36,6 +36,7 @@ from .sizing import (
     FEW_OPTIMIZER_STEPS,
     OPTIMIZER_STATES,
     PREPARED_BYTES_PER_INPUT_BYTE,
+    PREPARED_FIXED_BYTES,
     SMALL_RUN_SEQ_LEN,
     TRAIN_TOKENS_PER_S_PER_GPU,
     checkpoint_bytes,
@@ -161,9 +162,9 @@ def preflight_prepare(data: str, max_samples: int | None, max_seq_len: int, targ
     path = Path(data)
     if path.is_file():
         size = path.stat().st_size
-        lines.append(check_disk("", size * PREPARED_BYTES_PER_INPUT_BYTE,
-                                f"the prepared dataset (<= {PREPARED_BYTES_PER_INPUT_BYTE} x the {human_bytes(size)} input)",
-                                out_dir))
+        lines.append(check_disk("", size * PREPARED_BYTES_PER_INPUT_BYTE + PREPARED_FIXED_BYTES,
+                                f"the prepared dataset (<= {PREPARED_BYTES_PER_INPUT_BYTE} x the {human_bytes(size)} input "
+                                f"+ {human_bytes(PREPARED_FIXED_BYTES)})", out_dir))
         if path.suffix == ".jsonl":
             with open(path, "rb") as handle:
                 records = sum(1 for line in handle if line.strip())

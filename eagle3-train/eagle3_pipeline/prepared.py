@@ -20,7 +20,9 @@ import random
 from pathlib import Path
 
 from .chat_rows import BadRow, Row
-from .files import remove_path, temp_path_for
+from .errors import StageError
+from .files import DiskFull, is_disk_full, remove_path, temp_path_for
+from .sizing import human_bytes, prepared_bytes
 
 # Local imports: datasets, speculators: imported where the dataset is read or written (heavy; importers that only name paths need none).
 
@@ -88,6 +90,13 @@ def write_prepared(out_dir: Path, rows: list[Row], num_train: int, bad: list[Bad
             old.unlink()
         for item in sorted(staging.iterdir()):
             os.replace(item, out_dir / item.name)
+    except Exception as exc:  # the disk filled after the preflight: one line (datasets/pyarrow raise OSError, torch text)
+        if not is_disk_full(exc):
+            raise
+        remove_path(staging)  # the space back before the free bytes are measured
+        need = prepared_bytes(len(rows), sum(table["seq_len"]))
+        raise StageError(f"{DiskFull(out_dir, out_dir)}; the prepared dataset needs ~{human_bytes(need)} ({need:,} B); "
+                         f"free space, then rerun") from None
     finally:
         remove_path(staging)
     return {

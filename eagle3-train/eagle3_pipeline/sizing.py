@@ -11,8 +11,17 @@ from pathlib import Path
 
 # Dataset rows on disk: input_ids + loss_mask as int64 (+ arrow offsets, seq_len: small).
 PREPARED_BYTES_PER_TOKEN = 16
-# A prepared dataset is at most this many times its raw text (int64 ids, ~4 bytes of text per token).
-PREPARED_BYTES_PER_INPUT_BYTE = 4
+# Before tokenizing, from the input's size: 16 B per token at >= 2 input bytes per token (the JSON rows' keys and
+# quotes included; samples/conversations.jsonl with Kimi's template: 2.9). Was 4 ("~4 bytes of text per token"):
+# 21.5 KB promised for that 5.4 KB file, 41 KB written (issue 46).
+PREPARED_BYTES_PER_INPUT_BYTE = 8
+# Beside the rows, whatever their number: dataset_info.json, state.json, the arrow schema, token_freq.pt, manifest.json.
+PREPARED_FIXED_BYTES = 16_000
+
+
+def prepared_bytes(rows: int, tokens: int) -> int:
+    """Stage 01's files once the rows are tokenized: the ids and masks, 3 int64 per row (offsets, seq_len), the rest."""
+    return tokens * PREPARED_BYTES_PER_TOKEN + rows * 24 + PREPARED_FIXED_BYTES
 # Speculators saves checkpoints in bf16: the model, and the optimizer state per trainable parameter
 # (Muon: one momentum buffer; AdamW: two moments).
 CHECKPOINT_BYTES = 2

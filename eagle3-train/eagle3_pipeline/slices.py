@@ -209,14 +209,17 @@ def already_trained(out_dir: Path, position: tuple[SlicePlan, int], replace: boo
     return newest >= g
 
 
-def position_argv(cfg, position: tuple[SlicePlan, int], spec_argv: list[str], out_dir: Path) -> tuple[list[str], list[int]]:
+def position_argv(cfg, position: tuple[SlicePlan, int], spec_argv: list[str], out_dir: Path,
+                  build: bool = True) -> tuple[list[str], list[int]]:
     """speculators' flags for this run position (its rows' view in `out_dir`, its epoch in the run, one lr schedule
-    over every position) and every position's optimizer steps."""
+    over every position) and every position's optimizer steps. `build`: False on a node other than node 0, which
+    alone writes the shared --output (eagle3_pipeline/nodes.py): its ranks read node 0's view, built before they start."""
     plan, g = position
     steps = planned_steps(list(load_prepared(cfg.data).with_format(None)["seq_len"]), plan, cfg.total_seq_len,
                           cfg.nproc * cfg.nnodes, cfg.seed)
-    view = build_view(Path(cfg.data), Path(cfg.data) / HS_DIRNAME, out_dir / VIEW_DIRNAME,
-                      parse_rows(plan.selection(g), plan.rows))
+    view = out_dir / VIEW_DIRNAME
+    if build:
+        build_view(Path(cfg.data), Path(cfg.data) / HS_DIRNAME, view, parse_rows(plan.selection(g), plan.rows))
     return sliced_argv(spec_argv, view, g, plan.train_data_ratio(g), sum(steps)), steps
 
 

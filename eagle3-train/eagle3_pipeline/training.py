@@ -17,7 +17,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from . import compat, online, resume
+from . import checkpoints, compat, online, resume
 from .checkpoints import latest_progress
 from .compat import feature_noise, flex_forward_config, val_depth
 from .compat import sample_check as checks
@@ -28,7 +28,7 @@ from .config.resolution import Sources
 from .config.schema import SCRIPTS_DIR, DraftConfig, TrainConfig, load_draft_config, speculators_pass_through
 from .contract import read_manifest, require_equal, require_upstream
 from .errors import ConfigError, InputError, Interrupted, StageError
-from .files import atomic_write_text, is_disk_full
+from .files import DiskFull, atomic_write_text, is_disk_full
 from .hidden_states import HS_DIRNAME
 from .machine import cuda_capabilities
 from .manifest import ExtractManifest, PrepareManifest, VocabManifest
@@ -311,11 +311,13 @@ def run_in_process(argv: list[str], metrics_path: Path, checkpoint_bytes: int = 
 
     applied = compat.apply(metrics_path)
     log.info("compatibility fixes applied: %s", ", ".join(applied) or "none")
-    if is_rank_zero():  # stage 04 records them in its manifest (it may not be this process)
-        write_record(metrics_path, {COMPAT_KEY: applied})
     save = Path(argv[argv.index("--save-path") + 1])
     try:
+        if is_rank_zero():  # stage 04 records them in its manifest (it may not be this process)
+            write_record(metrics_path, {COMPAT_KEY: applied})
         speculators_main(SpeculatorsTrainConfig.resolve(argv))
+    except DiskFull as exc:  # a metrics record (metrics.write_record): the file and the free bytes
+        raise StageError(f"{exc}; free space, then rerun (training resumes from the last complete checkpoint)") from None
     except Exception as exc:
         if ENDPOINT_DOWN_TAG in str(exc):  # compat/online_generation.py stopped the run at a batch
             raise endpoint_down_error(str(exc).split(ENDPOINT_DOWN_TAG, 1)[1], save) from None
@@ -363,6 +365,15 @@ def left_out_remedy(problem: str) -> str:
     return f"redo those files with 02_extract_hidden_states.py --validate{raise_it}; they are listed in {checks.RECORD_NAME}"
 
 
+def forget_redone_samples(out_dir: Path) -> None:
+    """Before a (re)start: samples left out (--on-bad-sample skip) whose files were redone since, as the stop line
+    advises, are no longer counted against --max-bad-fraction: the loader checks them again as it reads them."""
+    forgotten, _stops = checks.forget_redone(out_dir)
+    if forgotten:
+        log.info("%d sample(s) left out earlier have been redone since (their files changed): checked again as they "
+                 "are read, no longer counted in %s", forgotten, checks.RECORD_NAME)
+
+
 def skipped_samples(out_dir: Path) -> dict:
     """--on-bad-sample skip: the samples left out (each once, however many epochs or ranks read it)."""
     skipped: dict[str, str] = {}
@@ -389,9 +400,12 @@ def require_trained(cfg: TrainConfig, rows: int, out_dir: Path) -> dict[str, int
     if not done["optimizer_steps"] or not done["samples"]:
         left_out = skipped_samples(out_dir)["count"]
         why = f" ({left_out} sample(s) left out by --on-bad-sample skip)" if left_out else ""
+        # Its checkpoints hold the initial draft: a rerun (after the data is fixed) must not resume from them.
+        deleted = checkpoints.delete_checkpoints(out_dir)
         raise InputError(f"{out_dir}: training ran {done['optimizer_steps']} optimizer step(s) on {done['samples']} "
-                         f"sample(s){why}: nothing was trained, so the manifest does not say complete (stage 05 "
-                         f"exports none of these checkpoints); check --data ({cfg.data}) and {out_dir / checks.RECORD_NAME}")
+                         f"sample(s){why}: nothing was trained, so the manifest does not say complete and its "
+                         f"checkpoints ({', '.join(deleted) or 'none'}) were deleted (a rerun starts from the start); "
+                         f"check --data ({cfg.data}) and {out_dir / checks.RECORD_NAME}")
     return done
 
 
@@ -414,7 +428,9 @@ def disk_full_error(save: Path, checkpoint_bytes: int):
                       f"last complete checkpoint)")
 
 
-def write_command_file(out_dir: Path, argv: list[str], launch: list[str] | None, notes: tuple[str, ...] = ()) -> None:
+def write_command_file(out_dir: Path, argv: list[str], launch: list[str] | None, notes: tuple[str, ...] = (),
+                       node_rank: int = 0) -> None:
+    """command.txt; on a node other than node 0 (nodes share --output, node 0 writes its files) the log's lines."""
     plain = "speculators train " + " ".join(shlex.quote(a) for a in argv)
     lines = [
         "# the speculators trainer call this run makes (reproducible with speculators alone):",
@@ -423,4 +439,7 @@ def write_command_file(out_dir: Path, argv: list[str], launch: list[str] | None,
     ]
     if launch:
         lines += ["# launched as:", " ".join(shlex.quote(a) for a in launch)]
+    if node_rank > 0:
+        log.info("node %d's command:\n%s", node_rank, "\n".join(lines))
+        return
     atomic_write_text(Path(out_dir) / "command.txt", "\n".join(lines) + "\n")

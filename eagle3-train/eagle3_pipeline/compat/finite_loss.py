@@ -1,4 +1,5 @@
-"""A non-finite training loss stops training before its optimizer step: one Trainer subclass.
+"""A non-finite training loss stops training before its optimizer step: one Trainer subclass. With
+`--on-bad-sample skip`, a step whose every sample was left out (on every rank) takes no optimizer step.
 
 speculators 0.9.0's `Trainer.train_epoch` runs forward, backward, gradient clipping and
 `_optimizers_step` whatever the loss is: one NaN loss turns every weight into NaN, the run goes on
@@ -48,6 +49,14 @@ def finite_loss_trainer(base: type) -> type:
             self._eagle3_loss = None
             self._eagle3_epoch, self._eagle3_step_in_epoch = 0, 0
             self.model.register_forward_hook(self._eagle3_keep_loss)
+            self._eagle3_docs = None
+            if (sample_check.settings() or {}).get("on_bad") == "skip":  # only then can a step lose every sample
+                self.model.register_forward_pre_hook(self._eagle3_keep_docs, with_kwargs=True)
+
+        def _eagle3_keep_docs(self, _module, _args, kwargs):
+            ids = kwargs.get("document_ids")
+            if self.model.training and ids is not None:
+                self._eagle3_docs = (ids >= 0).any()  # padding is -1: an all-left-out batch has no document
 
         def _eagle3_keep_loss(self, _module, _inputs, output):
             if self.model.training and isinstance(output, tuple) and len(output) >= 2:
@@ -62,7 +71,21 @@ def finite_loss_trainer(base: type) -> type:
             loss = self._eagle3_loss
             if loss is not None and not bool(torch.isfinite(loss.detach()).all().item()):
                 self._eagle3_stop(loss)
+            if self._eagle3_docs is not None and not self._eagle3_any_sample():
+                # --on-bad-sample skip left out every sample of this step, on every rank: no optimizer step
+                # (AdamW's weight decay and moments would still move the weights, trained on nothing).
+                return None
             return super()._optimizers_step()
+
+        def _eagle3_any_sample(self) -> bool:
+            """Whether any rank's batch of this step holds a sample (all ranks step alike: one all-reduce)."""
+            import torch.distributed as dist
+
+            flag = self._eagle3_docs.to(torch.int32).reshape(1)
+            self._eagle3_docs = None
+            if dist.is_available() and dist.is_initialized():
+                dist.all_reduce(flag)
+            return bool(flag.item())
 
         def _eagle3_rows(self) -> list[int] | None:
             batches = packed_batches(getattr(self.train_loader, "batch_sampler", None), self._eagle3_epoch)

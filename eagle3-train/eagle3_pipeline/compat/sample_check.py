@@ -222,6 +222,42 @@ def too_many_bad(problem: str) -> bool:
     return TOO_MANY_BAD in problem or NONE_LEFT in problem
 
 
+def file_stamp(path: Path | None) -> list[int] | None:
+    """[size, mtime_ns, inode] of a sample's file (through a sliced run's view link) as it was found bad:
+    a file redone since (02 rewrites it: a new inode and mtime) differs (`forget_redone`)."""
+    try:
+        stat = os.stat(path) if path is not None else None
+    except OSError:
+        return None
+    return [stat.st_size, stat.st_mtime_ns, stat.st_ino] if stat else None
+
+
+def forget_redone(out_dir: str | Path) -> tuple[int, int]:
+    """Before a run (re)starts (stage 04, the one writer, no rank running): drop from the record the samples
+    left out whose files were redone since (02 --validate then 02, as the stop line advises: the loader checks
+    them again as it reads them, and lists them again if still bad), and the stop lines of earlier attempts
+    (each was reported when it stopped; a later stop must not be read as one of them). Returns (samples
+    forgotten, stop lines dropped); the record is rewritten (temp + rename) only when one was."""
+    from ..files import atomic_write_text
+
+    path = Path(out_dir) / RECORD_NAME
+    kept, forgotten, stops = [], set(), 0
+    for entry in read_records(out_dir):
+        if entry.get("action") == "stop":
+            stops += 1
+            continue
+        stamp = entry.get("stamp")
+        if entry.get("action") == "skip" and stamp is not None:  # a file (not a generated sample) as it was found
+            now = file_stamp(Path(str(entry.get("sample") or entry.get("file"))))
+            if now != stamp:
+                forgotten.add(sample_key(entry))
+                continue
+        kept.append(entry)
+    if forgotten or stops:
+        atomic_write_text(path, "".join(json.dumps(entry, default=int) + "\n" for entry in kept))
+    return len(forgotten), stops
+
+
 def read_records(out_dir: str | Path) -> list[dict]:
     path = Path(out_dir) / RECORD_NAME
     if not path.is_file():
@@ -285,7 +321,7 @@ class CheckedTransfer:
         action = self.config.get("on_bad", "stop")
         sample = str(path.resolve()) if path is not None and path.is_symlink() else where  # a sliced run's view
         record(self.config.get("record"), {"file": where, "sample": sample, "row": file_idx, "reason": problem,
-                                           "action": action})
+                                           "action": action, "stamp": file_stamp(path)})
         if action != "skip":
             raise BadSample(f"{BAD_SAMPLE_TAG}{where}: {problem}")
         too_many = left_out_problem(self.config)

@@ -144,9 +144,10 @@ def trained(save_path: str | Path) -> dict[str, int]:
     last: dict[tuple[int, int, int], dict] = {}
     for entry in read_records(save_path):
         last[(entry["epoch"], entry["local_step"], entry["rank"])] = entry
-    steps = {(epoch, step) for epoch, step, _rank in last}
-    samples = sum(max(0, len(entry.get("samples") or ()) - int(entry.get("left_out") or 0)) for entry in last.values())
-    return {"optimizer_steps": len(steps), "samples": samples}
+    trained_on = {key: max(0, len(entry.get("samples") or ()) - int(entry.get("left_out") or 0)) for key, entry in last.items()}
+    # a step whose every sample was left out, on every rank, took no optimizer step (compat/finite_loss.py)
+    steps = {(epoch, step) for (epoch, step, _rank), count in trained_on.items() if count}
+    return {"optimizer_steps": len(steps), "samples": sum(trained_on.values())}
 
 
 def world_size_of(save_path: str | Path) -> int:

@@ -254,7 +254,7 @@ class TrainConfig(StageConfig):
         "line naming the file; 'skip' = leave it out, count it, list it in the manifest (bad_samples), and stop "
         "only above --max-bad-fraction", identity=False)
     max_bad_fraction: float = _field(0.01, "with --on-bad-sample skip: stop if more than this fraction of the samples "
-                                           "are left out (or all of them)", ge=0, le=1, identity=False)
+                                           "are left out (or all of them); a file redone since it was left out (02) counts no more", ge=0, le=1, identity=False)
     vllm_request_timeout: float = _field(120.0, "online/hybrid: seconds per vLLM request (speculators --request-timeout)", gt=0, identity=False)
     draft_config: str = _field(str(DEFAULT_DRAFT_CONFIG), "draft architecture file", identity=False)
     epochs: int = _field(10, "training epochs", ge=1, identity=True, speculators="--epochs")
@@ -294,7 +294,7 @@ class TrainConfig(StageConfig):
     prefetch_factor: int = _field(2, "dataloader prefetch per worker (each batch holds total_seq_len x 57 KB of hidden states for Kimi)", ge=1, identity=False, speculators="--prefetch-factor")
     nproc: int = _field(1, "GPUs (torchrun processes) on this node", ge=1, identity=False)
     nnodes: int = _field(1, "nodes (torchrun --nnodes)", ge=1, identity=False)
-    node_rank: int = _field(0, "this node's rank (torchrun --node-rank); node 0 holds global rank 0, which writes checkpoints and metrics", ge=0, identity=False)
+    node_rank: int = _field(0, "this node's rank (torchrun --node-rank); node 0 (global rank 0) alone writes the shared --output: checkpoints, metrics, manifest.json, command.txt", ge=0, identity=False)
     rdzv_endpoint: Optional[str] = _field(None, "multi-node: node 0's HOST:PORT, the same on every node (torchrun --master-addr/--master-port; deepspeed --master_addr/--master_port)", identity=False)
     launcher: Literal["torchrun", "deepspeed"] = _field("torchrun", "multi-process launcher: torchrun (run on every node) or deepspeed (run once; starts the --hostfile hosts over SSH)", identity=False)
     hostfile: Optional[str] = _field(None, "deepspeed hostfile, lines 'HOST slots=GPUS' (with --launcher deepspeed)", identity=False)

@@ -1,0 +1,277 @@
+"""Two nodes, one --output (issue 46, M): stage 04 with `--nnodes 2` on one machine, as on a shared filesystem.
+
+Each node's stage 04 is a real subprocess on the Kimi miniature's shared run (torchrun, gloo). Where a test
+needs a node stopped at a chosen point, a test-only `sitecustomize.py` (active only with EAGLE3_TEST_FAULT,
+put on that node's PYTHONPATH) pauses it there until the test releases it (or kills it): the interleaving of
+the two nodes is then the same on every run, never a race left to the machine's load.
+
+- node 1 writing (its temp in flight) while node 0 tidies the folder: the temp survives, both nodes finish,
+  node 0 alone wrote manifest.json and command.txt (before issue 46 node 0's sweep deleted node 1's
+  `.command.txt.tmp-PID`, and node 1 exited 74 "renaming the new one into place failed");
+- node 1 stopping on an error before the rendezvous, and node 1 killed (-9) before it: node 0 stops in seconds
+  with one line naming node 1 and why (it waited at the rendezvous for its timeout, 15 minutes, before).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from eagle3_pipeline import nodes
+
+from conftest import REPO, SCRIPTS, free_port
+
+pytestmark = pytest.mark.reliability  # the tests running stages are marked slow by their fixture (conftest)
+
+STOP_BOUND_S = 60  # a node gone before the rendezvous: seen within a poll (0.5 s), torchrun stopped within 5 s more
+WAIT_S = 420  # generous bound on a stage's start-up on a loaded 2-core machine; a pass never comes near it
+
+PAUSE_SITECUSTOMIZE = textwrap.dedent('''
+    """Test-only (tests/test_reliability_two_nodes.py); inert unless EAGLE3_TEST_FAULT is set.
+
+    "replace:GLOB": pause before the first os.replace whose destination matches GLOB (its temp complete, not
+    renamed); "popen:TEXT": before the first subprocess.Popen whose command line contains TEXT. The pause
+    writes what it paused on to EAGLE3_TEST_FAULT_MARKER, then waits for the file EAGLE3_TEST_FAULT_RELEASE.
+    Every process started with this environment carries it (torchrun's ranks too): the first to hit pauses.
+    """
+    import fnmatch
+    import os
+    import time
+
+    _spec = os.environ.get("EAGLE3_TEST_FAULT")
+    if _spec:
+        _kind, _what = _spec.split(":", 1)
+
+        def _pause(what):
+            marker = os.environ["EAGLE3_TEST_FAULT_MARKER"]
+            if os.path.exists(marker):  # one pause per test: another process got there first
+                return
+            with open(marker + ".part", "w") as handle:
+                handle.write(os.fspath(what))
+            os.rename(marker + ".part", marker)
+            while not os.path.exists(os.environ["EAGLE3_TEST_FAULT_RELEASE"]):
+                time.sleep(0.05)
+
+        if _kind == "replace":
+            _replace = os.replace
+
+            def replace(src, dst, *args, **kwargs):
+                if fnmatch.fnmatch(os.fspath(dst), _what):
+                    _pause(src)
+                return _replace(src, dst, *args, **kwargs)
+
+            os.replace = replace
+        elif _kind == "popen":
+            import subprocess
+
+            _init = subprocess.Popen.__init__
+
+            def __init__(self, args, *rest, **kwargs):
+                if _what in " ".join(map(str, args if isinstance(args, (list, tuple)) else [args])):
+                    _pause(" ".join(map(str, args)))
+                _init(self, args, *rest, **kwargs)
+
+            subprocess.Popen.__init__ = __init__
+''')
+
+LAUNCHED = "training with speculators"  # the line a node logs after its tidying and writes, as it starts torchrun
+
+
+@pytest.fixture(scope="module")
+def pause_dir(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("pause-injection")
+    (directory / "sitecustomize.py").write_text(PAUSE_SITECUSTOMIZE)
+    return directory
+
+
+class Node:
+    """One node's stage 04, in its own process group (a kill reaches its torchrun and ranks)."""
+
+    def __init__(self, args: list, log: Path, pause: str | None = None, pause_dir: Path | None = None):
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.marker, self.release = log.with_suffix(".paused"), log.with_suffix(".release")
+        if pause:
+            env.update(EAGLE3_TEST_FAULT=pause, EAGLE3_TEST_FAULT_MARKER=str(self.marker),
+                       EAGLE3_TEST_FAULT_RELEASE=str(self.release),
+                       PYTHONPATH=os.pathsep.join(filter(None, [str(pause_dir), env.get("PYTHONPATH")])))
+        self.log = log
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen([sys.executable, str(SCRIPTS / "04_train.py"), *map(str, args)], stdout=out,
+                                         stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True)
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+    def wait_until(self, predicate, what: str, alive: bool = True) -> None:
+        deadline = time.monotonic() + WAIT_S
+        while not predicate():
+            if alive and self.proc.poll() is not None:
+                pytest.fail(f"{self.log.stem} exited {self.proc.returncode} before {what}:\n{self.output()[-4000:]}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"{self.log.stem}: timed out waiting for {what}:\n{self.output()[-4000:]}")
+            time.sleep(0.05)
+
+    def paused_on(self) -> Path:
+        self.wait_until(self.marker.is_file, "the injected pause")
+        return Path(self.marker.read_text())
+
+    def launched(self) -> None:
+        self.wait_until(lambda: LAUNCHED in self.output(), f"'{LAUNCHED}'")
+
+    def wait(self, timeout: float = WAIT_S) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"{self.log.stem} still running after {timeout} s:\n{self.output()[-4000:]}")
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(30)
+
+    def last_line(self) -> str:
+        return self.output().strip().splitlines()[-1]
+
+
+@pytest.fixture
+def nodes_started():
+    started: list[Node] = []
+    yield started
+    for node in started:  # never leave a node (and its torchrun) behind a failed test
+        if node.proc.poll() is None:
+            node.kill()
+
+
+def node_args(kimi_run: dict, kimi_target: Path, out: Path, rank: int, port: int, *extra) -> list:
+    return ["--profile", "cpu-mini", "--target", kimi_target, "--data", kimi_run["data"], "--vocab", kimi_run["vocab"],
+            "--output", out, "--logger", "", "--epochs", "1", "--nnodes", "2", "--node-rank", str(rank),
+            "--rdzv-endpoint", f"127.0.0.1:{port}", *extra]
+
+
+def test_node_0_tidies_the_shared_folder_while_node_1_writes_and_both_finish(kimi_run, kimi_target, pause_dir,
+                                                                              tmp_path, nodes_started):
+    out, port = tmp_path / "ckpt", free_port()
+    # Node 1 pauses at its first rename under the shared folder, its temp complete and in flight.
+    node1 = Node(node_args(kimi_run, kimi_target, out, 1, port), tmp_path / "node1.log", pause=f"replace:{out}/*",
+                 pause_dir=pause_dir)
+    nodes_started.append(node1)
+    # Node 0 starts once node 1 is paused mid-write or waits at the rendezvous (it then writes only after it).
+    node1.wait_until(lambda: node1.marker.is_file() or LAUNCHED in node1.output(), "node 1 paused or launched")
+    node0 = Node(node_args(kimi_run, kimi_target, out, 0, port), tmp_path / "node0.log")
+    nodes_started.append(node0)
+    node0.launched()  # node 0 swept stale temps and wrote its files
+    in_flight = node1.paused_on()
+    assert in_flight.name.startswith(".") and ".tmp-" in in_flight.name
+    assert in_flight.exists(), f"node 0 deleted node 1's temp in flight: {in_flight}"
+    node1.release.touch()
+    codes = [node0.wait(), node1.wait()]
+    assert codes == [0, 0], node0.output()[-3000:] + node1.output()[-3000:]
+    assert "node 1/2 done" in node1.output()
+    # one writer per shared file: node 0's command (node 1 logs its own), node 0's manifest
+    command = (out / "command.txt").read_text()
+    assert "--node-rank 0" in command and "--node-rank 1" not in command
+    assert "node 1's command:" in node1.output() and "--node-rank 1" in node1.output()
+    assert json.loads((out / "manifest.json").read_text())["complete"]
+    assert not [p for p in out.rglob("*") if ".tmp-" in p.name]
+
+
+def test_a_node_that_stops_before_the_rendezvous_stops_the_others_in_seconds(kimi_run, kimi_target, tmp_path,
+                                                                             nodes_started):
+    out, port = tmp_path / "ckpt", free_port()
+    node0 = Node(node_args(kimi_run, kimi_target, out, 0, port), tmp_path / "node0.log")
+    nodes_started.append(node0)
+    node0.launched()  # waiting at the rendezvous
+    # Node 1 does not see the prepared data (e.g. the shared filesystem is mounted elsewhere there).
+    missing = tmp_path / "not-mounted" / "data"
+    args = node_args(kimi_run, kimi_target, out, 1, port)
+    args[args.index(kimi_run["data"])] = missing
+    node1 = Node(args, tmp_path / "node1.log")
+    nodes_started.append(node1)
+    assert node1.wait() != 0
+    reason = node1.last_line().removeprefix("error: ")
+    assert str(missing) in reason
+    stopped_at = time.monotonic()
+    code = node0.wait(timeout=STOP_BOUND_S)
+    assert time.monotonic() - stopped_at < STOP_BOUND_S
+    assert code == 1
+    assert node0.last_line() == (
+        f"error: training stopped before it started: node 1 of 2 (host {os.uname().nodename}, pid {node1.proc.pid}) "
+        f"stopped before the rendezvous: {reason}; this node stopped waiting for it at the rendezvous "
+        f"(127.0.0.1:{port}); fix that node, then rerun the same command on every node")
+    assert "Traceback" not in node0.output()
+
+
+def test_a_node_killed_before_the_rendezvous_stops_the_others_in_seconds(kimi_run, kimi_target, pause_dir, tmp_path,
+                                                                         nodes_started):
+    out, port = tmp_path / "ckpt", free_port()
+    # Node 1 first, held just before it starts its torchrun: it has joined nothing yet.
+    node1 = Node(node_args(kimi_run, kimi_target, out, 1, port), tmp_path / "node1.log",
+                 pause="popen:eagle3_pipeline.torchrun", pause_dir=pause_dir)
+    nodes_started.append(node1)
+    node1.paused_on()
+    node0 = Node(node_args(kimi_run, kimi_target, out, 0, port), tmp_path / "node0.log")
+    nodes_started.append(node0)
+    node0.launched()
+    node1.kill()  # kill -9 of node 1's stage 04 (and anything it started)
+    killed_at = time.monotonic()
+    code = node0.wait(timeout=STOP_BOUND_S)
+    assert time.monotonic() - killed_at < STOP_BOUND_S
+    assert code == 1
+    assert node0.last_line() == (
+        f"error: training stopped before it started: node 1 of 2 (host {os.uname().nodename}, pid {node1.proc.pid}) is "
+        f"gone before the rendezvous: its stage 04 and all it started ended without a word (killed, e.g. kill -9 or "
+        f"the out-of-memory killer, or its machine went down); this node stopped waiting for it at the rendezvous "
+        f"(127.0.0.1:{port}); fix that node, then rerun the same command on every node")
+    assert "Traceback" not in node0.output()
+
+
+# --- the presence records alone, without launching anything ------------------------------------------------
+
+def _record(out: Path, node: int, **fields) -> None:
+    nodes.record_path(out, node, 2).write_text(json.dumps({"node": node, "host": "h1", "pid": 7, "error": "", **fields}))
+
+
+def _hold(out: Path, node: int) -> int:
+    fd = os.open(nodes.lock_path(out, node, 2), os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # what that node's stage 04 holds while it (or its torchrun) lives
+    return fd
+
+
+def test_a_node_counts_as_gone_only_when_its_lock_is_free_and_its_record_is_of_this_attempt(tmp_path, monkeypatch):
+    out = tmp_path
+    _record(out, 1, status="error", error="an earlier attempt's stop", time=1.0)  # before node 0 started
+    here = nodes.Presence(out, 0, 2, "h0:29500")
+    assert here.gone() is None  # not started again yet: the rendezvous waits for it (up to STALE_GRACE_S)
+    fd = _hold(out, 1)  # node 1 starts again: lock first, then its record
+    _record(out, 1, status="starting", time=1.0)  # (a clock behind node 0's: the change still counts)
+    assert here.gone() is None  # alive
+    _record(out, 1, status="error", error="/data: no such directory (--data)", time=1.0)
+    assert here.gone() is None  # its stage 04 still holds the lock (writing its record, exiting)
+    os.close(fd)
+    assert here.gone() == "node 1 of 2 (host h1, pid 7) stopped before the rendezvous: /data: no such directory (--data)"
+
+    # killed: the record still says "starting", the lock is free; seen alive before, so of this attempt
+    fd = _hold(out, 1)
+    _record(out, 1, status="starting", time=1.0)
+    here = nodes.Presence(out, 0, 2)
+    assert here.gone() is None
+    os.close(fd)
+    assert "is gone before the rendezvous: its stage 04 and all it started ended without a word" in here.gone()
+
+    # an earlier attempt's record, never changed, lock free: counted only once its restart had STALE_GRACE_S
+    here = nodes.Presence(out, 0, 2)
+    assert here.gone() is None
+    monkeypatch.setattr(nodes, "STALE_GRACE_S", 0)
+    assert here.gone().startswith("node 1 of 2 (host h1, pid 7), not started again in 0 s since its stage 04 of ")
