@@ -260,7 +260,7 @@ class Bench:
                  "--eval-per-kind", self.args.eval_per_kind, "--max-tokens", self.args.answer_max_tokens,
                  "--dtype", "float32" if self.cpu else "bfloat16",
                  # a share of the GPU that leaves room for other detached jobs of the same hold
-                 *([] if self.cpu else ["--gpu-memory-utilization", "0.2"])],
+                 *([] if self.cpu else ["--gpu-memory-utilization", "0.2", "--kv-cache-gib", "8"])],
                 self.logs / "regenerate.log", f"regenerate answers ({self.args.train_conversations * factor} "
                                               f"conversations, vLLM)", env={"VLLM_CPU_KVCACHE_SPACE": "2"})
         return json.loads((chat / "summary.json").read_text())

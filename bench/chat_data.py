@@ -229,7 +229,7 @@ def repeated_4gram_fraction(outputs: list[list[int]]) -> float:
 
 def regenerate(target: str, prompts_path: Path, out: Path, train_limit: int | None, eval_per_group: int,
                max_tokens: int, max_model_len: int, dtype: str, answers_per_prompt: int = 1, temperature: float = 0.0,
-               gpu_memory_utilization: float = 0.5) -> dict:
+               gpu_memory_utilization: float = 0.5, kv_cache_gib: float | None = None) -> dict:
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -239,7 +239,12 @@ def regenerate(target: str, prompts_path: Path, out: Path, train_limit: int | No
     train = select(records, "train", train_limit)
     evals = select(records, "eval", None, per_group=eval_per_group)
     tokenizer = AutoTokenizer.from_pretrained(target)
-    llm = LLM(model=target, dtype=dtype, max_model_len=max_model_len, seed=0, gpu_memory_utilization=gpu_memory_utilization)
+    # a fixed KV cache lets several engines start on one GPU at once: sized from gpu_memory_utilization alone, vLLM
+    # 0.26 counts what other processes allocate during its profiling against its own share (an H200 hold, 2026-12-03:
+    # three regenerations started together at 0.2 each, one found -1.54 GiB for its KV cache)
+    kv = {"kv_cache_memory_bytes": int(kv_cache_gib * 2**30)} if kv_cache_gib else {}
+    llm = LLM(model=target, dtype=dtype, max_model_len=max_model_len, seed=0, gpu_memory_utilization=gpu_memory_utilization,
+              **kv)
     engine_s = time.perf_counter() - started
     greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, seed=0)
 
@@ -353,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature of the training answers (0 = greedy; held-out prompts stay greedy)")
     r.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="vLLM's share of the GPU (several engines at once)")
+    r.add_argument("--kv-cache-gib", type=float, default=None,
+                   help="a fixed KV cache (GiB) instead of one sized at start: several engines may then start at once")
     args = parser.parse_args(argv)
     if args.command == "prompts":
         print(json.dumps(build_prompts(Path(args.out)), indent=2))
@@ -367,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     summary = regenerate(args.target, prompts, Path(args.out), args.train_limit, args.eval_per_kind,
                          args.max_tokens, args.max_model_len, args.dtype, args.answers_per_prompt, args.temperature,
-                         args.gpu_memory_utilization)
+                         args.gpu_memory_utilization, args.kv_cache_gib)
     print(json.dumps(summary, indent=2))
     return 0
 

@@ -49,6 +49,7 @@
 #   bash bench/h200_vllm_gpu.sh job-wait SECONDS NAME...   until every NAME has finished (at most SECONDS), then
 #                                                  copy each one's files to $OUT/NAME/
 #   bash bench/h200_vllm_gpu.sh regenerate NAME [chat_data.py regenerate flags]   SmolLM2 answers the prompts
+#                                                  (give --kv-cache-gib 8 when jobs start together: see chat_data.py)
 #                                                  (bench/chat_data.py), the chat files back as $OUT/chat-NAME.tar.xz
 #                                                  (small: carry it to a later hold instead of regenerating)
 # Training benches need no vLLM: one call carrying [.whl, .dev/trainwhl] (~20 MB; `prepare-train` here takes
