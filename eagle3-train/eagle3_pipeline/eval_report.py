@@ -2,13 +2,17 @@
 
 The JSON (`report.json`) is the record; the text (`report.txt`, also printed) and the PNG (`report.png`:
 acceptance by draft position and tau by prompt category, each with its standard error) are drawn from it.
+The manifest records each file's sha256 (`output_digests`): a rerun finds a report.json cut short or changed
+(stage 06 measures again) and redraws a damaged report.txt or report.png from the record, without an engine.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-from .files import atomic_path
+from .errors import ConfigError
+from .files import atomic_path, atomic_write_text, sha256_file
 
 # Local imports: matplotlib: imported where the plot is drawn (heavy, optional).
 
@@ -119,3 +123,60 @@ def write_plot(report: dict, path: Path) -> Path | None:
         fig.savefig(tmp, format="png", dpi=100)
     plt.close(fig)
     return path
+
+
+def output_digests(out_dir: Path, names) -> dict[str, str]:
+    """name -> sha256 of the files just written (the manifest's `output_sha256`)."""
+    return {name: sha256_file(Path(out_dir) / name) for name in names}
+
+
+def read_report(path: Path, recorded_sha256: str | None = None) -> dict | None:
+    """The report a finished run wrote, or None when it is gone, cut short, changed since (`recorded_sha256`: what
+    the manifest recorded; None for manifests written before digests were) or not a report."""
+    try:
+        if recorded_sha256 is not None and sha256_file(path) != recorded_sha256:
+            return None
+        report = json.loads(Path(path).read_bytes())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    needed = ("spec_decode", "verdict", "by_category", "settings")
+    return report if isinstance(report, dict) and all(key in report for key in needed) else None
+
+
+def damaged_views(out_dir: Path, report: dict, outputs: list[str], recorded: dict[str, str]) -> list[str]:
+    """The views (report.txt, report.png) a finished run wrote that are gone, cut short or changed since: by their
+    recorded sha256, and report.txt also by its text (manifests written before digests were)."""
+    damaged = []
+    for name in (REPORT_TEXT, REPORT_PNG):
+        path = Path(out_dir) / name
+        if name not in outputs and name != REPORT_TEXT:
+            continue
+        if not path.is_file():
+            damaged.append(name)
+        elif name in recorded and sha256_file(path) != recorded[name]:
+            damaged.append(name)
+        elif name == REPORT_TEXT and path.read_bytes() != (format_report(report) + "\n").encode("utf-8"):
+            damaged.append(name)
+    return damaged
+
+
+def write_views(out_dir: Path, report: dict, names: list[str]) -> None:
+    """report.txt and/or report.png drawn again from the report."""
+    if REPORT_TEXT in names:
+        atomic_write_text(Path(out_dir) / REPORT_TEXT, format_report(report) + "\n")
+    if REPORT_PNG in names:
+        write_plot(report, Path(out_dir) / REPORT_PNG)
+
+
+def refuse_output_inside(out_dir: Path, inputs: dict[str, tuple[Path, str]]) -> None:
+    """--output inside (or at) an input's folder is refused: that folder is another stage's (or the model's), and
+    rerunning its stage with --overwrite deletes everything in it, the report with it. `inputs`: flag -> (folder,
+    what it is: "stage 05's output")."""
+    out = Path(out_dir).resolve()
+    for flag, (folder, what) in inputs.items():
+        folder = Path(folder).resolve()
+        if out == folder or folder in out.parents:
+            why = ("not this stage's to write into" if flag == "--target" else
+                   "rerunning that stage with --overwrite would delete the report with it")
+            raise ConfigError(f"{out_dir}: --output is inside {what} {folder} ({flag}); {why}: choose an --output "
+                              f"outside it (nothing was written)")
