@@ -222,8 +222,10 @@ def already_evaluated(out_dir: Path, check: bool) -> dict | None:
                  ", ".join(damaged), REPORT_JSON)
     elif damaged:  # drawn from the record again: no engine needed
         write_views(out_dir, report, damaged)
-        manifest.output_sha256 = {**(manifest.output_sha256 or {}), **output_digests(out_dir, damaged)}
-        write_manifest(out_dir, manifest, fresh=False)
+        digests = {**(manifest.output_sha256 or {}), **output_digests(out_dir, damaged)}
+        if digests != manifest.output_sha256:  # drawn the same as before (the usual case): the record stands
+            manifest.output_sha256 = digests
+            write_manifest(out_dir, manifest, fresh=False)
         log.info("%s: %s cut short, changed or gone; redrawn from %s", out_dir, ", ".join(damaged), REPORT_JSON)
     log.info("%s: already evaluated with these settings and inputs; its report:", out_dir)
     return report
