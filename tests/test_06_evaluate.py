@@ -312,7 +312,8 @@ def _running(pid: int) -> bool:
 @pytest.mark.vllm
 @pytest.mark.reliability
 def test_a_killed_evaluation_takes_its_engine_with_it(llama_run, tmp_path):
-    """Before: kill -9 of 06 left its vLLM engine running, without the output's lock: a rerun started a second one."""
+    """Before: kill -9 of 06 left its vLLM engine running without the output's lock (a rerun started a second one
+    beside it); the orphan went on to the end of its measurement. Now the engine dies with 06: it never finishes."""
     out = tmp_path / "eval"
     cmd = [sys.executable, str(SCRIPTS / "06_evaluate.py"), "--profile", "cpu-mini", "--draft", str(llama_run["draft"]),
            "--output", str(out), "--no-baseline"]
@@ -320,25 +321,31 @@ def test_a_killed_evaluation_takes_its_engine_with_it(llama_run, tmp_path):
         stage = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})
     engine: list[int] = []
+    result_file = None
     try:
-        deadline = time.monotonic() + 600  # a bound for a stuck start, not a timing: the loop ends at the state
+        # the engine is running once vLLM's engine-core process is up under it (a bound for a stuck start, not a timing)
+        deadline = time.monotonic() + 600
         while not any("spawn_main" in _command_line(pid) for pid in engine):
             assert stage.poll() is None, (tmp_path / "06.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "vLLM's engine-core process never started"
             time.sleep(0.5)
-            engine = _descendants(stage.pid)  # the engine's process and vLLM's engine-core process(es) under it
+            engine = _descendants(stage.pid)  # the engine's process and vLLM's processes under it
+        args = next(_command_line(pid) for pid in engine if "--child" in _command_line(pid)).split("\0")
+        result_file = Path(args[args.index("--child") + 2])  # where the engine writes its measurement at its end
         stage.send_signal(signal.SIGKILL)
         stage.wait()
-        deadline = time.monotonic() + 120
-        while [pid for pid in engine if _running(pid)] and time.monotonic() < deadline:
+        while [pid for pid in engine if _running(pid)]:  # gone, killed or (before the fix) done measuring
+            assert time.monotonic() < deadline, f"engine processes outlived 06: {engine}"
             time.sleep(0.5)
-        assert not [pid for pid in engine if _running(pid)], f"engine processes outlived 06: {engine}"
-    finally:  # on the code before the fix: end the engine this test started, by its pids
+        assert not result_file.exists(), "the engine measured on after 06 was killed"
+    finally:  # on the code before the fix: end what this test started, by its pids, and the killed 06's temp folder
         if stage.poll() is None:
             stage.kill()
         for pid in engine:
             if _running(pid):
                 os.kill(pid, signal.SIGKILL)
+        if result_file is not None:
+            shutil.rmtree(result_file.parent, ignore_errors=True)
 
 
 @pytest.mark.vllm
