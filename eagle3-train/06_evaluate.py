@@ -29,14 +29,12 @@ from eagle3_pipeline.eval_report import (
     REPORT_JSON,
     REPORT_PNG,
     REPORT_TEXT,
+    already_evaluated,
     build_report,
-    damaged_views,
     format_report,
     output_digests,
-    read_report,
     refuse_output_inside,
     write_plot,
-    write_views,
 )
 from eagle3_pipeline.evaluate import VllmSettings, measure_acceptance
 from eagle3_pipeline.export import DRAFT_FILES
@@ -55,7 +53,6 @@ from eagle3_pipeline.stage import (
     data_identity,
     finished,
     log,
-    read_own_manifest,
     refuse_unowned,
     retire_manifest,
     stage_identity,
@@ -206,29 +203,6 @@ def main(argv: list[str] | None = None) -> int:
 def check_line(findings, num_prompts: int, measurement: str) -> str:
     checks = "; ".join(f"{f.check} {f.status}" for f in findings)
     return f"06 --check: ran the self-checks ({checks}) and rendered {num_prompts} prompts; tau in vLLM {measurement}"
-
-
-def already_evaluated(out_dir: Path, check: bool) -> dict | None:
-    """A finished evaluation's report, its views (report.txt, report.png) redrawn from it where they were damaged;
-    None when report.json itself is cut short or changed (the stage measures again: it is its own output)."""
-    manifest = read_own_manifest(out_dir)
-    report = read_report(out_dir / REPORT_JSON, (manifest.output_sha256 or {}).get(REPORT_JSON))
-    if report is None:
-        log.info("%s: %s, which this stage wrote, is cut short or changed since; measuring again", out_dir, REPORT_JSON)
-        return None
-    damaged = damaged_views(out_dir, report, manifest.outputs or [], manifest.output_sha256 or {})
-    if damaged and check:
-        log.info("%s: %s cut short, changed or gone; a run without --check redraws it from %s", out_dir,
-                 ", ".join(damaged), REPORT_JSON)
-    elif damaged:  # drawn from the record again: no engine needed
-        write_views(out_dir, report, damaged)
-        digests = {**(manifest.output_sha256 or {}), **output_digests(out_dir, damaged)}
-        if digests != manifest.output_sha256:  # drawn the same as before (the usual case): the record stands
-            manifest.output_sha256 = digests
-            write_manifest(out_dir, manifest, fresh=False)
-        log.info("%s: %s cut short, changed or gone; redrawn from %s", out_dir, ", ".join(damaged), REPORT_JSON)
-    log.info("%s: already evaluated with these settings and inputs; its report:", out_dir)
-    return report
 
 
 def report_outcome(report: dict) -> int:
