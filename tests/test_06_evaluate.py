@@ -278,6 +278,17 @@ def test_an_engine_that_refuses_is_one_line_quoting_vllms_reason_and_its_log(lla
     assert "Input should be 'auto'" in line and line.endswith(f"; see {out / 'logs' / 'vllm-draft-k3.log'}"), line
 
 
+def test_an_engine_failure_reads_as_vllms_own_reason_not_its_wrappers():
+    from eagle3_pipeline.evaluate import engine_failure_reason
+
+    log = ("(EngineCore_DP0 pid=4242) Traceback (most recent call last):\n"
+           "(EngineCore_DP0 pid=4242) ValueError: the draft's hidden size 512 differs from the target's 256\n"
+           "Traceback (most recent call last):\n"
+           "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}\n")
+    assert engine_failure_reason(log) == "ValueError: the draft's hidden size 512 differs from the target's 256"
+    assert engine_failure_reason("INFO started\nKilled\n") is None
+
+
 def _parent_of(pid: int) -> int | None:
     try:
         return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])

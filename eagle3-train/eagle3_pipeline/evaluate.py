@@ -234,6 +234,7 @@ class EngineFailed(StageError, RuntimeError):
 
 # The lines of a vLLM log that name an error, most specific last; the generic wrappers say "see above".
 _ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?(\w*(?:Error|Exception)|AssertionError|KeyError): (.+)$")
+_PROCESS_PREFIX = re.compile(r"^\([\w.-]+ pid=\d+\)\s*")  # "(EngineCore_DP0 pid=123) ": vLLM's engine-core lines
 _GENERIC = ("Engine core initialization failed", "See root cause above", "Engine process failed to start")
 
 
@@ -243,8 +244,7 @@ def engine_failure_reason(log_text: str) -> str | None:
     lines = [line.strip() for line in log_text.splitlines()]
     found = None
     for i, line in enumerate(lines):
-        match = _ERROR_LINE.match(line.removeprefix("(EngineCore pid=").split(") ", 1)[-1] if line.startswith("(")
-                                  else line)
+        match = _ERROR_LINE.match(_PROCESS_PREFIX.sub("", line))
         if not match or any(generic in line for generic in _GENERIC):
             continue
         reason = f"{match.group(1)}: {match.group(2)}"
