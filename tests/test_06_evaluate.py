@@ -349,6 +349,7 @@ def test_a_killed_evaluation_takes_its_engine_with_it(llama_run, tmp_path):
             assert time.monotonic() < deadline, f"engine processes outlived 06: {engine}"
             time.sleep(0.5)
         assert not result_file.exists(), "the engine measured on after 06 was killed"
+        assert not result_file.parent.exists()  # nor is the killed 06's scratch folder (the request) left behind
     finally:  # on the code before the fix: end what this test started, by its pids, and the killed 06's temp folder
         if stage.poll() is None:
             stage.kill()

@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -255,21 +256,24 @@ def engine_failure_reason(log_text: str) -> str | None:
     return found[:300] if found else None
 
 
-def _lifeline(fd: int) -> None:
-    """In the engine's process: block on the caller's pipe; end-of-file means the caller is gone (killed or
-    exited without stopping us), so end this process group (the engine and vLLM's engine-core processes)."""
+def _lifeline(fd: int, scratch: Path) -> None:
+    """In the engine's process: block on the caller's pipe; end-of-file means the caller is gone (killed: it closes
+    its end only after this process exited), so remove the caller's scratch folder (the request; no one is left to)
+    and end this process group (the engine and vLLM's engine-core processes)."""
     try:
         while os.read(fd, 1):
             pass
     except OSError:
         pass
+    shutil.rmtree(scratch, ignore_errors=True)
     os.killpg(os.getpgrp(), signal.SIGKILL)
 
 
 def _child_main() -> None:
     """Entry point of the isolated engine process: request JSON on argv[2], result to argv[3], lifeline fd argv[4]."""
     if len(sys.argv) > 4:
-        threading.Thread(target=_lifeline, args=(int(sys.argv[4]),), daemon=True, name="lifeline").start()
+        threading.Thread(target=_lifeline, args=(int(sys.argv[4]), Path(sys.argv[2]).parent), daemon=True,
+                         name="lifeline").start()
     request = json.loads(Path(sys.argv[2]).read_text())
     settings = VllmSettings(**request.pop("settings"))
     result = run_engine(settings=settings, **request)
