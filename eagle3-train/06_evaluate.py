@@ -7,7 +7,9 @@ given) and, on the same prompts, the target alone. The prompts (a jsonl of OpenA
 (1 + accepted/drafts), acceptance per draft position and tau per category with standard errors, and
 output tokens/s with and without the draft (report.json, report.txt, report.png). A tau at or below
 --min-tau, or a first-position acceptance below --min-first-acceptance, exits 6 with one line naming
-the likely causes the stage checked itself (eagle3_pipeline/verdict.py).
+the likely causes the stage checked itself (eagle3_pipeline/verdict.py). A draft vLLM cannot serve (its files
+cut short, weights that do not fit the target, another method, a --max-model-len above the target's) is
+refused in one line before any engine starts; an engine that still fails is one line quoting vLLM's reason.
 Run with --help for flags and an example.
 """
 
@@ -17,14 +19,23 @@ import json
 from pathlib import Path
 
 import numpy as np
-from safetensors import safe_open
 
 from eagle3_pipeline.chat_rows import ChatTokenizer
 from eagle3_pipeline.config import EvaluateConfig, resolve_stage_config
 from eagle3_pipeline.contract import input_record, read_manifest, read_recorded_input, write_manifest
-from eagle3_pipeline.errors import ContractError, DraftRejected, PreflightError
+from eagle3_pipeline.errors import ConfigError, ContractError, DraftRejected, PreflightError
 from eagle3_pipeline.eval_prompts import render_prompts
-from eagle3_pipeline.eval_report import REPORT_JSON, REPORT_PNG, REPORT_TEXT, build_report, format_report, write_plot
+from eagle3_pipeline.eval_report import (
+    REPORT_JSON,
+    REPORT_PNG,
+    REPORT_TEXT,
+    already_evaluated,
+    build_report,
+    format_report,
+    output_digests,
+    refuse_output_inside,
+    write_plot,
+)
 from eagle3_pipeline.evaluate import VllmSettings, measure_acceptance
 from eagle3_pipeline.export import DRAFT_FILES
 from eagle3_pipeline.files import (
@@ -47,8 +58,17 @@ from eagle3_pipeline.stage import (
     stage_identity,
     stage_main,
 )
-from eagle3_pipeline.target import load_target_info
-from eagle3_pipeline.verdict import check_d2t, check_layer_ids, check_method, check_template, verdict
+from eagle3_pipeline.target import load_target_info, max_model_len_limit
+from eagle3_pipeline.verdict import (
+    PROBLEM,
+    check_d2t,
+    check_layer_ids,
+    check_method,
+    check_template,
+    check_weights,
+    read_draft,
+    verdict,
+)
 from eagle3_pipeline.vocab import D2T_NAME
 
 METHOD = "eagle3"  # what vLLM is asked to serve the draft as (the method check compares the draft's config with it)
@@ -70,7 +90,13 @@ def main(argv: list[str] | None = None) -> int:
     if target.config_sha256 != exported.target["config_sha256"]:
         raise ContractError(f"{Path(target.path) / 'config.json'}: not the target {draft_dir} was trained for (its "
                             f"config differs from the one {exported.path} records); pass --target with that model")
-    draft_config = json.loads((draft_dir / "config.json").read_text())
+    # The draft's two files, whole (a half-written export is one line naming the file), and the limit vLLM
+    # would enforce on --max-model-len: both refused here, before any engine starts.
+    draft_config, draft_shapes, d2t = read_draft(draft_dir)
+    model_limit = max_model_len_limit(target)
+    if model_limit is not None and cfg.max_model_len > model_limit:
+        raise ConfigError(f"--max-model-len {cfg.max_model_len}: above the target's limit of {model_limit} tokens "
+                          f"({Path(target.path) / 'config.json'}); vLLM refuses it: pass at most {model_limit}")
     k = cfg.num_speculative_tokens or draft_speculative_tokens(draft_config) or exported.num_speculative_tokens
     tensor_parallel = cfg.tensor_parallel_size or exported.config["tensor_parallel_size"]
     trained_kwargs = json.loads(prepared.config.get("chat_template_kwargs") or "{}")
@@ -79,9 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     # The causes of "acceptance ~1" that the files show, checked before any engine starts (verdict.py).
     findings = [
         check_layer_ids(draft_config, target.num_layers, trained.aux_layer_ids),
-        check_d2t(draft_d2t(draft_dir), vocab_d2t(vocab.directory), str(vocab.directory / D2T_NAME)),
+        check_d2t(d2t, vocab_d2t(vocab.directory), str(vocab.directory / D2T_NAME)),
         check_method(draft_config, METHOD),
         check_template(template_kwargs, trained_kwargs, target.tokenizer_sha256, prepared.target["tokenizer_sha256"]),
+        check_weights(draft_config, draft_shapes, target.hidden_size, target.vocab_size),
     ]
     for finding in findings:
         (log.warning if finding.status == "problem" else log.info)("self-check %s: %s: %s", finding.check,
@@ -89,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     # Rendered as stage 01 rendered its rows: its tokenizer, end-of-turn tokens and (unless given) template kwargs.
     chat = ChatTokenizer(tokenizer_dir or target.path, cfg.trust_remote_code, template_kwargs,
                          prepared.config.get("end_of_turn_tokens") or [])
-    prompts = render_prompts(Path(cfg.prompts), chat, cfg.max_model_len, cfg.max_tokens, cfg.max_prompts)
+    prompts = render_prompts(Path(cfg.prompts), chat, cfg.max_model_len, cfg.max_tokens, cfg.max_prompts, model_limit)
     categories = [p.category for p in prompts]
     log.info("%d prompts from %s (%s), chat_template_kwargs %s", len(prompts), cfg.prompts,
              ", ".join(f"{c} {categories.count(c)}" for c in sorted(set(categories))), template_kwargs)
@@ -100,11 +127,28 @@ def main(argv: list[str] | None = None) -> int:
               # the draft's own bytes (cheap fingerprints): a draft edited in place is another input
               "draft_files": {name: file_fingerprint(draft_dir / name) for name in DRAFT_FILES}},
         num_speculative_tokens=k, tensor_parallel_size=tensor_parallel, chat_template_kwargs=template_kwargs)
+    # A draft vLLM cannot serve (another method, layer ids outside the target, weights that do not fit) stops
+    # here: the engine would end in a traceback, or measure nothing worth a verdict.
+    blocking = [f for f in findings if f.blocks and f.status == PROBLEM]
+    if blocking:
+        if cfg.check:
+            print(check_line(findings, len(prompts), "not measured: vLLM cannot serve this draft"))
+        first = blocking[0]
+        raise ContractError(f"{draft_dir / first.file}: vLLM cannot serve this draft ({first.check}: {first.detail}); "
+                            f"no engine was started: export the draft for this target again (05_export.py)")
+
+    # The report is never written inside an input's folder: rerunning that stage with --overwrite deletes it.
+    refuse_output_inside(out_dir, {"--draft": (draft_dir, "stage 05's output"),
+                                   "--checkpoints": (trained.directory, "stage 04's output"),
+                                   "--data": (prepared.directory, "stage 01's output"),
+                                   "--vocab": (vocab.directory, "stage 03's output"),
+                                   "--target": (Path(target.path), "the target model's folder")})
     check_writable_dir(out_dir, "--output")
     refuse_unowned(out_dir, "evaluate")
-    if finished(out_dir, "evaluate", identity, cfg.overwrite, cfg.check, outputs=(REPORT_JSON, REPORT_TEXT)):
-        log.info("%s: already evaluated with these settings and inputs; its report:", out_dir)
-        return report_outcome(json.loads((out_dir / REPORT_JSON).read_text()))
+    if finished(out_dir, "evaluate", identity, cfg.overwrite, cfg.check, outputs=(REPORT_JSON,)):
+        done = already_evaluated(out_dir, cfg.check)
+        if done is not None:
+            return report_outcome(done)
     try:
         preflight = preflight_evaluate(target, tensor_parallel)
     except PreflightError as exc:
@@ -143,13 +187,15 @@ def main(argv: list[str] | None = None) -> int:
     atomic_write_json(out_dir / REPORT_JSON, report)
     atomic_write_text(out_dir / REPORT_TEXT, format_report(report) + "\n")
     outputs = [REPORT_JSON, REPORT_TEXT] + ([REPORT_PNG] if write_plot(report, out_dir / REPORT_PNG) else [])
+    digests = output_digests(out_dir, outputs)
     write_manifest(out_dir, EvaluateManifest(
         identity=identity, config=cfg.model_dump(), config_sha256=config_fingerprint(cfg), target=exported.target,
         inputs={"export": input_record(exported), "train": input_record(trained), "prepare": input_record(prepared),
                 "vocab": input_record(vocab), "prompts": str(Path(cfg.prompts).resolve())},
         draft=str(draft_dir.resolve()), num_speculative_tokens=k, tensor_parallel_size=tensor_parallel,
         chat_template_kwargs=template_kwargs, prompts=len(prompts), mean_acceptance_length=spec["mean_acceptance_length"],
-        mean_acceptance_length_stderr=spec["mean_acceptance_length_stderr"], verdict=judged, outputs=outputs))
+        mean_acceptance_length_stderr=spec["mean_acceptance_length_stderr"], verdict=judged, outputs=outputs,
+        output_sha256=digests))
     log.info("report -> %s", out_dir)
     return report_outcome(report)
 
@@ -171,12 +217,6 @@ def draft_speculative_tokens(draft_config: dict) -> int | None:
     """k as the draft's config proposes it (speculators_config.proposal_methods, what stage 05 wrote)."""
     methods = (draft_config.get("speculators_config") or {}).get("proposal_methods") or [{}]
     return methods[0].get("speculative_tokens")
-
-
-def draft_d2t(draft_dir: Path) -> np.ndarray | None:
-    """The `d2t` tensor in the draft's weights (what vLLM reads), None when it has none."""
-    with safe_open(str(draft_dir / "model.safetensors"), framework="np") as weights:
-        return weights.get_tensor("d2t") if "d2t" in weights.keys() else None
 
 
 def vocab_d2t(vocab_dir: Path) -> np.ndarray | None:

@@ -34,7 +34,7 @@ TRAINING_STAGES = ("prepare", "extract", "vocab", "train", "export")  # 01-05: d
 
 # Fixtures that run stages (a module's own ones too). pytest's item.fixturenames is the whole closure,
 # so a test reaching one through another fixture (`ref`, `work`) is marked as well.
-STAGE_RUN_FIXTURES = frozenset({"kimi_run", "fp8_run", "kimi_vllm_run", "llama_vllm_run", "llama_run"})
+STAGE_RUN_FIXTURES = frozenset({"kimi_run", "fp8_run", "kimi_vllm_run", "llama_vllm_run", "llama_run", "llama_eval"})
 # Flags with which a stage script does no work (reads, checks, prints): allowed in the fast lane.
 NO_WORK_FLAGS = frozenset({"--check", "--print-config", "--help"})
 
@@ -144,3 +144,22 @@ def kimi_run(tmp_path_factory, kimi_target) -> dict[str, Path]:
     """One full five-stage run on the Kimi miniature, shared (read-only!) by many tests."""
     return run_pipeline(tmp_path_factory.mktemp("kimi-run"), kimi_target)
 
+
+
+@pytest.fixture(scope="session")
+def llama_run(tmp_path_factory, llama_target) -> dict[str, Path]:
+    """Stages 01-05 on the Llama miniature (cpu-mini profile): the draft vLLM's CPU build serves (stage 06's tests
+    and its reliability sweep share it, read-only)."""
+    return run_pipeline(tmp_path_factory.mktemp("llama-run"), llama_target)
+
+
+@pytest.fixture(scope="session")
+def llama_eval(tmp_path_factory, llama_run) -> Path:
+    """A finished stage 06 evaluation of llama_run's draft (one engine: --no-baseline), shared read-only: copy it to
+    change it. The flags it was made with are LLAMA_EVAL_FLAGS."""
+    out = tmp_path_factory.mktemp("llama-eval") / "eval"
+    run_stage("evaluate", "--profile", "cpu-mini", "--draft", llama_run["draft"], "--output", out, *LLAMA_EVAL_FLAGS)
+    return out
+
+
+LLAMA_EVAL_FLAGS = ("--no-baseline",)

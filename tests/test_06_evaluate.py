@@ -1,17 +1,24 @@
 """Stage 06: a draft's acceptance in vLLM and the verdict that catches the silent faults.
 
 End to end on the Llama miniature with vLLM's CPU build (it cannot serve EAGLE-3 on the MLA miniature): one
-pipeline run (01-05) gives a real draft, and from it two broken ones as users meet them: the same draft with
+pipeline run (01-05, conftest.llama_run) gives a real draft, and from it two broken ones as users meet them: the same draft with
 its d2t scrambled (a lost or regenerated mapping), and a draft trained on all-zero hidden states (the
 extraction bug of vLLM #46301; stage 04's input checks switched off to train it). One engine pair for the real
 draft, one engine each for the broken ones (--no-baseline). Then fast tests of the verdict, the self-checks,
-the per-position arithmetic, the prompt file and the report, which start no engine.
+the per-position arithmetic, the prompt file and the report, which start no engine. Issue 46: what a user can
+hand 06 that vLLM cannot serve (a half-written draft, another target's weights, another method, a --max-model-len
+above the target's) is refused in one line before any engine starts; an engine that still fails is one line
+quoting vLLM; a killed 06 takes its engine with it; a finished report cut short is measured again.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -20,6 +27,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from eagle3_pipeline.conversations import to_messages
 from eagle3_pipeline.errors import InputError, PreflightError
 from eagle3_pipeline.eval_prompts import read_prompt_rows, render_prompts
 from eagle3_pipeline.eval_report import build_report, format_report, write_plot
@@ -36,19 +44,13 @@ from eagle3_pipeline.verdict import (
     verdict,
 )
 
-from conftest import REPO, run_pipeline, run_stage
+from conftest import LLAMA_EVAL_FLAGS, REPO, SCRIPTS, run_stage
 
 DEFAULT_PROMPTS = REPO / "eagle3-train" / "samples" / "eval_prompts.jsonl"
 CATEGORIES = {"chat", "code", "maths", "tool call", "multi-turn"}
 
 
 # --- the pipeline's draft, and two broken ones made from it -----------------------------------------
-
-@pytest.fixture(scope="module")
-def llama_run(tmp_path_factory, llama_target) -> dict[str, Path]:
-    """Stages 01-05 on the Llama miniature (cpu-mini profile)."""
-    return run_pipeline(tmp_path_factory.mktemp("llama-run"), llama_target)
-
 
 @pytest.fixture(scope="module")
 def scrambled_draft(llama_run, tmp_path_factory) -> Path:
@@ -128,7 +130,7 @@ def test_a_draft_whose_d2t_was_scrambled_fails_naming_d2t(scrambled_draft, tmp_p
     assert line.startswith("error: verdict: FAIL: tau 1.0") and "likely cause: d2t: the draft's d2t differs from stage 03's" in line
     report = json.loads((out / "report.json").read_text())
     assert {f["check"]: f["status"] for f in report["verdict"]["findings"]} == {
-        "layer ids": OK, "d2t": PROBLEM, "method": OK, "template": OK}
+        "layer ids": OK, "d2t": PROBLEM, "method": OK, "template": OK, "weights": OK}
     assert report["baseline_tokens_per_s"] is None and not json.loads((out / "manifest.json").read_text())["verdict"]["passed"]
 
 
@@ -138,15 +140,15 @@ def test_a_draft_trained_on_zero_hidden_states_fails_and_names_what_is_left(zero
     assert result.returncode == 6, result.stderr[-3000:]
     line = last_error(result)
     assert line.startswith("error: verdict: FAIL: tau 1.0")
-    assert "checked and as trained: layer ids, d2t, method, template" in line and "hidden states" in line
+    assert "checked and as trained: layer ids, d2t, method, template, weights" in line and "hidden states" in line
 
 
 def test_check_writes_nothing_and_says_what_can_run(llama_run, tmp_path):
     out = tmp_path / "eval"
     result = evaluate(llama_run["draft"], out, "--check")
     assert result.stdout.strip().splitlines()[-1] == (
-        "06 --check: ran the self-checks (layer ids ok; d2t ok; method ok; template ok) and rendered 10 prompts; "
-        "tau in vLLM can run here")
+        "06 --check: ran the self-checks (layer ids ok; d2t ok; method ok; template ok; weights ok) and rendered 10 "
+        "prompts; tau in vLLM can run here")
     assert not out.exists()
 
 
@@ -172,6 +174,205 @@ def test_an_mla_target_on_the_cpu_is_refused_before_an_engine_starts(kimi_target
         preflight_evaluate(load_target_info(kimi_target), 1)
     with pytest.raises(PreflightError, match="--tensor-parallel-size 1"):
         preflight_evaluate(load_target_info(kimi_target), 8)
+
+
+# --- what vLLM cannot serve, refused before any engine (issue 46) -------------------------------------
+
+def copy_draft(llama_run, tmp_path) -> Path:
+    draft = tmp_path / "draft"
+    shutil.copytree(llama_run["draft"], draft)
+    return draft
+
+
+def cut_short(path: Path) -> None:
+    os.truncate(path, min(100, path.stat().st_size // 2))
+
+
+def widen(draft: Path) -> None:
+    """The weights of a draft trained for a target twice as wide, copied over this draft's (its config stays)."""
+    hidden = json.loads((draft / "config.json").read_text())["transformer_layer_config"]["hidden_size"]
+    weights = load_file(str(draft / "model.safetensors"))
+    save_file({name: torch.zeros([2 * d if d == hidden else d for d in t.shape], dtype=t.dtype)
+               if t.is_floating_point() else t for name, t in weights.items()},
+              str(draft / "model.safetensors"), metadata={"format": "pt"})
+
+
+def set_method(draft: Path, model_type: str) -> None:
+    config = json.loads((draft / "config.json").read_text())
+    config["speculators_model_type"] = model_type
+    (draft / "config.json").write_text(json.dumps(config, indent=2))
+
+
+@pytest.mark.parametrize("damage", ["model.safetensors cut short", "model.safetensors deleted", "config.json cut short"])
+def test_a_half_written_draft_is_one_line_naming_the_file(llama_run, tmp_path, damage):
+    """Before: a SafetensorError / FileNotFoundError / JSONDecodeError traceback."""
+    draft = copy_draft(llama_run, tmp_path)
+    name, how = damage.split(" ", 1)
+    (draft / name).unlink() if how == "deleted" else cut_short(draft / name)
+    out = tmp_path / "eval"
+    result = evaluate(draft, out, check=False)
+    assert result.returncode == 3 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    line = last_error(result)
+    assert line.startswith(f"error: {draft / name}: ") and line.endswith("export it again (05_export.py)"), line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("case", ["weights of a wider target's draft", "method eagle", "--max-model-len 8192"])
+def test_a_draft_or_setting_vllm_cannot_serve_is_refused_before_an_engine_starts(llama_run, llama_target, tmp_path,
+                                                                                  case):
+    """Before: `--check` said "tau in vLLM can run here" (the method self-check found its problem and the engine
+    was started anyway), then the engine's traceback."""
+    draft, flags = copy_draft(llama_run, tmp_path), []
+    if case.startswith("weights"):
+        widen(draft)
+        expected = (3, f"error: {draft / 'model.safetensors'}: vLLM cannot serve this draft (weights: the draft's "
+                       f"weights do not fit its config and the target: fc.weight [512, 768], its config and the target "
+                       f"say [256, 768]")
+    elif case.startswith("method"):
+        set_method(draft, "eagle")
+        expected = (3, f"error: {draft / 'config.json'}: vLLM cannot serve this draft (method: draft config "
+                       f"speculators_model_type 'eagle', served with method 'eagle3'")
+    else:
+        flags = case.split()  # what 06's own long-prompt refusal advised ("raise --max-model-len")
+        expected = (2, f"error: --max-model-len 8192: above the target's limit of 4096 tokens "
+                       f"({llama_target.resolve() / 'config.json'}); vLLM refuses it: pass at most 4096")
+    out = tmp_path / "eval"
+    checked = evaluate(draft, out, *flags, "--check", check=False)
+    assert checked.returncode == expected[0] and last_error(checked).startswith(expected[1]), checked.stderr[-3000:]
+    assert "can run here" not in checked.stdout
+    if not flags:
+        assert checked.stdout.strip().splitlines()[-1].endswith("tau in vLLM not measured: vLLM cannot serve this draft")
+    result = evaluate(draft, out, *flags, check=False)
+    assert result.returncode == expected[0] and last_error(result).startswith(expected[1])
+    assert "Traceback" not in result.stderr and "vllm:" not in result.stderr and not out.exists()  # no engine
+
+
+@pytest.mark.parametrize("inside", ["draft", "vocab"])
+def test_an_output_inside_an_inputs_folder_is_refused(llama_run, tmp_path, inside):
+    """Before: accepted; a later `05 --overwrite` (or 03's) deleted the report with the folder."""
+    out = llama_run[inside] / "eval"
+    result = evaluate(llama_run["draft"], out, "--check", check=False)
+    assert result.returncode == 2 and not out.exists()
+    flag, stage = {"draft": ("--draft", "05"), "vocab": ("--vocab", "03")}[inside]
+    assert last_error(result) == (
+        f"error: {out}: --output is inside stage {stage}'s output {llama_run[inside].resolve()} ({flag}); rerunning "
+        f"that stage with --overwrite would delete the report with it: choose an --output outside it (nothing was "
+        f"written)")
+
+
+def test_help_names_the_exit_code_a_failing_verdict_has():
+    result = run_stage("evaluate", "--help")
+    text = " ".join(result.stdout.split())
+    assert "fails (exit 6)" in text and "(exit 1)" not in text
+
+
+@pytest.mark.vllm
+def test_an_engine_that_refuses_is_one_line_quoting_vllms_reason_and_its_log(llama_run, tmp_path):
+    """Before: `RuntimeError: vLLM engine ... exited 1; see ...` with a traceback and no reason. (A --dtype vLLM does
+    not know: the checks before the engine leave it to vLLM, so the engine itself refuses.)"""
+    out = tmp_path / "eval"
+    result = evaluate(llama_run["draft"], out, "--no-baseline", "--dtype", "float8", check=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    line = last_error(result)
+    assert line.startswith(f"error: vLLM's engine (draft {llama_run['draft'].resolve()}, k=3) exited 1: ValidationError: ")
+    assert "Input should be 'auto'" in line and line.endswith(f"; see {out / 'logs' / 'vllm-draft-k3.log'}"), line
+
+
+def test_an_engine_failure_reads_as_vllms_own_reason_not_its_wrappers():
+    from eagle3_pipeline.evaluate import engine_failure_reason
+
+    log = ("(EngineCore_DP0 pid=4242) Traceback (most recent call last):\n"
+           "(EngineCore_DP0 pid=4242) ValueError: the draft's hidden size 512 differs from the target's 256\n"
+           "Traceback (most recent call last):\n"
+           "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}\n")
+    assert engine_failure_reason(log) == "ValueError: the draft's hidden size 512 differs from the target's 256"
+    assert engine_failure_reason("INFO started\nKilled\n") is None
+
+
+def _parent_of(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _descendants(pid: int) -> list[int]:
+    parents = {int(p.name): _parent_of(int(p.name)) for p in Path("/proc").iterdir() if p.name.isdigit()}
+    found, frontier = [], [pid]
+    while frontier:
+        children = [child for child, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+def _command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except (OSError, IndexError):
+        return False
+
+
+@pytest.mark.vllm
+@pytest.mark.reliability
+def test_a_killed_evaluation_takes_its_engine_with_it(llama_run, tmp_path):
+    """Before: kill -9 of 06 left its vLLM engine running without the output's lock (a rerun started a second one
+    beside it); the orphan went on to the end of its measurement. Now the engine dies with 06: it never finishes."""
+    out = tmp_path / "eval"
+    cmd = [sys.executable, str(SCRIPTS / "06_evaluate.py"), "--profile", "cpu-mini", "--draft", str(llama_run["draft"]),
+           "--output", str(out), "--no-baseline"]
+    with open(tmp_path / "06.log", "wb") as log:
+        stage = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    engine: list[int] = []
+    result_file = None
+    try:
+        # the engine is running once vLLM's engine-core process is up under it (a bound for a stuck start, not a timing)
+        deadline = time.monotonic() + 600
+        while not any("spawn_main" in _command_line(pid) for pid in engine):
+            assert stage.poll() is None, (tmp_path / "06.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "vLLM's engine-core process never started"
+            time.sleep(0.5)
+            engine = _descendants(stage.pid)  # the engine's process and vLLM's processes under it
+        args = next(_command_line(pid) for pid in engine if "--child" in _command_line(pid)).split("\0")
+        result_file = Path(args[args.index("--child") + 2])  # where the engine writes its measurement at its end
+        stage.send_signal(signal.SIGKILL)
+        stage.wait()
+        while [pid for pid in engine if _running(pid)]:  # gone, killed or (before the fix) done measuring
+            assert time.monotonic() < deadline, f"engine processes outlived 06: {engine}"
+            time.sleep(0.5)
+        assert not result_file.exists(), "the engine measured on after 06 was killed"
+        assert not result_file.parent.exists()  # nor is the killed 06's scratch folder (the request) left behind
+    finally:  # on the code before the fix: end what this test started, by its pids, and the killed 06's temp folder
+        if stage.poll() is None:
+            stage.kill()
+        for pid in engine:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+        if result_file is not None:
+            shutil.rmtree(result_file.parent, ignore_errors=True)
+
+
+@pytest.mark.vllm
+def test_a_finished_report_cut_short_is_measured_again(llama_run, llama_eval, tmp_path):
+    """Before: every rerun ended in a JSONDecodeError traceback. report.json is 06's own output: it measures again."""
+    out = tmp_path / "eval"
+    shutil.copytree(llama_eval, out)
+    cut_short(out / "report.json")
+    checked = evaluate(llama_run["draft"], out, *LLAMA_EVAL_FLAGS, "--check")
+    assert "Traceback" not in checked.stderr and "tau in vLLM can run here" in checked.stdout
+    result = evaluate(llama_run["draft"], out, *LLAMA_EVAL_FLAGS)
+    assert "report.json, which this stage wrote, is cut short or changed since; measuring again" in result.stderr
+    report = json.loads((out / "report.json").read_text())
+    assert report["verdict"]["passed"] and json.loads((out / "manifest.json").read_text())["complete"]
+    assert (out / "report.txt").read_text() == format_report(report) + "\n"
 
 
 # --- the verdict -------------------------------------------------------------------------------------
@@ -250,19 +451,37 @@ def test_method_and_template_mismatches_are_problems():
 # --- prompts and report -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("line", "problem"), [
-    ("{not json", "not JSON"),
-    ('["a list"]', "not a JSON object"),
-    ('{"category": "x"}', "no `messages` list"),
-    ('{"messages": [{"content": "hi"}]}', "messages[0] has no `role`"),
-    ('{"messages": [{"role": "user", "content": "hi"}], "category": 3}', "`category` must be a non-empty string"),
-    ('{"messages": [{"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}]}', "must end with a user"),
+    (b"{not json", "malformed JSON"),
+    (b'["a list"]', "row is not a JSON object"),
+    (b'{"category": "x"}', "row has neither 'messages' (OpenAI) nor 'conversations' (ShareGPT)"),
+    (b'{"messages": [{"content": "hi"}]}', "turn 0 has unknown role None"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "category": 3}', "`category` must be a non-empty string"),
+    (b'{"messages": [{"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}]}', "must end with a user"),
+    # issue 46: a UnicodeDecodeError traceback before; and a role typo the template dropped without a word
+    (b'{"messages": [{"role": "user", "content": "caf\xe9"}]}', "not valid UTF-8 (byte 46)"),
+    (b'{"messages": [{"role": "sytem", "content": "be brief"}, {"role": "user", "content": "hi"}]}',
+     "turn 0 has unknown role 'sytem'"),
 ])
 def test_a_bad_prompt_row_is_one_line_naming_the_file_and_the_row(tmp_path, line, problem):
     path = tmp_path / "prompts.jsonl"
-    path.write_text('{"messages": [{"role": "user", "content": "fine"}]}\n\n' + line + "\n")
+    path.write_bytes(b'{"messages": [{"role": "user", "content": "fine"}]}\n\n' + line + b"\n")
     with pytest.raises(InputError) as info:
         read_prompt_rows(path)
-    assert str(info.value).startswith(f"{path}: row 3: ") and problem in str(info.value)
+    assert str(info.value).startswith(f"{path}:3: ") and problem in str(info.value)
+
+
+def test_prompt_rows_are_read_by_stage_01s_rules_in_its_words(tmp_path):
+    """Before (issue 46): 06 let `"sytem"` through, the template dropped the message and --check said "template ok";
+    stage 01 refuses the same row. Now it is stage 01's reader and rules, and stage 01's line."""
+    record = {"messages": [{"role": "sytem", "content": "be brief"}, {"role": "user", "content": "hi"},
+                           {"role": "assistant", "content": "hello"}]}
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    with pytest.raises(InputError) as ours:
+        read_prompt_rows(path)
+    with pytest.raises(InputError) as stage_01s:
+        to_messages(record, f"{path}:1")
+    assert str(ours.value) == str(stage_01s.value) == f"{path}:1: turn 0 has unknown role 'sytem'"
 
 
 def test_the_default_prompts_render_with_stage_01s_tokenizer_without_their_reference_answers(llama_target):
@@ -278,8 +497,12 @@ def test_the_default_prompts_render_with_stage_01s_tokenizer_without_their_refer
     first = json.loads(answered.read_text().splitlines()[0])["messages"]
     assert render_prompts(answered, chat, 4096, 32, max_prompts=1)[0].token_ids == chat.encode(
         first[:-1], add_generation_prompt=True)
-    with pytest.raises(InputError, match=r"row 1: \d+ prompt tokens \+ --max-tokens 32 exceed --max-model-len 40"):
+    with pytest.raises(InputError, match=r"jsonl:1: \d+ prompt tokens \+ --max-tokens 32 exceed --max-model-len 40; "
+                                         r"shorten it or raise --max-model-len to at least \d+$"):
         render_prompts(DEFAULT_PROMPTS, chat, 40, 32)
+    # never advice the target refuses (issue 46: raising --max-model-len past the target's limit ended in a traceback)
+    with pytest.raises(InputError, match=r"shorten it or lower --max-tokens \(the target allows at most 4096 tokens\)$"):
+        render_prompts(DEFAULT_PROMPTS, chat, 4096, 4090, model_limit=4096)
 
 
 def test_the_report_fits_one_screen_and_draws_its_png(tmp_path):
@@ -308,7 +531,7 @@ def test_on_the_mla_miniature_check_says_in_one_line_what_ran_and_what_is_skippe
     result = evaluate(kimi_run["draft"], tmp_path / "eval", "--check", check=False)
     assert result.returncode == 5
     assert result.stdout.strip().splitlines()[-1] == (
-        "06 --check: ran the self-checks (layer ids ok; d2t ok; method ok; template ok) and rendered 10 prompts; "
-        "tau in vLLM skipped: vLLM's CPU build cannot serve EAGLE-3 with an MLA target (\"No common block size for "
+        "06 --check: ran the self-checks (layer ids ok; d2t ok; method ok; template ok; weights ok) and rendered 10 "
+        "prompts; tau in vLLM skipped: vLLM's CPU build cannot serve EAGLE-3 with an MLA target (\"No common block size for "
         "16\"): measure it on a GPU box; on a CPU stage 06 measures Llama-style targets")
     assert not (tmp_path / "eval").exists()

@@ -233,10 +233,11 @@ def _function_call_turn(value: Any, where: str, t: int, ids: _CallIds) -> list[d
     return _tool_calls_of(value if isinstance(value, list) else [value], where, t, ids)
 
 
-def to_messages(record: Any, where: str) -> list[dict]:
+def to_messages(record: Any, where: str, need_answer: bool = True) -> list[dict]:
     """OpenAI `messages` or ShareGPT `conversations` -> validated messages for a chat template:
     {role, content} plus `reasoning_content` and `tool_calls` on assistant turns and `tool_call_id`
-    (+ `name`) on tool results."""
+    (+ `name`) on tool results. `need_answer`: a training row needs an assistant turn; stage 06's
+    prompts (the same rules otherwise) may end before any."""
     if not isinstance(record, dict):
         raise InputError(f"{where}: row is not a JSON object")
     if "messages" in record:
@@ -281,7 +282,7 @@ def to_messages(record: Any, where: str) -> list[dict]:
         if isinstance(turn.get("name"), str):  # vLLM keeps `name` on every message (Kimi renders it)
             message["name"] = turn["name"]
         messages.append(message)
-    if not any(m["role"] == "assistant" for m in messages):
+    if need_answer and not any(m["role"] == "assistant" for m in messages):
         raise InputError(f"{where}: conversation has no assistant turn")
     return messages
 

@@ -2,13 +2,19 @@
 
 The JSON (`report.json`) is the record; the text (`report.txt`, also printed) and the PNG (`report.png`:
 acceptance by draft position and tau by prompt category, each with its standard error) are drawn from it.
+The manifest records each file's sha256 (`output_digests`): a rerun finds a report.json cut short or changed
+(stage 06 measures again) and redraws a damaged report.txt or report.png from the record, without an engine.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-from .files import atomic_path
+from .contract import write_manifest
+from .errors import ConfigError
+from .files import atomic_path, atomic_write_text, sha256_file
+from .stage import log, read_own_manifest
 
 # Local imports: matplotlib: imported where the plot is drawn (heavy, optional).
 
@@ -119,3 +125,83 @@ def write_plot(report: dict, path: Path) -> Path | None:
         fig.savefig(tmp, format="png", dpi=100)
     plt.close(fig)
     return path
+
+
+def output_digests(out_dir: Path, names) -> dict[str, str]:
+    """name -> sha256 of the files just written (the manifest's `output_sha256`)."""
+    return {name: sha256_file(Path(out_dir) / name) for name in names}
+
+
+def read_report(path: Path, recorded_sha256: str | None = None) -> dict | None:
+    """The report a finished run wrote, or None when it is gone, cut short, changed since (`recorded_sha256`: what
+    the manifest recorded; None for manifests written before digests were) or not a report."""
+    try:
+        if recorded_sha256 is not None and sha256_file(path) != recorded_sha256:
+            return None
+        report = json.loads(Path(path).read_bytes())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    needed = ("spec_decode", "verdict", "by_category", "settings")
+    return report if isinstance(report, dict) and all(key in report for key in needed) else None
+
+
+def damaged_views(out_dir: Path, report: dict, outputs: list[str], recorded: dict[str, str]) -> list[str]:
+    """The views (report.txt, report.png) a finished run wrote that are gone, cut short or changed since: by their
+    recorded sha256, and report.txt also by its text (manifests written before digests were)."""
+    damaged = []
+    for name in (REPORT_TEXT, REPORT_PNG):
+        path = Path(out_dir) / name
+        if name not in outputs and name != REPORT_TEXT:
+            continue
+        if not path.is_file():
+            damaged.append(name)
+        elif name in recorded and sha256_file(path) != recorded[name]:
+            damaged.append(name)
+        elif name == REPORT_TEXT and path.read_bytes() != (format_report(report) + "\n").encode("utf-8"):
+            damaged.append(name)
+    return damaged
+
+
+def write_views(out_dir: Path, report: dict, names: list[str]) -> None:
+    """report.txt and/or report.png drawn again from the report."""
+    if REPORT_TEXT in names:
+        atomic_write_text(Path(out_dir) / REPORT_TEXT, format_report(report) + "\n")
+    if REPORT_PNG in names:
+        write_plot(report, Path(out_dir) / REPORT_PNG)
+
+
+def already_evaluated(out_dir: Path, check: bool) -> dict | None:
+    """A finished evaluation's report, its views (report.txt, report.png) redrawn from it where they were damaged;
+    None when report.json itself is cut short or changed (the stage measures again: it is its own output)."""
+    manifest = read_own_manifest(out_dir)
+    report = read_report(out_dir / REPORT_JSON, (manifest.output_sha256 or {}).get(REPORT_JSON))
+    if report is None:
+        log.info("%s: %s, which this stage wrote, is cut short or changed since; measuring again", out_dir, REPORT_JSON)
+        return None
+    damaged = damaged_views(out_dir, report, manifest.outputs or [], manifest.output_sha256 or {})
+    if damaged and check:
+        log.info("%s: %s cut short, changed or gone; a run without --check redraws it from %s", out_dir,
+                 ", ".join(damaged), REPORT_JSON)
+    elif damaged:  # drawn from the record again: no engine needed
+        write_views(out_dir, report, damaged)
+        digests = {**(manifest.output_sha256 or {}), **output_digests(out_dir, damaged)}
+        if digests != manifest.output_sha256:  # drawn the same as before (the usual case): the record stands
+            manifest.output_sha256 = digests
+            write_manifest(out_dir, manifest, fresh=False)
+        log.info("%s: %s cut short, changed or gone; redrawn from %s", out_dir, ", ".join(damaged), REPORT_JSON)
+    log.info("%s: already evaluated with these settings and inputs; its report:", out_dir)
+    return report
+
+
+def refuse_output_inside(out_dir: Path, inputs: dict[str, tuple[Path, str]]) -> None:
+    """--output inside (or at) an input's folder is refused: that folder is another stage's (or the model's), and
+    rerunning its stage with --overwrite deletes everything in it, the report with it. `inputs`: flag -> (folder,
+    what it is: "stage 05's output")."""
+    out = Path(out_dir).resolve()
+    for flag, (folder, what) in inputs.items():
+        folder = Path(folder).resolve()
+        if out == folder or folder in out.parents:
+            why = ("not this stage's to write into" if flag == "--target" else
+                   "rerunning that stage with --overwrite would delete the report with it")
+            raise ConfigError(f"{out_dir}: --output is inside {what} {folder} ({flag}); {why}: choose an --output "
+                              f"outside it (nothing was written)")

@@ -19,12 +19,20 @@ position i is accepted_per_pos[i] / drafts, i.e. P(draft tokens 0..i all accepte
 
 Each vLLM engine runs in a fresh interpreter (`run_engine_isolated`): the counters live in the
 process-global Prometheus registry, and a second engine in one process would share (or fight over) them.
+That interpreter leads its own process group (vLLM's engine-core processes join it) and holds a lifeline:
+the read end of a pipe only the caller can write to. When the caller dies, however (kill -9 included), the
+pipe reads end-of-file and the engine kills its whole group, so no engine outlives the stage that started it
+(a rerun would otherwise start a second one beside it). An engine that exits with an error is one line quoting
+vLLM's own reason from its log (`EngineFailed`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -33,6 +41,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from .errors import StageError
 
 # Local imports: vllm: only inside the engine's own process (run_engine; heavy, and absent where only
 # the counters' arithmetic is used).
@@ -218,8 +228,52 @@ def run_engine(target_dir: str, draft_dir: str | None, num_speculative_tokens: i
     return result
 
 
+class EngineFailed(StageError, RuntimeError):
+    """A vLLM engine exited with an error (it refused the model, the draft or a setting): one line quoting its reason
+    and naming its log; exit code 1 (a RuntimeError still, for the bench scripts that catch one)."""
+
+
+# The lines of a vLLM log that name an error, most specific last; the generic wrappers say "see above".
+_ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?(\w*(?:Error|Exception)|AssertionError|KeyError): (.+)$")
+_PROCESS_PREFIX = re.compile(r"^\([\w.-]+ pid=\d+\)\s*")  # "(EngineCore_DP0 pid=123) ": vLLM's engine-core lines
+_GENERIC = ("Engine core initialization failed", "See root cause above", "Engine process failed to start")
+
+
+def engine_failure_reason(log_text: str) -> str | None:
+    """vLLM's own reason for a failed engine, from its log: the last exception line that is not a wrapper's "see
+    above" (pydantic's "N validation error for X" with the line that says what), or None."""
+    lines = [line.strip() for line in log_text.splitlines()]
+    found = None
+    for i, line in enumerate(lines):
+        match = _ERROR_LINE.match(_PROCESS_PREFIX.sub("", line))
+        if not match or any(generic in line for generic in _GENERIC):
+            continue
+        reason = f"{match.group(1)}: {match.group(2)}"
+        if re.search(r"\d+ validation errors? for ", reason):  # pydantic: the next lines say what
+            detail = [x for x in lines[i + 1:i + 4] if x and not x.startswith("For further information")]
+            reason += ": " + " ".join(detail[:2])
+        found = reason
+    return found[:300] if found else None
+
+
+def _lifeline(fd: int, scratch: Path) -> None:
+    """In the engine's process: block on the caller's pipe; end-of-file means the caller is gone (killed: it closes
+    its end only after this process exited), so remove the caller's scratch folder (the request; no one is left to)
+    and end this process group (the engine and vLLM's engine-core processes)."""
+    try:
+        while os.read(fd, 1):
+            pass
+    except OSError:
+        pass
+    shutil.rmtree(scratch, ignore_errors=True)
+    os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
 def _child_main() -> None:
-    """Entry point of the isolated engine process: request JSON on argv[2], result to argv[3]."""
+    """Entry point of the isolated engine process: request JSON on argv[2], result to argv[3], lifeline fd argv[4]."""
+    if len(sys.argv) > 4:
+        threading.Thread(target=_lifeline, args=(int(sys.argv[4]), Path(sys.argv[2]).parent), daemon=True,
+                         name="lifeline").start()
     request = json.loads(Path(sys.argv[2]).read_text())
     settings = VllmSettings(**request.pop("settings"))
     result = run_engine(settings=settings, **request)
@@ -228,10 +282,47 @@ def _child_main() -> None:
     os.replace(tmp, sys.argv[3])
 
 
+_live_engines: set[subprocess.Popen] = set()  # engines this process started and has not reaped yet
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """The engine's whole process group, now (it leads its group: vLLM's own processes are in it). Called before
+    the engine is reaped, so its pid (the group's id) cannot have been reused."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def stop_engines() -> None:
+    """Every engine still running (another thread's too): what a stopping caller does before it raises on."""
+    for proc in list(_live_engines):
+        _stop_group(proc)
+
+
+def _wait_engine(proc: subprocess.Popen) -> int:
+    """Wait for the engine to exit, then end what is left of its group (engine-core processes its exit left
+    behind), and only then reap it; anything stopping this wait (Ctrl-C) stops the engine first."""
+    _live_engines.add(proc)
+    try:
+        os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped: the group id stays ours
+        _stop_group(proc)
+    except BaseException:
+        _stop_group(proc)
+        raise
+    finally:
+        try:
+            proc.wait()
+        finally:
+            _live_engines.discard(proc)
+    return proc.returncode
+
+
 def run_engine_isolated(target_dir, draft_dir, num_speculative_tokens, prompts,
                         settings: VllmSettings, log_path: str | os.PathLike | None = None,
                         env: Mapping[str, str] | None = None, groups: list[str] | None = None) -> dict:
-    """`run_engine` in a fresh Python process; vLLM's output goes to `log_path`."""
+    """`run_engine` in a fresh Python process (its own process group, dying with this one); vLLM's output goes to
+    `log_path`. An engine that fails raises `EngineFailed` quoting vLLM's reason from that log."""
     package_parent = str(Path(__file__).resolve().parents[1])  # eagle3-train/, for a bare clone
     with tempfile.TemporaryDirectory(prefix="acceptance-") as tmp:
         request_path, result_path = Path(tmp) / "request.json", Path(tmp) / "result.json"
@@ -249,20 +340,32 @@ def run_engine_isolated(target_dir, draft_dir, num_speculative_tokens, prompts,
         )
         child_env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.kv_cache_gib))
         child_env.update(env or {})
+        # The lifeline: only this process holds the write end (os.pipe's ends are not inherited by other children).
+        lifeline_read, lifeline_write = os.pipe()
         log_file = open(log_path, "ab") if log_path else subprocess.DEVNULL
         try:
-            proc = subprocess.run(
+            proc = subprocess.Popen(
                 [sys.executable, "-m", "eagle3_pipeline.evaluate", "--child",
-                 str(request_path), str(result_path)],
-                env=child_env, stdout=log_file, stderr=subprocess.STDOUT, check=False,
+                 str(request_path), str(result_path), str(lifeline_read)],
+                env=child_env, stdout=log_file, stderr=subprocess.STDOUT, pass_fds=(lifeline_read,),
+                start_new_session=True,
             )
         finally:
+            os.close(lifeline_read)
             if log_path:
                 log_file.close()
-        if proc.returncode != 0 or not result_path.exists():
-            raise RuntimeError(
-                f"vLLM engine (draft={draft_dir}, k={num_speculative_tokens}) exited "
-                f"{proc.returncode}; see {log_path or 'a log_path'}"
+        try:
+            returncode = _wait_engine(proc)
+        finally:
+            os.close(lifeline_write)
+        if returncode != 0 or not result_path.exists():
+            where = f"draft {draft_dir}, k={num_speculative_tokens}" if draft_dir else "the target alone"
+            reason = None
+            if log_path and Path(log_path).is_file():
+                reason = engine_failure_reason(Path(log_path).read_text(errors="replace")[-200_000:])
+            raise EngineFailed(
+                f"vLLM's engine ({where}) exited {returncode}: {reason or 'no error line in its log'}; "
+                f"see {log_path or 'its log (no log_path given)'}"
             )
         return json.loads(result_path.read_text())
 
@@ -370,8 +473,12 @@ def measure_acceptance(target_dir, drafts: Mapping[str, str], prompts: list[list
         return {"label": label, **result}
 
     # each engine is its own process, so threads suffice; a failed engine is raised once the others finish
-    runs = in_dependency_order({f"{label}-k{k}": ((), lambda done, job=(label, draft_dir, k): one(*job))
-                                for label, draft_dir in drafts.items() for k in ks}, jobs)
+    try:
+        runs = in_dependency_order({f"{label}-k{k}": ((), lambda done, job=(label, draft_dir, k): one(*job))
+                                    for label, draft_dir in drafts.items() for k in ks}, jobs)
+    except BaseException:  # Ctrl-C reaches this thread only: the engines in the worker threads stop with it
+        stop_engines()
+        raise
     for result in runs.values():
         if isinstance(result, BaseException):
             raise result

@@ -282,6 +282,7 @@ class EvaluateManifest(Manifest):
     mean_acceptance_length_stderr: float | None = None
     verdict: dict[str, Any] | None = None  # eval_checks.verdict: passed, line, the self-checks' findings
     outputs: list[str] | None = None
+    output_sha256: dict[str, str] | None = None  # each output's sha256: a rerun finds one cut short (eval_report.py)
 
     def content(self) -> EvaluateContent | None:
         if self.num_speculative_tokens is None or self.mean_acceptance_length is None or self.verdict is None:

@@ -83,6 +83,28 @@ def load_target_info(path: str | Path, tokenizer_path: str | Path | None = None)
     )
 
 
+# vLLM 0.32's rule for the longest max_model_len a model allows (config/model.py _get_and_verify_max_len): the
+# smallest of these text-config keys, times a RoPE scaling factor unless the type already scaled it.
+_MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
+                 "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len")
+_PRESCALED_ROPE = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
+
+
+def max_model_len_limit(target: TargetInfo) -> int | None:
+    """The longest --max-model-len vLLM serves this target with (None: its config names none), so stage 06 refuses
+    a longer one in one line before an engine starts instead of vLLM's ValueError traceback."""
+    config = target.text_config
+    found = [config[key] for key in _MAX_LEN_KEYS if isinstance(config.get(key), (int, float))]
+    if not found:
+        return None
+    limit = config["model_max_length"] if isinstance(config.get("model_max_length"), (int, float)) else min(found)
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    if kind and kind not in _PRESCALED_ROPE and kind != "default" and isinstance(rope.get("factor"), (int, float)):
+        limit *= rope["factor"]
+    return int(limit)
+
+
 def tokenizer_sha256(directory: Path) -> str | None:
     present = {name: sha256_file(directory / name) for name in TOKENIZER_FILES if (directory / name).is_file()}
     return sha256_json(present) if present else None

@@ -9,17 +9,32 @@ which of them can be checked from the files alone (`self_checks`, run before any
 - method: a config vLLM would not serve as `eagle3` (`eagle` instead of `eagle3` gives tau exactly 1);
 - template: prompts rendered with other chat-template kwargs (thinking on/off) or another tokenizer than
   stage 01 trained on;
+- weights: the draft's tensors against its config and the target (hidden size, vocab sizes, the fc input of
+  one hidden state per aux layer): weights from another target, or a config edited apart from them;
 and what cannot: hidden states that were zero, shifted or missing a layer at extraction (stage 02's
 checks and `02 --validate` guard those), or too little training. The verdict line names the failed
 checks first, else says the checkable causes are ruled out and names the rest.
+
+A finding that `blocks` (the method, layer ids outside the target, weights that do not fit) means vLLM cannot
+serve the draft at all (it would stop with a traceback, or measure nothing): stage 06 stops on it before any
+engine starts. The others (a scrambled d2t, layer ids or a template other than trained) are measured and named
+in the verdict. `read_draft` reads the draft's two files; a file missing, cut short or unreadable is one line.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 
+from .errors import ContractError
+from .files import safetensors_problem
+
+# Local imports: safetensors: where the draft's weights are read.
+
+DRAFT_CONFIG, DRAFT_WEIGHTS = "config.json", "model.safetensors"  # what vLLM loads (export.DRAFT_FILES)
 OK, PROBLEM, UNCHECKED = "ok", "problem", "unchecked"
 UNCHECKABLE_CAUSES = ("the hidden states it was trained on (zero, shifted or missing a layer: "
                       "02_extract_hidden_states.py --validate)", "too little training (04's summary.txt)")
@@ -30,6 +45,8 @@ class Finding:
     check: str  # "layer ids", "d2t", "method", "template"
     status: str  # OK, PROBLEM or UNCHECKED
     detail: str
+    blocks: bool = False  # a PROBLEM vLLM cannot serve at all: stage 06 stops before any engine
+    file: str = DRAFT_CONFIG  # the draft's file the finding is about (named in the refusal)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -43,7 +60,7 @@ def check_layer_ids(draft_config: dict, target_layers: int, trained_ids: list[in
     outside = [i for i in ids if not 0 < i < target_layers]
     if outside:
         return Finding("layer ids", PROBLEM, f"aux layer ids {ids}: {outside} not inside the target's "
-                                             f"{target_layers} layers (1..{target_layers - 1})")
+                                             f"{target_layers} layers (1..{target_layers - 1})", blocks=True)
     if trained_ids is not None and list(ids) != list(trained_ids):
         return Finding("layer ids", PROBLEM, f"aux layer ids {ids} in the draft config, stage 04 trained on "
                                              f"{trained_ids}")
@@ -73,8 +90,68 @@ def check_method(draft_config: dict, method: str) -> Finding:
     model_type = draft_config.get("speculators_model_type")
     if model_type != "eagle3" or method != "eagle3":
         return Finding("method", PROBLEM, f"draft config speculators_model_type {model_type!r}, served with method "
-                                          f"{method!r}; an EAGLE-3 draft needs both 'eagle3'")
+                                          f"{method!r}; an EAGLE-3 draft needs both 'eagle3'", blocks=True)
     return Finding("method", OK, "eagle3 (config and serving)")
+
+
+def check_weights(draft_config: dict, shapes: dict[str, list[int]], target_hidden_size: int,
+                  target_vocab_size: int) -> Finding:
+    """The draft's tensors (name -> shape, from its safetensors header) against its config and the target, as
+    vLLM's EAGLE-3 loader will need them: a draft trained for another target, or weights copied from one."""
+    layer = draft_config.get("transformer_layer_config") or {}
+    hidden, vocab = layer.get("hidden_size"), layer.get("vocab_size")
+    draft_vocab = draft_config.get("draft_vocab_size") or vocab
+    fed = draft_config.get("target_hidden_size") or hidden  # the width of the target's hidden states it reads
+    aux = len(draft_config.get("eagle_aux_hidden_state_layer_ids") or []) or 3
+    problems = []
+    if vocab != target_vocab_size:
+        problems.append(f"config.json vocab_size {vocab}, the target's {target_vocab_size}")
+    if fed != target_hidden_size:
+        problems.append(f"config.json takes hidden states of width {fed}, the target's are {target_hidden_size}")
+    expected = {"fc.weight": [hidden, aux * (fed or 0)], "lm_head.weight": [draft_vocab, hidden], "norm.weight": [hidden],
+                "embed_tokens.weight": [vocab, hidden], "d2t": [draft_vocab], "t2d": [vocab]}
+    required = ("fc.weight", "lm_head.weight", "norm.weight")
+    problems += [f"no {name}" for name in required if name not in shapes]
+    if not any(name.startswith("layers.") for name in shapes):
+        problems.append("no decoder layer (layers.*)")
+    problems += [f"{name} {list(shapes[name])}, its config and the target say {want}"
+                 for name, want in expected.items() if name in shapes and list(shapes[name]) != want]
+    if problems:
+        shown = "; ".join(problems[:3]) + (f" and {len(problems) - 3} more" if len(problems) > 3 else "")
+        return Finding("weights", PROBLEM, f"the draft's weights do not fit its config and the target: {shown} "
+                                           f"(weights of a draft for another target?)", blocks=True, file=DRAFT_WEIGHTS)
+    return Finding("weights", OK, f"{len(shapes)} tensors fit the config and the target (hidden {hidden}, "
+                                  f"vocab {vocab}, draft vocab {draft_vocab})", file=DRAFT_WEIGHTS)
+
+
+def read_draft(draft_dir: Path) -> tuple[dict, dict[str, list[int]], np.ndarray | None]:
+    """An exported draft's config, its tensors' shapes and its d2t (None: none); a file missing, cut short or
+    unreadable (a half-written export) is one line naming it, before anything else reads it."""
+    draft_dir = Path(draft_dir)
+    redo = "a half-written or damaged export: export it again (05_export.py)"
+    for name in (DRAFT_CONFIG, DRAFT_WEIGHTS):
+        if not (draft_dir / name).is_file():
+            raise ContractError(f"{draft_dir / name}: missing; {redo}")
+    config_path, weights_path = draft_dir / DRAFT_CONFIG, draft_dir / DRAFT_WEIGHTS
+    try:
+        config = json.loads(config_path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ContractError(f"{config_path}: unreadable JSON ({exc}); {redo}") from None
+    if not isinstance(config, dict):
+        raise ContractError(f"{config_path}: not a JSON object; {redo}")
+    problem = safetensors_problem(weights_path)
+    if problem:
+        raise ContractError(f"{weights_path}: {problem}; {redo}")
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(weights_path), framework="np") as weights:
+            shapes = {name: list(weights.get_slice(name).get_shape()) for name in weights.keys()}
+            d2t = weights.get_tensor("d2t") if "d2t" in shapes else None
+    except Exception as exc:  # safetensors raises its own types (a dtype it does not know, a bad offset)
+        raise ContractError(f"{weights_path}: unreadable safetensors ({type(exc).__name__}: "
+                            f"{str(exc).splitlines()[0][:120] if str(exc) else ''}); {redo}") from None
+    return config, shapes, d2t
 
 
 def check_template(used_kwargs: dict, trained_kwargs: dict, tokenizer_sha256: str | None,

@@ -379,9 +379,9 @@ class EvaluateConfig(StageConfig):
     dtype: str = _field("auto", "vLLM dtype (auto: the target's)", identity=True)
     baseline: bool = _field(True, "also serve the target alone on the same prompts (tokens/s without the draft, and "
                                   "whether the draft changed greedy outputs)", identity=True)
-    min_tau: float = _field(1.05, "verdict: a mean acceptance length at or below this fails (exit 1)", ge=1, identity=True)
+    min_tau: float = _field(1.05, "verdict: a mean acceptance length at or below this fails (exit 6)", ge=1, identity=True)
     min_first_acceptance: float = _field(0.05, "verdict: an acceptance rate at draft position 1 below this fails "
-                                               "(exit 1)", ge=0, le=1, identity=True)
+                                               "(exit 6)", ge=0, le=1, identity=True)
     max_num_seqs: int = _field(16, "vLLM max_num_seqs (prompts decoded at once)", ge=1, identity=False)
     gpu_memory_utilization: float = _field(0.9, "vLLM gpu_memory_utilization (GPU only)", gt=0, le=1, identity=False)
     enforce_eager: bool = _field(False, "no CUDA graphs / torch.compile in vLLM (the CPU profile sets it: compiling "
@@ -390,7 +390,7 @@ class EvaluateConfig(StageConfig):
     trust_remote_code: bool = _field(False, "allow the target's own code (Kimi-K2.5 needs it)", identity=False)
     overwrite: bool = _field(False, "replace a report made with other settings or another draft", identity=False)
     check: bool = _field(False, "preflight only: check the inputs' manifests, render every prompt, run the draft's "
-                                "self-checks (layer ids, d2t, method, template) and exit; writes nothing", identity=False)
+                                "self-checks (layer ids, d2t, method, template, weights) and exit; writes nothing", identity=False)
 
     _chat_template_kwargs_is_a_json_object = field_validator("chat_template_kwargs")(
         classmethod(lambda cls, value: json_object_or_none(value)))

@@ -1,0 +1,150 @@
+"""Stage 06 in the reliability sweep (issue 46): a copy of a finished evaluation (conftest.llama_eval) and of the draft
+it measured, with one file cut short or deleted at a time, then the same command again. Each case is refused in one
+line naming the file, redone within 06's own output folder, or an honest no-op ("already evaluated"); never a
+traceback, never "already evaluated" over a damaged report, and never a change outside the report's folder.
+
+The outcome is read from the run, as in test_reliability_sweep.py: `refused`: non-zero exit, exactly one `error: `
+line, no file changed; `redone`: exit 0, files changed, all under `redoes`; `no-op`: exit 0, nothing changed but
+the lock. Only a report.json cut short or deleted needs an engine (the measurement is the record); a damaged
+report.txt or report.png is redrawn from report.json, and every refusal comes before any engine starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from eagle3_pipeline.eval_report import format_report
+
+from conftest import LLAMA_EVAL_FLAGS, run_stage
+
+pytestmark = pytest.mark.reliability
+
+
+def tree(root: Path) -> dict[str, tuple]:
+    """Every path under root: files by (size, mtime, inode), folders by being there."""
+    out = {}
+    for path in root.rglob("*"):
+        info = path.stat()
+        out[path.relative_to(root).as_posix()] = ("dir",) if path.is_dir() else (info.st_size, info.st_mtime_ns,
+                                                                                 info.st_ino)
+    return out
+
+
+def under(rel: str, roots: tuple[str, ...]) -> bool:
+    return any(rel == root or rel.startswith(root + "/") for root in roots)
+
+
+def delete(rel: str) -> Callable[[Path], None]:
+    def change(work: Path) -> None:
+        target = work / rel
+        shutil.rmtree(target) if target.is_dir() else target.unlink()
+    return change
+
+
+def cut_short(rel: str) -> Callable[[Path], None]:
+    def change(work: Path) -> None:
+        os.truncate(work / rel, min(100, (work / rel).stat().st_size // 2))
+    return change
+
+
+# --- the cases' own evidence ------------------------------------------------------------------------------
+
+def measured_again(result, work: Path, made: Path) -> None:
+    assert "vllm: draft-k3: tau" in result.stderr, result.stderr[-3000:]  # an engine ran: the record is remade
+    report = json.loads((work / "eval" / "report.json").read_text())
+    assert (work / "eval" / "report.txt").read_text() == format_report(report) + "\n"
+    assert json.loads((work / "eval" / "manifest.json").read_text())["complete"]
+
+
+def redrawn(name: str) -> Callable:
+    def evidence(result, work: Path, made: Path) -> None:
+        assert f"{name} cut short, changed or gone; redrawn from report.json" in result.stderr, result.stderr[-3000:]
+        assert "vllm:" not in result.stderr  # no engine: drawn from the record
+        assert (work / "eval" / name).read_bytes() == (made / name).read_bytes()
+    return evidence
+
+
+@dataclass(frozen=True)
+class Case:
+    change: Callable[[Path], None] | None  # on the copy (WORK holds eval/ and draft/)
+    expect: str  # "refused", "redone" or "no-op"
+    redoes: tuple[str, ...] = ()  # what it may rewrite or delete (from WORK)
+    names: tuple[str, ...] = ()  # what a refusal's line must say ({work}: the copy)
+    evidence: Callable | None = None  # (result, work, the evaluation it was copied from)
+
+
+REDRAWN = {f"{name} {how}": Case(change(f"eval/{name}"), "redone", redoes=("eval",), evidence=redrawn(name))
+           for name in ("report.txt", "report.png") for how, change in (("cut short", cut_short), ("deleted", delete))}
+
+CASES = {
+    "nothing changed": Case(None, "no-op"),
+    # 06's own outputs: the record measured again, its views redrawn from it, its manifest refused (move it away)
+    "report.json cut short": Case(cut_short("eval/report.json"), "redone", redoes=("eval",), evidence=measured_again),
+    "report.json deleted": Case(delete("eval/report.json"), "redone", redoes=("eval",), evidence=measured_again),
+    **REDRAWN,
+    "manifest.json cut short": Case(cut_short("eval/manifest.json"), "refused",
+                                    names=("{work}/eval/manifest.json: unreadable manifest", "move {work}/eval away")),
+    "manifest.json deleted": Case(delete("eval/manifest.json"), "refused",
+                                  names=("{work}/eval: holds files", "no manifest of it", "nothing was deleted")),
+    "the engine's logs deleted": Case(delete("eval/logs"), "no-op"),
+    "the engine's log cut short": Case(cut_short("eval/logs/vllm-draft-k3.log"), "no-op"),
+    # the draft it measured (stage 05's files, 06's input): one line naming the file, before any engine
+    "draft's model.safetensors cut short": Case(cut_short("draft/model.safetensors"), "refused",
+                                                names=("{work}/draft/model.safetensors: unreadable safetensors",
+                                                       "export it again (05_export.py)")),
+    "draft's model.safetensors deleted": Case(delete("draft/model.safetensors"), "refused",
+                                              names=("{work}/draft/model.safetensors: missing",)),
+    "draft's config.json cut short": Case(cut_short("draft/config.json"), "refused",
+                                          names=("{work}/draft/config.json: unreadable JSON",)),
+    "draft's config.json deleted": Case(delete("draft/config.json"), "refused",
+                                        names=("{work}/draft/config.json: missing",)),
+    "draft's manifest.json cut short": Case(cut_short("draft/manifest.json"), "refused",
+                                            names=("{work}/draft/manifest.json: unreadable manifest",)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_finished_evaluation_with_one_file_damaged_is_refused_redone_or_a_no_op(name, llama_run, llama_eval,
+                                                                                  tmp_path):
+    case = CASES[name]
+    work = tmp_path / "work"
+    shutil.copytree(llama_run["draft"], work / "draft")
+    shutil.copytree(llama_eval, work / "eval")
+    if case.change:
+        case.change(work)
+    before = tree(work)
+    result = run_stage("evaluate", "--profile", "cpu-mini", "--draft", work / "draft", "--output", work / "eval",
+                       *LLAMA_EVAL_FLAGS, check=False)
+    after = tree(work)
+    shown = result.stdout + result.stderr
+    context = f"{name}: exit {result.returncode}\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+
+    assert "Traceback" not in shown, context
+    changed = sorted(rel for rel in before.keys() | after.keys()
+                     if before.get(rel) != after.get(rel) and not rel.endswith(".lock"))
+    assert all(under(rel, case.redoes) for rel in changed), f"changed outside {case.redoes}: {changed}\n{context}"
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    if result.returncode != 0:
+        assert len(errors) == 1, f"a refusal is one line: {errors}\n{context}"
+        observed = "refused"
+    else:
+        observed = "redone" if changed else "no-op"
+    assert observed == case.expect, f"{observed}, expected {case.expect}\n{context}"
+
+    if observed == "refused":
+        for part in case.names:
+            assert part.format(work=work) in errors[0], f"{part!r} not in {errors[0]!r}"
+        assert not changed and "already evaluated" not in shown and "vllm:" not in result.stderr, context
+    elif observed == "no-op":
+        assert "already evaluated with these settings and inputs" in result.stderr, context
+    else:
+        assert changed, context
+    if case.evidence:
+        case.evidence(result, work, llama_eval)
