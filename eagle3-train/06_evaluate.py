@@ -6,8 +6,9 @@ given) and, on the same prompts, the target alone. The prompts (a jsonl of OpenA
 `category`) are rendered with the chat template and template kwargs stage 01 trained with. Reports tau
 (1 + accepted/drafts), acceptance per draft position and tau per category with standard errors, and
 output tokens/s with and without the draft (report.json, report.txt, report.png). A tau at or below
---min-tau, or a first-position acceptance below --min-first-acceptance, exits 6 with one line naming
-the likely causes the stage checked itself (eagle3_pipeline/verdict.py). A draft vLLM cannot serve (its files
+--min-tau, a first-position acceptance below --min-first-acceptance, or a draft not served as trained (a d2t
+or aux layer ids other than stages 03/04's, whatever its tau) exits 6 with one line naming the likely causes
+the stage checked itself (eagle3_pipeline/verdict.py). A draft vLLM cannot serve (its files
 cut short, weights that do not fit the target, another method, a --max-model-len above the target's) is
 refused in one line before any engine starts; an engine that still fails is one line quoting vLLM's reason.
 Run with --help for flags and an example.

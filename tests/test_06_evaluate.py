@@ -391,6 +391,19 @@ def test_a_draft_above_both_floors_passes():
     assert judged["passed"] and judged["line"] == "verdict: ok: tau 2.200 ± 0.117, position-1 acceptance 60.0%"
 
 
+def test_a_draft_not_served_as_trained_fails_above_the_floors_and_a_chosen_template_is_only_named():
+    # the H200 case: aux layer ids one deeper than trained kept 98% of tau, above every floor
+    shifted = [Finding("layer ids", PROBLEM, "aux layer ids [3, 4, 5] in the draft config, stage 04 trained on [2, 3, 4]"),
+               *ALL_OK[1:]]
+    judged = verdict(_spec(100, [60, 40, 20]), shifted, 1.05, 0.05)
+    assert not judged["passed"]
+    assert judged["line"].startswith("verdict: FAIL: tau 2.200")
+    assert "not served as trained: layer ids: aux layer ids [3, 4, 5]" in judged["line"]
+    thinking_off = [*ALL_OK[:3], Finding("template", PROBLEM, "prompts rendered with chat_template_kwargs {}")]
+    judged = verdict(_spec(100, [60, 40, 20]), thinking_off, 1.05, 0.05)
+    assert judged["passed"] and "(but template: prompts rendered" in judged["line"]
+
+
 def test_a_failing_draft_names_the_failed_checks():
     findings = [*ALL_OK[:1], Finding("d2t", PROBLEM, "differs from stage 03's"), *ALL_OK[2:]]
     judged = verdict(_spec(100, [1, 0, 0]), findings, 1.05, 0.05)

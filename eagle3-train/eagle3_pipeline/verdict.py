@@ -17,8 +17,11 @@ checks first, else says the checkable causes are ruled out and names the rest.
 
 A finding that `blocks` (the method, layer ids outside the target, weights that do not fit) means vLLM cannot
 serve the draft at all (it would stop with a traceback, or measure nothing): stage 06 stops on it before any
-engine starts. The others (a scrambled d2t, layer ids or a template other than trained) are measured and named
-in the verdict. `read_draft` reads the draft's two files; a file missing, cut short or unreadable is one line.
+engine starts. The others are measured and named in the verdict; a draft not served as trained (a d2t other than
+stage 03's, layer ids other than stage 04's: `AS_TRAINED`) fails it whatever its tau (on the H200 a draft served
+one layer deeper kept 98% of its tau: above every floor, yet a wrong draft), while a template other than trained
+is a serving mode the user chose to measure and only named. `read_draft` reads the draft's two files; a file
+missing, cut short or unreadable is one line.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from .files import safetensors_problem
 
 DRAFT_CONFIG, DRAFT_WEIGHTS = "config.json", "model.safetensors"  # what vLLM loads (export.DRAFT_FILES)
 OK, PROBLEM, UNCHECKED = "ok", "problem", "unchecked"
+AS_TRAINED = ("layer ids", "d2t")  # checks whose problem means the files are not the draft stage 04 trained
 UNCHECKABLE_CAUSES = ("the hidden states it was trained on (zero, shifted or missing a layer: "
                       "02_extract_hidden_states.py --validate)", "too little training (04's summary.txt)")
 
@@ -174,6 +178,11 @@ def verdict(spec: dict, findings: list[Finding], min_tau: float, min_first_accep
     low = [f"tau <= {min_tau}"] if tau <= min_tau else []
     low += [f"position-1 acceptance < {min_first_acceptance:.0%}"] if first < min_first_acceptance else []
     problems = [f for f in findings if f.status == PROBLEM]
+    wrong = [f for f in problems if f.check in AS_TRAINED]
+    if not low and wrong:
+        causes = "; ".join(f"{f.check}: {f.detail}" for f in wrong)
+        return {"passed": False, "line": f"verdict: FAIL: {measured}, but the draft is not served as trained: {causes}",
+                "findings": [f.as_dict() for f in findings]}
     if not low:
         line = f"verdict: ok: {measured}"
         if problems:

@@ -343,8 +343,9 @@ class EvaluateConfig(StageConfig):
         "Stage 06: serve the target with the exported draft in vLLM (method eagle3) and alone, on chat prompts "
         "rendered as stage 01 rendered its rows; report tau (1 + accepted/drafts), per-position acceptance and tau "
         "per category with standard errors, and tokens/s with and without the draft (report.json, report.txt, "
-        "report.png). A tau at or below --min-tau (or a first-position acceptance below --min-first-acceptance) "
-        "exits 6 with one line naming the causes it checked."
+        "report.png). A tau at or below --min-tau, a first-position acceptance below --min-first-acceptance, or a "
+        "draft not served as trained (its d2t or aux layer ids other than stages 03/04's) exits 6 with one line "
+        "naming the causes it checked."
     )
     EXAMPLE: ClassVar[str] = (
         "python eagle3-train/06_evaluate.py --draft work/draft --output work/eval \\\n"
