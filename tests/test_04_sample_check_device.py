@@ -141,8 +141,11 @@ def test_a_hit_names_the_file_and_reason_exactly_like_the_worker_side_check(tmp_
         sample_check.CheckedTransfer(None, str(data), config(tmp_path)).get_cached(5)
     assert str(worker_error.value) == str(error.value)
     entries = [json.loads(line) for line in (tmp_path / sample_check.RECORD_NAME).read_text().splitlines()]
+    # the record stamps the file as it was (size, mtime, inode): a file redone since no longer counts (issue 46 G)
+    stat = path.stat()
     assert entries[0] == {"file": str(path), "sample": str(path), "row": 5,
-                          "reason": "hidden_states contain NaN/Inf (layer slot(s) [2])", "action": "stop"}
+                          "reason": "hidden_states contain NaN/Inf (layer slot(s) [2])", "action": "stop",
+                          "stamp": [stat.st_size, stat.st_mtime_ns, stat.st_ino]}
 
 
 def test_clean_batches_pass_and_a_hit_no_file_explains_still_stops_naming_the_rows(tmp_path):
