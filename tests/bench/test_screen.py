@@ -426,3 +426,43 @@ def test_the_projection_prices_each_recipes_tokens_at_its_classes_kimi_cost(tmp_
     assert result.returncode == 1 and result.stderr.strip().splitlines() == [
         f"bench-acceptance --screen-records: --kimi-costs {bad}: no run with tokens_per_s (expected "
         f"bench/train_throughput.py's results JSON)"]
+
+
+def test_the_screen_report_reprints_a_results_file_and_adds_the_projection_leaving_its_values(tmp_path):
+    """--screen-report FILE: the tables again from the file's own curves and vLLM values; --kimi-costs adds the projection
+    column and rewrites the file with it, every stored value (curves, vLLM, the offline table) unchanged."""
+    plain = {**_curve([[0.4, 0.2, 0.1], [0.5, 0.3, 0.15]], 10, 0.05), "total_seq_len": 8192, "cost_class": "plain"}
+    ours = {**_curve([[0.4, 0.2, 0.1], [0.55, 0.35, 0.2]], 10, 0.04), "total_seq_len": 8192, "cost_class": "ours"}
+    fc_norm = {**_curve([[0.45, 0.25, 0.12], [0.6, 0.4, 0.25]], 10, 0.05), "total_seq_len": 8192, "cost_class": "fc-norm"}
+    curves = {"1": {"plain": plain, "ours": ours}, "4": {"plain": plain, "ours": ours, "fc-norm": fc_norm}}
+    vllm = {"1": {"ours": {"3": {"tau": 2.01, "tau_stderr": 0.02, "source": "measured"}}},
+            "4": {"fc-norm": {"3": {"tau": 2.51, "tau_stderr": 0.02, "source": "measured"}}}}
+    stored = {"benchmark": "screen-smollm2", "invocations": [{"setup": {"val_depth": 3, "vllm_k": 3}}],
+              "curves": curves, "vllm": vllm, "vllm_equal_time": {}, "table": sc.screen_table(curves, [3], vllm),
+              "data_lever": []}
+    path = tmp_path / "screen.json"
+    path.write_text(json.dumps(stored))
+    cmd = [sys.executable, str(REPO / "bench" / "acceptance.py"), "--screen-report", str(path)]
+    printed = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert printed.returncode == 0, printed.stderr[-2000:]
+    assert "screen at 1x data" in printed.stdout and "screen at 4x data" in printed.stdout
+    assert "2.510±0.020" in printed.stdout and "projection" not in printed.stdout
+    assert json.loads(path.read_text()) == stored  # without --kimi-costs nothing is written
+    projected = subprocess.run(cmd + ["--kimi-costs", str(_throughput(tmp_path))], capture_output=True, text=True,
+                               timeout=120)
+    assert projected.returncode == 0, projected.stderr[-2000:]
+    assert "projection" in projected.stdout
+    rewritten = json.loads(path.read_text())
+    assert {k: v for k, v in rewritten.items() if k not in ("table", "projection")} == {
+        k: v for k, v in stored.items() if k != "table"}
+    assert [{k: v for k, v in r.items() if not k.startswith("projected_time")} for r in rewritten["table"]] == stored["table"]
+    by_recipe = {(r["data"], r["recipe"]): r for r in rewritten["table"]}
+    assert by_recipe[("4", "fc-norm")]["projected_time_k3"]["kimi_tokens_per_s"] == 16000.0
+    assert "projected_time_k3" not in by_recipe[("1", "plain")]
+    assert rewritten["projection"]["source"].endswith("kimi-train.json") and rewritten["projection"]["commit"] == "abc"
+    assert rewritten["projection"]["runs"]["ours"]["tokens_per_s"] == 20000.0
+    (other := tmp_path / "other.json").write_text(json.dumps({"benchmark": "acceptance-smollm2"}))
+    refused = subprocess.run([sys.executable, str(REPO / "bench" / "acceptance.py"), "--screen-report", str(other)],
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1 and refused.stderr.strip().splitlines() == [
+        f"bench-acceptance --screen-report: {other}: not a screen results file (benchmark screen-smollm2)"]
