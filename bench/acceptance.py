@@ -28,6 +28,8 @@ Results: bench/results/<cpu|gpu>-acceptance-smollm2.json and the printed tables.
     python bench/acceptance.py --curves-report bench/results/h200-acceptance-curves-smollm2.json
     python bench/acceptance.py --device cuda --screen --jobs 7 --ks 5                   # recipe screen (issue 37)
     python bench/acceptance.py --screen-records DIR                                     # a cut hold's screen table
+    python bench/acceptance.py --screen-report FILE [--kimi-costs KIMI.json]            # a screen JSON's tables again
+    python bench/acceptance.py --device cuda --screen --ks 3 5 --screen-speed-rounds 3  # + serving speed, rotated rounds
     python bench/acceptance.py --device cuda --screen --screen-recipes fc-norm data:answers-2 prompts-2x \
         --screen-chat answers-2=chat-answers-2.tar.xz --kimi-costs KIMI.json     # the data lever, a projection (issue 44)
 
@@ -75,6 +77,7 @@ from pydantic_core import PydanticUndefined
 
 from benchlib import curves as lc
 from benchlib import screen as sc
+from benchlib import speed as sp
 from benchlib import stage06 as s06
 from benchlib.acceptance import (
     VllmSettings,
@@ -823,6 +826,7 @@ def run_screen(args, bench: Bench, target: dict, started: float, load_start) -> 
     cache = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
     vllm: dict[str, dict] = {}
     vllm_equal: dict[str, dict] = {}
+    speed_drafts: dict[str, dict[str, str]] = {}  # per size the drafts measured here: the speed phase's (--screen-speed-rounds)
     k_top = max(args.ks)
     for size, by_name in curves.items():
         data_runs = [n for n in by_name if "data" in recipes[n]]
@@ -870,6 +874,7 @@ def run_screen(args, bench: Bench, target: dict, started: float, load_start) -> 
         for n in drafts:
             if "@e" not in n and (taus := taus_of(n)):
                 vllm.setdefault(size, {})[n] = taus
+                speed_drafts.setdefault(size, {})[n] = drafts[n]
         for n, e in equal_epochs.items():
             taus = taus_of(n if e == args.screen_epochs - 1 else f"{n}@e{e}")
             if taus:
@@ -910,6 +915,15 @@ def run_screen(args, bench: Bench, target: dict, started: float, load_start) -> 
             atomic_write_text(timing_path, json.dumps(timing, indent=2))
     curves = offline_curves()
     t_timing = time.perf_counter() - started - t_train - t_vllm
+    # 5b. serving speed, each engine alone on the now idle device (--screen-speed-rounds; benchlib/speed.py)
+    speed = {}
+    if args.screen_speed_rounds:
+        try:
+            speed = screen_speed(args, bench, speed_drafts, settings)
+        except (RuntimeError, OSError) as exc:  # an engine that failed: the rest of the screen is still written
+            failed["speed"] = f"{type(exc).__name__}: {str(exc)[-400:]}"
+            log(f"  FAILED speed: {failed['speed']}")
+    t_speed = time.perf_counter() - started - t_train - t_vllm - t_timing
 
     # 6. the tables, offline against vLLM, and the curves JSON's own check of the same (issue 37 item 1)
     report_ks = [k for k in (3, 5) if k <= args.screen_val_depth] or [args.screen_val_depth]
@@ -927,9 +941,11 @@ def run_screen(args, bench: Bench, target: dict, started: float, load_start) -> 
         vllm = {**earlier.get("vllm", {}), **vllm}
         vllm_equal = {**earlier.get("vllm_equal_time", {}), **vllm_equal}
         merged_from = earlier.get("invocations", [])
+        speed = {**earlier.get("speed", {}), **speed}
     rows = sc.screen_table(merged_curves, report_ks, vllm, kimi)
     lever = sc.data_lever_table(merged_curves, vllm, vllm_equal, sorted({*report_ks, k_top}))
-    for line in sc.format_screen(rows, report_ks) + sc.format_data_lever(lever, sorted({*report_ks, k_top})):
+    for line in (sc.format_screen(rows, report_ks) + sc.format_data_lever(lever, sorted({*report_ks, k_top}))
+                 + sp.format_speed(speed)):
         log(line)
     for size, a in agreement.items():
         log(f"offline vs vLLM at {size}x, k={a['k']}: Spearman {a['spearman']} over {a['recipes']}")
@@ -940,10 +956,12 @@ def run_screen(args, bench: Bench, target: dict, started: float, load_start) -> 
                   "command": shlex.join([sys.executable, *sys.argv]), "commit": git_commit(), "data_sizes": args.screen_data,
                   "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "device": args.device,
                               "load_average_start": load_start, "load_average_end": os.getloadavg()},
-                  "wall_s": {"train": t_train, "timing": t_timing, "vllm": t_vllm, "total": time.perf_counter() - started},
+                  "wall_s": {"train": t_train, "timing": t_timing, "vllm": t_vllm, "speed": t_speed,
+                             "total": time.perf_counter() - started},
                   "setup": {"train_conversations_1x": args.train_conversations, "epochs": args.screen_epochs,
                             "val_depth": args.screen_val_depth, "jobs": args.jobs, "loader_workers": args.screen_workers,
                             "timing_steps": args.screen_timing_steps, "vllm_top": args.screen_vllm_top, "vllm_k": k_top,
+                            "speed_rounds": args.screen_speed_rounds, "speed_ks": args.ks,
                             "recipes": recipes, "ours_04_flags": list(map(str, flags)), "plain_flags": plain_flags,
                             "screen_chat": {c: str(d) for c, d in chat_dirs.items()},
                             "datasets": {key: {"path": str(datasets[key]), **data_counts.get(key, {})} for key in dataset_keys},
@@ -965,8 +983,79 @@ def run_screen(args, bench: Bench, target: dict, started: float, load_start) -> 
         "offline_vs_vllm": {"screen": agreement, "curves_1x": on_curves and {k: v for k, v in on_curves.items() if k != "pairs"},
                             "curves_pairs": on_curves and on_curves["pairs"]},
     }
+    if speed:
+        results["speed"] = speed
     if kimi:
         results["projection"] = kimi
+    write_results(output, results)
+    log(f"wrote {output}")
+    return 0
+
+
+SCREEN_SPEED = "speed-screen.json"
+
+
+def screen_speed(args, bench: Bench, drafts_by_size: dict[str, dict[str, str]], settings: VllmSettings) -> dict:
+    """The speed phase (benchlib/speed.py) per data size on its drafts, --screen-speed-rounds rounds at each --ks;
+    each finished engine kept in WORK/speed-screen.json, so a rerun runs only the rounds still missing."""
+    cache_path = bench.work / SCREEN_SPEED
+    cache = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
+
+    def save(entries: dict) -> None:
+        atomic_write_text(cache_path, json.dumps(entries))
+
+    return {size: sp.measure_speed(bench.target, drafts, bench.work / "chat" / "eval_prompts.jsonl", args.ks,
+                                   args.screen_speed_rounds, settings, draft_stamp, cache, save, bench.logs, log,
+                                   key_prefix=f"{size}x/")
+            for size, drafts in drafts_by_size.items() if drafts}
+
+
+def measured_drafts(work: Path, sizes, k: int) -> dict[str, dict[str, str]]:
+    """The drafts the screen measured in vLLM at k in `work` (its vllm-screen.json: each entry's stamp names the draft
+    directory), per size; a draft whose files changed since (retrained) is left out, said in the log."""
+    cache_path = work / "vllm-screen.json"
+    cache = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
+    out: dict[str, dict[str, str]] = {}
+    for size in map(str, sizes):
+        for key, entry in cache.items():
+            label = key.removeprefix(f"{size}x/").removesuffix(f"-k{k}")
+            if not key.startswith(f"{size}x/") or not key.endswith(f"-k{k}") or "@e" in label:
+                continue
+            path = entry["stamp"].rsplit("@", 1)[0]
+            if Path(path).is_dir() and draft_stamp(path) == entry["stamp"]:
+                out.setdefault(size, {})[label] = path
+            else:
+                log(f"  speed: {key} left out: {path} is not the draft vLLM measured (missing or retrained since)")
+    return out
+
+
+def run_screen_speed_only(args, bench: Bench, started: float, load_start) -> int:
+    """--screen-speed-only: the speed phase on the drafts a --screen in this --work trained and measured in vLLM (no
+    data, no training, no tau engine); its `speed` merged into the screen's results file."""
+    output = args.output or REPO / "bench" / "results" / f"{'cpu' if bench.cpu else 'h200'}-screen-smollm2.json"
+    k_top = max(args.ks)
+    drafts = measured_drafts(bench.work, args.screen_data, k_top)
+    if not drafts:
+        raise SystemExit(f"bench-acceptance --screen-speed-only: {bench.work / 'vllm-screen.json'}: no draft measured in "
+                         f"vLLM at k={k_top} for --screen-data {' '.join(map(str, args.screen_data))} (run --screen "
+                         f"first in this --work)")
+    if not (bench.work / "chat" / "eval_prompts.jsonl").is_file():
+        raise SystemExit(f"bench-acceptance --screen-speed-only: {bench.work / 'chat' / 'eval_prompts.jsonl'}: missing "
+                         f"(run --screen first in this --work)")
+    settings = vllm_settings(args, bench)
+    speed = screen_speed(args, bench, drafts, settings)
+    for line in sp.format_speed(speed):
+        log(line)
+    results = json.loads(output.read_text()) if output.is_file() else {}
+    results = results if results.get("benchmark") == "screen-smollm2" else {"benchmark": "screen-smollm2"}
+    results["speed"] = {**results.get("speed", {}), **speed}
+    results.setdefault("invocations", []).append({
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "speed_only": True,
+        "command": shlex.join([sys.executable, *sys.argv]), "commit": git_commit(), "data_sizes": args.screen_data,
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "device": args.device,
+                    "load_average_start": load_start, "load_average_end": os.getloadavg()},
+        "wall_s": {"speed": time.perf_counter() - started},
+        "setup": {"speed_rounds": args.screen_speed_rounds, "speed_ks": args.ks, "vllm_settings": settings.__dict__}})
     write_results(output, results)
     log(f"wrote {output}")
     return 0
@@ -1099,6 +1188,36 @@ def screen_records_report(records: Path, output: Path | None, val_depth: int, ki
     return 0
 
 
+def screen_report(path: Path, kimi_path: Path | None, output: Path | None) -> int:
+    """--screen-report FILE: a screen results file's tables again (every size, vLLM as stored, the speed phase's), recomputed
+    from its own curves, vllm and vllm_equal_time; no engine, no training. With --kimi-costs the projection column is
+    added and the file (or --output) rewritten with `table`, `data_lever` and `projection` (the costs' source, commit and
+    tokens/s per class); the curves and vLLM values are carried as they are."""
+    try:
+        results = json.loads(path.read_text())
+        kimi = load_kimi_costs(kimi_path)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"bench-acceptance --screen-report: {exc}") from None
+    if results.get("benchmark") != "screen-smollm2" or "curves" not in results:
+        raise SystemExit(f"bench-acceptance --screen-report: {path}: not a screen results file (benchmark screen-smollm2)")
+    setups = [inv.get("setup", {}) for inv in results.get("invocations", [])]
+    depth = max([s["val_depth"] for s in setups if "val_depth" in s] or [5])
+    k_top = max([s["vllm_k"] for s in setups if "vllm_k" in s] or [depth])
+    report_ks = [k for k in (3, 5) if k <= depth] or [depth]  # run_screen's rule
+    vllm = results.get("vllm", {})
+    rows = sc.screen_table(results["curves"], report_ks, vllm, kimi)
+    lever = sc.data_lever_table(results["curves"], vllm, results.get("vllm_equal_time", {}), sorted({*report_ks, k_top}))
+    for line in sc.format_screen(rows, report_ks) + sc.format_data_lever(lever, sorted({*report_ks, k_top})):
+        log(line)
+    for line in sp.format_speed(results.get("speed", {})):
+        log(line)
+    if kimi or output:
+        results.update(table=rows, data_lever=lever, **({"projection": kimi} if kimi else {}))
+        write_results(output or path, results)
+        log(f"wrote {output or path}")
+    return 0
+
+
 def curves_report(path: Path) -> int:
     """--curves-report FILE: print a curves JSON's tables again (recomputed from its curves) and draw its PNG."""
     results = json.loads(path.read_text())
@@ -1197,6 +1316,17 @@ def main() -> int:
                              "with the same prompts and engine settings, 06 with its own defaults, 06 on two faults")
     screen.add_argument("--screen-records", type=Path, default=None, metavar="DIR",
                         help="print the screen table of a hold's unpacked records (its runs' epochs so far); runs nothing")
+    screen.add_argument("--screen-speed-rounds", type=int, default=0, metavar="R",
+                        help="after the tau and timing phases, vLLM output tokens/s of each draft measured in vLLM and "
+                             "of the target alone at each --ks: one engine at a time, a warm-up generate then a timed "
+                             "one, R rounds in rotated order (benchlib/speed.py); 0: off")
+    screen.add_argument("--screen-speed-only", action="store_true",
+                        help="only the speed phase (--screen-speed-rounds, default 3 here) on the drafts a --screen "
+                             "in this --work measured in vLLM at max(--ks); trains nothing; merges `speed` into the "
+                             "results file")
+    screen.add_argument("--screen-report", type=Path, default=None, metavar="FILE",
+                        help="print a screen results file's tables again (recomputed from its curves and vLLM values); "
+                             "with --kimi-costs add the projection and rewrite FILE (or --output); runs nothing")
     screen.add_argument("--screen-chat", nargs="+", default=[], metavar="NAME=PATH",
                         help="a chat for the data lever's recipe data:NAME: bench/chat_data.py regenerate's output "
                              "folder (e.g. --answers-per-prompt 2 --temperature 0.8 from the same prompts), or the "
@@ -1204,8 +1334,14 @@ def main() -> int:
     screen.add_argument("--kimi-costs", type=Path, default=None, metavar="FILE",
                         help="bench/train_throughput.py results JSON (runs plain, ours, fc-norm, ...): a projection "
                              "column, the equal-time ratio at Kimi-K2.5 geometry (trained tokens / the cost class's "
-                             "Kimi tokens/s); with --screen or --screen-records")
+                             "Kimi tokens/s); with --screen, --screen-records or --screen-report")
     args = parser.parse_args()
+    if args.screen_speed_rounds < 0:
+        parser.error("--screen-speed-rounds: a number of rounds, 0 or more")
+    if args.screen_speed_only and not args.screen_speed_rounds:
+        args.screen_speed_rounds = 3
+    if args.screen_report:
+        return screen_report(args.screen_report, args.kimi_costs, args.output)
     if args.screen_records:
         return screen_records_report(args.screen_records, args.output, args.screen_val_depth, args.kimi_costs)
     if args.curves_report:
@@ -1222,6 +1358,8 @@ def main() -> int:
         raise SystemExit(f"bench-acceptance: {refusal}")
     if args.curves:
         return run_curves(args, bench, target, started, load_start)
+    if args.screen_speed_only:
+        return run_screen_speed_only(args, bench, started, load_start)
     if args.screen:
         return run_screen(args, bench, target, started, load_start)
     if args.vs_stage06:

@@ -41,7 +41,9 @@
 #   bash bench/h200_vllm_gpu.sh screen [flags]     bench/acceptance.py --device cuda --screen (recipe screen, issue 37),
 #                                                  in the curves' work dir (their datasets are shared); merges into
 #                                                  bench/results/h200-screen-smollm2.json when the working tree has it
-#   bash bench/h200_vllm_gpu.sh screen-start [flags]   the same, detached; wait with acceptance-wait
+#   bash bench/h200_vllm_gpu.sh screen-start [flags]   the same, detached; wait with acceptance-wait (with
+#                                                  --screen-speed-only [--screen-speed-rounds R]: only the speed phase
+#                                                  on the drafts this hold's screen measured; nothing trained)
 # Several detached jobs at once (each in /root/jobs/NAME, its $OUT; they share the GPU):
 #   bash bench/h200_vllm_gpu.sh testbed                the GGUF parts + prompts -> the SmolLM2 folder, once per box
 #                                                  (before jobs start: they would assemble the same files at once)
@@ -170,7 +172,7 @@ case "$cmd" in
     (cd work/bench-curves-gpu 2>/dev/null && tar czf "$OUT/curves-records.tgz" logs */bench-run.json */checkpoints/metrics.jsonl \
       curves-*-plain/metrics.jsonl vllm-curves.json host-memory.json screen-*/bench-run.json screen-*/checkpoints/metrics.jsonl \
       screen-*-plain/metrics.jsonl screen-*/checkpoints/*/val_metrics.json screen-*-plain/*/val_metrics.json \
-      screen-timing.json screen-positions.json vllm-screen.json 2>/dev/null)
+      screen-timing.json screen-positions.json vllm-screen.json speed-screen.json 2>/dev/null)
     tail -n 40 "$BG_OUT/bench.log" 2>/dev/null ;;
   prepare-train)  # here: speculators' imports that the image lacks, out of the vLLM bundle's parts
     rm -rf .dev/trainwhl && mkdir -p .dev/trainwhl

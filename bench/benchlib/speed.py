@@ -1,0 +1,129 @@
+"""Solo serving speed (acceptance.py --screen-speed-rounds, issue 44 item 3): vLLM output tokens/s of each draft and
+of the target alone, one engine at a time, on the same held-out prompts.
+
+The screen's tau phase starts one engine per draft in a fixed order (several at once with --jobs) and times one
+generate: the first engine after the baseline pays the box's warm-up (on the H200 38 s engine start against 11 s),
+so its tokens/s is confounded with its place in the order. Here each round starts every engine once, alone, in an
+order rotated by one per round (round r starts at engine r mod n), so a place's cost is spread over the engines;
+each engine generates the prompts once untimed (the warm-up: vLLM's settings.warmup_prompts set to all of them),
+then once timed. At temperature 0 the rounds generate the same tokens, so tau must be equal across rounds: the
+summary records whether it was (and whether the outputs were), a check on the measurement itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+from .acceptance import VllmSettings, prompt_token_ids, run_engine_isolated
+
+BASELINE = "baseline"  # the target alone: no draft, one engine per round whatever the ks
+
+
+def rotated(names: Sequence[str], round_index: int) -> list[str]:
+    """Round r's engine order: the list started at its (r mod n)-th entry."""
+    start = round_index % len(names) if names else 0
+    return [*names[start:], *names[:start]]
+
+
+def engine_names(drafts: Mapping[str, str], ks: Sequence[int]) -> dict[str, tuple[str | None, int]]:
+    """Every engine of a round: the baseline, then each draft at each k (label-kK), as (draft dir, k)."""
+    return {BASELINE: (None, 0), **{f"{label}-k{k}": (path, k) for label, path in drafts.items() for k in ks}}
+
+
+def outputs_digest(token_ids: Sequence[Sequence[int]]) -> str:
+    """The generated tokens of one round, short: equal digests = the same outputs token for token."""
+    return hashlib.sha256(json.dumps(token_ids).encode()).hexdigest()[:16]
+
+
+def summarize(rounds: Sequence[Mapping], baseline_median: float | None = None) -> dict:
+    """One engine's rounds (in round order) -> tokens/s per round, median, min, max, x the baseline's median, tau per
+    round and whether tau and the outputs were the same in every round (temperature 0: they must be)."""
+    tps = [r["tokens_per_s"] for r in rounds]
+    taus = [r.get("tau") for r in rounds]
+    out = {"rounds": len(rounds), "tokens_per_s": tps, "median_tokens_per_s": statistics.median(tps),
+           "min_tokens_per_s": min(tps), "max_tokens_per_s": max(tps),
+           "engine_start_s": [r["engine_start_s"] for r in rounds], "generate_s": [r["generate_s"] for r in rounds],
+           "generated_tokens": [r["generated_tokens"] for r in rounds], "position": [r["position"] for r in rounds],
+           "outputs_equal_across_rounds": len({r["outputs_sha"] for r in rounds}) == 1}
+    if any(t is not None for t in taus):
+        out.update(tau=taus, tau_equal_across_rounds=len(set(taus)) == 1)
+    if baseline_median:
+        out["speedup_median"] = out["median_tokens_per_s"] / baseline_median
+    return out
+
+
+def measure_speed(target_dir, drafts: Mapping[str, str], prompts_path, ks: Sequence[int], rounds: int,
+                  settings: VllmSettings, stamp: Callable[[str], str], cache: dict, save: Callable[[dict], None],
+                  log_dir: Path | None = None, log=print, key_prefix: str = "") -> dict:
+    """`rounds` rounds of every engine (engine_names) one at a time, rotated; `cache` holds each finished (engine,
+    round) under key_prefix + engine name with the draft's `stamp` and the settings, so a rerun runs only what is
+    missing (`save` writes it after each engine). Returns the speed block: per draft and k the summary, and the
+    baseline's."""
+    prompts = prompt_token_ids(target_dir, prompts_path)
+    # the untimed warm-up generate is every prompt once (run_engine generates settings.warmup_prompts of them first)
+    warm = dataclasses.replace(settings, warmup_prompts=len(prompts))
+    engines = engine_names(drafts, ks)
+    names = list(engines)
+    same = json.dumps({"settings": dataclasses.asdict(warm), "prompts": outputs_digest(prompts)}, sort_keys=True)
+    order = []
+    for r in range(rounds):
+        order.append(rotated(names, r))
+        for position, name in enumerate(order[-1]):
+            draft, k = engines[name]
+            key = f"{key_prefix}{name}"
+            entry_stamp = f"{stamp(draft) if draft else target_dir}|{same}"
+            if cache.get(key, {}).get("stamp") != entry_stamp:
+                cache[key] = {"stamp": entry_stamp, "rounds": {}}
+            if str(r) in cache[key]["rounds"]:
+                continue
+            log_path = str(log_dir / f"vllm-speed-{name}-r{r}.log") if log_dir else None
+            run = run_engine_isolated(target_dir, draft, k, prompts, warm, log_path)
+            sd = run.get("spec_decode")
+            cache[key]["rounds"][str(r)] = {
+                "round": r, "position": position, "tokens_per_s": run["tokens_per_s"], "generate_s": run["generate_s"],
+                "generated_tokens": run["generated_tokens"], "engine_start_s": run["engine_start_s"],
+                "tau": sd["mean_acceptance_length"] if sd else None,
+                "outputs_sha": outputs_digest(run["generated_token_ids"])}
+            save(cache)
+            log(f"  speed round {r + 1}/{rounds} #{position + 1} {name}: {run['tokens_per_s']:.1f} tokens/s"
+                + (f", tau {sd['mean_acceptance_length']:.3f}" if sd else "") + f", engine start {run['engine_start_s']:.0f} s")
+
+    def rounds_of(name: str) -> list[dict]:
+        return [cache[f"{key_prefix}{name}"]["rounds"][str(r)] for r in range(rounds)]
+
+    baseline = summarize(rounds_of(BASELINE))
+    by_draft = {label: {str(k): summarize(rounds_of(f"{label}-k{k}"), baseline["median_tokens_per_s"]) for k in ks}
+                for label in drafts}
+    for label, by_k in by_draft.items():
+        for k, s in by_k.items():
+            if not s["tau_equal_across_rounds"] or not s["outputs_equal_across_rounds"]:
+                log(f"  WARNING speed {label} k={k}: tau {s['tau']} or the outputs differ across rounds at temperature "
+                    f"{settings.temperature} (the rounds did not generate the same tokens)")
+    return {"rounds": rounds, "ks": list(ks), "prompts": str(prompts_path), "num_prompts": len(prompts),
+            "settings": dataclasses.asdict(warm), "drafts": dict(drafts), "order": order,
+            "baseline": baseline, "by_draft": by_draft}
+
+
+def format_speed(speed_by_size: Mapping[str, Mapping]) -> list[str]:
+    """The speed table: draft, k, median tokens/s over the rounds, its range, x the baseline's median, tau."""
+    lines = []
+    for size, block in speed_by_size.items():
+        base = block["baseline"]
+        lines.append(f"serving speed at {size}x data: vLLM output tokens/s, one engine at a time, {block['rounds']} "
+                     f"rounds in rotated order, {block['num_prompts']} held-out prompts (median, min-max over rounds)")
+        lines.append(f"{'draft':<26} {'k':>2} {'tokens/s':>9} {'range':>15} {'x base':>7} {'tau':>7} {'same':>5}")
+        lines.append(f"{BASELINE:<26} {'-':>2} {base['median_tokens_per_s']:>9.1f} "
+                     f"{base['min_tokens_per_s']:>7.1f}-{base['max_tokens_per_s']:<7.1f} {1.0:>7.2f} {'-':>7} "
+                     f"{'yes' if base['outputs_equal_across_rounds'] else 'NO':>5}")
+        for label, by_k in block["by_draft"].items():
+            for k, s in sorted(by_k.items(), key=lambda kv: int(kv[0])):
+                same = s["tau_equal_across_rounds"] and s["outputs_equal_across_rounds"]
+                lines.append(f"{label:<26} {k:>2} {s['median_tokens_per_s']:>9.1f} "
+                             f"{s['min_tokens_per_s']:>7.1f}-{s['max_tokens_per_s']:<7.1f} {s['speedup_median']:>7.2f} "
+                             f"{s['tau'][0]:>7.3f} {'yes' if same else 'NO':>5}")
+    return lines
