@@ -111,7 +111,7 @@ def train(cfg: TrainConfig, sources, here: nodes.Presence | None) -> int:
     # part of the identity: changing one mid-run is refused, never recorded as if it had happened.
     identity = stage_identity(
         cfg, identity_inputs,
-        target_config_sha256=target.config_sha256, draft_config=draft.model_dump(exclude={"description"}),
+        target_config_sha256=target.config_sha256, draft_config=draft.identity_settings(),
         ttt_steps=ttt_steps(cfg, draft), world_size=cfg.nproc * cfg.nnodes, **source,
         # feature noise changes what is trained, yet a run without it keeps the identity it had before the flag
         **({"noise_std": cfg.noise_std} if cfg.noise_std > 0 else {}),

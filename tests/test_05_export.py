@@ -14,6 +14,7 @@ def test_export_loads_back_with_speculators(kimi_run, kimi_target):
     model = SpeculatorModel.from_pretrained(str(kimi_run["draft"]))
     assert type(model).__name__ == "Eagle3DraftModel"
     assert model.d2t.shape == (256,) and model.t2d.shape == (1024,)
+    assert len(model.fc_norm) == 3 and model.input_norm is None  # draft_config.json's default: EAGLE 3.1's norms
 
 
 def test_export_config_has_what_vllm_reads(kimi_run, kimi_target):
@@ -23,6 +24,14 @@ def test_export_config_has_what_vllm_reads(kimi_run, kimi_target):
     assert config["transformer_layer_config"]["model_type"] == "llama"
     assert config["draft_vocab_size"] == 256
     assert config["eagle_aux_hidden_state_layer_ids"] == [2, 3, 4]
+    # the norms before fc as trained (04's manifest records draft_config.json's), which vLLM builds from this file
+    trained = json.loads((kimi_run["checkpoints"] / "manifest.json").read_text())["draft_config"]
+    assert (trained["fc_norm"], trained["norm_before_fc"]) == (config["fc_norm"], config["norm_before_fc"]) == (True, False)
+    from safetensors import safe_open
+
+    with safe_open(str(draft / "model.safetensors"), framework="np") as weights:
+        norms = sorted(name for name in weights.keys() if "norm" in name and not name.startswith("layers."))
+    assert norms == ["fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight", "norm.weight"]
     assert config["speculators_config"]["verifier"]["name_or_path"] == str(kimi_target.resolve())
     assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
     assert not (draft / "optimizer_state_dict.pt").exists()

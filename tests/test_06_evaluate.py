@@ -41,6 +41,7 @@ from eagle3_pipeline.verdict import (
     check_layer_ids,
     check_method,
     check_template,
+    check_weights,
     verdict,
 )
 
@@ -94,6 +95,10 @@ def last_error(result) -> str:
 
 @pytest.mark.vllm
 def test_a_draft_trained_by_the_pipeline_passes_and_reports_tau_per_position_and_category(llama_run, tmp_path):
+    config = json.loads((llama_run["draft"] / "config.json").read_text())
+    weights = load_file(str(llama_run["draft"] / "model.safetensors"))
+    assert config["fc_norm"] and not config["norm_before_fc"]  # draft_config.json's default: EAGLE 3.1's norms
+    assert {f"fc_norm.{i}.weight" for i in range(3)} <= set(weights) and "input_norm.weight" not in weights
     out = tmp_path / "eval"
     result = evaluate(llama_run["draft"], out)
     report = json.loads((out / "report.json").read_text())
@@ -132,6 +137,25 @@ def test_a_draft_whose_d2t_was_scrambled_fails_naming_d2t(scrambled_draft, tmp_p
     assert {f["check"]: f["status"] for f in report["verdict"]["findings"]} == {
         "layer ids": OK, "d2t": PROBLEM, "method": OK, "template": OK, "weights": OK}
     assert report["baseline_tokens_per_s"] is None and not json.loads((out / "manifest.json").read_text())["verdict"]["passed"]
+
+
+@pytest.mark.vllm
+def test_vllm_applies_the_drafts_fc_norm_weights(llama_run, tmp_path):
+    """The same draft with its per-layer fc norms zeroed (shapes unchanged, so every self-check passes): if vLLM
+    built norms of weight 1 instead of loading the trained ones, or skipped them, this draft would still pass as the
+    real one does (test above); loaded and applied, the fc sees zeros and the draft accepts nothing."""
+    draft = copy_draft(llama_run, tmp_path)
+    weights = load_file(str(draft / "model.safetensors"))
+    norms = [name for name in weights if name.startswith("fc_norm.")]
+    assert len(norms) == 3
+    weights.update({name: torch.zeros_like(weights[name]) for name in norms})
+    save_file(weights, str(draft / "model.safetensors"), metadata={"format": "pt"})
+    out = tmp_path / "eval"
+    result = evaluate(draft, out, "--no-baseline", check=False)
+    assert result.returncode == 6, result.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert not report["verdict"]["passed"] and report["spec_decode"]["mean_acceptance_length"] <= 1.05
+    assert {f["status"] for f in report["verdict"]["findings"]} == {OK}  # nothing but the norms differs
 
 
 @pytest.mark.vllm
@@ -217,7 +241,22 @@ def test_a_half_written_draft_is_one_line_naming_the_file(llama_run, tmp_path, d
     assert not out.exists()
 
 
-@pytest.mark.parametrize("case", ["weights of a wider target's draft", "method eagle", "--max-model-len 8192"])
+def drop_fc_norm(draft: Path) -> None:
+    """The weights without their per-layer fc norms (a draft trained before EAGLE 3.1's norms), under a config
+    that still says fc_norm."""
+    weights = load_file(str(draft / "model.safetensors"))
+    save_file({name: t for name, t in weights.items() if not name.startswith("fc_norm.")},
+              str(draft / "model.safetensors"), metadata={"format": "pt"})
+
+
+def set_config(draft: Path, **keys) -> None:
+    config = json.loads((draft / "config.json").read_text())
+    config.update(keys)
+    (draft / "config.json").write_text(json.dumps(config, indent=2))
+
+
+@pytest.mark.parametrize("case", ["weights of a wider target's draft", "method eagle", "--max-model-len 8192",
+                                  "fc_norm config without its weights", "fc_norm weights without the config"])
 def test_a_draft_or_setting_vllm_cannot_serve_is_refused_before_an_engine_starts(llama_run, llama_target, tmp_path,
                                                                                   case):
     """Before: `--check` said "tau in vLLM can run here" (the method self-check found its problem and the engine
@@ -228,6 +267,14 @@ def test_a_draft_or_setting_vllm_cannot_serve_is_refused_before_an_engine_starts
         expected = (3, f"error: {draft / 'model.safetensors'}: vLLM cannot serve this draft (weights: the draft's "
                        f"weights do not fit its config and the target: fc.weight [512, 768], its config and the target "
                        f"say [256, 768]")
+    elif case.startswith("fc_norm"):
+        drop_fc_norm(draft) if case.endswith("without its weights") else set_config(draft, fc_norm=False)
+        found = ("config.json says fc_norm but the weights have no fc_norm.0.weight, fc_norm.1.weight, "
+                 "fc_norm.2.weight" if case.endswith("without its weights") else
+                 "the weights hold fc_norm.0.weight, fc_norm.1.weight, fc_norm.2.weight but config.json has no fc_norm")
+        expected = (3, f"error: {draft / 'model.safetensors'}: vLLM cannot serve this draft (weights: the draft's "
+                       f"weights do not fit its config and the target: {found} (a config edited apart from its "
+                       f"weights?)")
     elif case.startswith("method"):
         set_method(draft, "eagle")
         expected = (3, f"error: {draft / 'config.json'}: vLLM cannot serve this draft (method: draft config "
@@ -450,6 +497,49 @@ def test_d2t_missing_different_or_unchecked():
     assert "has no d2t" in check_d2t(None, d2t, "v/d2t.npy").detail
     assert check_d2t(None, np.zeros(4, dtype=int), "v/d2t.npy").status == OK  # draft vocab = target vocab
     assert check_d2t(d2t, None, "v/d2t.npy").status == UNCHECKED
+
+
+def draft_shapes(hidden: int = 8, vocab: int = 32, draft_vocab: int = 16, fc_norm: bool = True,
+                 norm_before_fc: bool = False) -> tuple[dict, dict[str, list[int]]]:
+    """A draft's config.json (the keys check_weights reads, as speculators saves them) and the tensor shapes
+    speculators 0.9.0 saves for it: fc_norm.{i}.weight per aux layer, input_norm.weight over the concatenation."""
+    config = {"transformer_layer_config": {"hidden_size": hidden, "vocab_size": vocab}, "draft_vocab_size": draft_vocab,
+              "eagle_aux_hidden_state_layer_ids": [1, 2, 3], "fc_norm": fc_norm, "norm_before_fc": norm_before_fc}
+    shapes = {"fc.weight": [hidden, 3 * hidden], "lm_head.weight": [draft_vocab, hidden], "norm.weight": [hidden],
+              "layers.0.self_attn.q_proj.weight": [hidden, 2 * hidden], "d2t": [draft_vocab], "t2d": [vocab]}
+    if fc_norm:
+        shapes.update({f"fc_norm.{i}.weight": [hidden] for i in range(3)})
+    if norm_before_fc:
+        shapes["input_norm.weight"] = [3 * hidden]
+    return config, shapes
+
+
+def test_the_weight_check_accepts_either_norm_before_fc_and_refuses_a_config_apart_from_its_weights():
+    """Before: an fc_norm config over weights without fc_norm.* passed (vLLM then serves untrained norms of weight
+    1), and fc_norm.* weights under a config without fc_norm passed (vLLM's loader stops with a traceback)."""
+    for fc_norm, norm_before_fc in ((True, False), (False, True), (False, False)):
+        config, shapes = draft_shapes(fc_norm=fc_norm, norm_before_fc=norm_before_fc)
+        assert check_weights(config, shapes, 8, 32).status == OK, (fc_norm, norm_before_fc)
+    config, shapes = draft_shapes()
+    del shapes["fc_norm.2.weight"]
+    missing = check_weights(config, shapes, 8, 32)
+    assert missing.status == PROBLEM and missing.blocks and missing.file == "model.safetensors"
+    assert "config.json says fc_norm but the weights have no fc_norm.2.weight" in missing.detail
+    config, shapes = draft_shapes()
+    shapes["fc_norm.1.weight"] = [16]
+    assert "fc_norm.1.weight [16], its config and the target say [8]" in check_weights(config, shapes, 8, 32).detail
+    config, shapes = draft_shapes()
+    config["fc_norm"] = False
+    assert "the weights hold fc_norm.0.weight, fc_norm.1.weight, fc_norm.2.weight but config.json has no fc_norm" in (
+        check_weights(config, shapes, 8, 32).detail)
+    config, shapes = draft_shapes(fc_norm=False, norm_before_fc=True)
+    config["norm_before_fc"] = False  # vLLM would drop the trained input_norm silently
+    assert "the weights hold input_norm.weight but config.json has no norm_before_fc" in (
+        check_weights(config, shapes, 8, 32).detail)
+    config, shapes = draft_shapes(fc_norm=False, norm_before_fc=False)
+    config["norm_before_fc"] = True
+    edited = check_weights(config, shapes, 8, 32)
+    assert edited.status == PROBLEM and edited.detail.endswith("(a config edited apart from its weights?)")
 
 
 def test_method_and_template_mismatches_are_problems():

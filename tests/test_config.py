@@ -166,6 +166,57 @@ def test_draft_config_json_validates_and_refuses_unknown_keys(tmp_path):
         load_draft_config(bad)
 
 
+def test_the_default_draft_has_eagle_3_1s_per_layer_norms_and_an_older_file_gets_them(tmp_path):
+    """fc_norm / norm_before_fc: typed, defaulted (a draft_config.json written before they existed keeps working,
+    with the new default), both true refused in one line (speculators refuses it only after loading the target)."""
+    shipped = load_draft_config(DEFAULT_DRAFT_CONFIG)
+    assert (shipped.fc_norm, shipped.norm_before_fc) == (True, False) == (DraftConfig().fc_norm, DraftConfig().norm_before_fc)
+    older = tmp_path / "older.json"
+    older.write_text(json.dumps({k: v for k, v in json.loads(DEFAULT_DRAFT_CONFIG.read_text()).items()
+                                 if k not in ("fc_norm", "norm_before_fc", "_fc_norm")}))
+    assert (load_draft_config(older).fc_norm, load_draft_config(older).norm_before_fc) == (True, False)
+    both = tmp_path / "both.json"
+    both.write_text(json.dumps({"fc_norm": True, "norm_before_fc": True}))
+    with pytest.raises(ConfigError) as refused:
+        load_draft_config(both)
+    assert str(refused.value).startswith(f"{both}: fc_norm and norm_before_fc are both true: choose one")
+    assert "\n" not in str(refused.value)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"fc_norm": "yes"}))
+    with pytest.raises(ConfigError, match=r"fc_norm: Input should be a valid boolean"):
+        load_draft_config(bad)
+
+
+def test_the_draft_norms_reach_speculators_explicitly_before_the_users_extra_args():
+    """speculators 0.9.0 resolves an unset --norm-before-fc to true for eagle3: the flag is always passed, and
+    --fc-norm (store_true, no --no- form) only when on; --extra-args still come last and so still win."""
+    from speculators.train.config.resolution import build_parser as speculators_parser
+
+    cfg, _ = build_config(TrainConfig, {**required(TrainConfig), "extra_args": ["--norm-before-fc"]})
+    argv = speculators_argv(cfg, DraftConfig(), "/t", [2, 30, 58], 32000, 0.9, 0)
+    assert argv[-3:] == ["--no-norm-before-fc", "--fc-norm", "--norm-before-fc"]
+    old = speculators_argv(cfg, DraftConfig(fc_norm=False, norm_before_fc=True), "/t", [2, 30, 58], 32000, 0.9, 0)
+    assert "--fc-norm" not in old and old[-2:] == ["--norm-before-fc", "--norm-before-fc"]
+    none = speculators_argv(cfg, DraftConfig(fc_norm=False), "/t", [2, 30, 58], 32000, 0.9, 0)
+    assert "--fc-norm" not in none and "--no-norm-before-fc" in none
+    known = {flag for action in speculators_parser()._actions for flag in action.option_strings}
+    assert {"--fc-norm", "--norm-before-fc", "--no-norm-before-fc"} <= known  # the installed trainer's flags
+
+
+def test_a_run_made_before_the_draft_norm_keys_keeps_its_identity_with_the_old_norms():
+    """04's identity holds the draft config: a run trained with speculators' old resolution (no fc_norm, one norm
+    over the concatenation) resumes when draft_config.json says so, and is refused under the new default."""
+    old_identity = DraftConfig().model_dump(exclude={"description", "fc_norm", "norm_before_fc"})
+    assert DraftConfig(fc_norm=False, norm_before_fc=True).identity_settings() == old_identity
+    assert DraftConfig().identity_settings() == {**old_identity, "fc_norm": True, "norm_before_fc": False}
+
+
+def test_print_config_shows_the_draft_norms_speculators_receives(capsys):
+    lines = _printed(capsys, TrainConfig, [])
+    line = next(line for line in lines if line.startswith("draft_config = "))
+    assert line.endswith("# default -> its fc_norm true, norm_before_fc false -> speculators --fc-norm --no-norm-before-fc")
+
+
 @pytest.mark.parametrize("stage", list(STAGE_CONFIGS))
 def test_every_stage_help_shows_an_example_and_the_profile_flag(stage):
     cls = STAGE_CONFIGS[stage]

@@ -550,6 +550,10 @@ def test_disk_full_while_appending_training_metrics_is_one_line(capsys, work, ki
     ({"full_attention_indices": [1]}, "full_attention_indices: Value error, [1] are not layer indices of a "
                                       "1-layer draft (got [1])"),
     ({"draft_arch": "gpt2"}, "draft_arch: Input should be 'llama' or 'qwen3' (got \"gpt2\")"),
+    ({"fc_norm": 1}, "fc_norm: Input should be a valid boolean (got 1)"),
+    ({"norm_before_fc": True}, "fc_norm and norm_before_fc are both true: choose one norm before the fc projection "
+                               "(fc_norm: one per aux hidden state, the default; norm_before_fc: one over their "
+                               "concatenation)"),
 ])
 def test_bad_draft_config_values_are_refused_with_the_key_named(change, message, capsys, work, kimi_target, tmp_path):
     from eagle3_pipeline.config import DEFAULT_DRAFT_CONFIG

@@ -172,6 +172,11 @@ def speculators_argv(cfg: TrainConfig, draft: DraftConfig, target_path: str, aux
         argv += ["--full-attention-indices", *map(str, draft.full_attention_indices)]
     if not draft.norm_before_residual:
         argv += ["--no-norm-before-residual"]
+    # both norms explicit: speculators 0.9.0 resolves an unset --norm-before-fc to true for eagle3, and --fc-norm
+    # is a bare store_true flag (no --no-fc-norm); a user's --extra-args still come last
+    argv += ["--norm-before-fc" if draft.norm_before_fc else "--no-norm-before-fc"]
+    if draft.fc_norm:
+        argv += ["--fc-norm"]
     return argv + list(cfg.extra_args)
 
 
@@ -191,6 +196,10 @@ def resolved_for_print_config(cfg: TrainConfig) -> dict[str, str]:
         return argv[argv.index(flag) + 1]
 
     device = "CUDA" if gpu else "no CUDA device"
+    if "draft_config" not in notes:  # the draft's norms before the fc projection: what decides its architecture most
+        norms = [flag for flag in ("--fc-norm", "--norm-before-fc", "--no-norm-before-fc") if flag in argv]
+        notes["draft_config"] = (f"its fc_norm {str(draft.fc_norm).lower()}, norm_before_fc "
+                                 f"{str(draft.norm_before_fc).lower()} -> speculators {' '.join(norms)}")
     if cfg.total_seq_len > SMALL_RUN_SEQ_LEN:
         notes["total_seq_len"] = (f"{cfg.total_seq_len}, or {SMALL_RUN_SEQ_LEN} (the longest row if longer) when --data's "
                                   f"rows give fewer than {FEW_OPTIMIZER_STEPS:,} optimizer steps and the value is not "

@@ -10,7 +10,8 @@ which of them can be checked from the files alone (`self_checks`, run before any
 - template: prompts rendered with other chat-template kwargs (thinking on/off) or another tokenizer than
   stage 01 trained on;
 - weights: the draft's tensors against its config and the target (hidden size, vocab sizes, the fc input of
-  one hidden state per aux layer): weights from another target, or a config edited apart from them;
+  one hidden state per aux layer, the norms before fc its config names: fc_norm / norm_before_fc): weights
+  from another target, or a config edited apart from them;
 and what cannot: hidden states that were zero, shifted or missing a layer at extraction (stage 02's
 checks and `02 --validate` guard those), or too little training. The verdict line names the failed
 checks first, else says the checkable causes are ruled out and names the rest.
@@ -120,12 +121,45 @@ def check_weights(draft_config: dict, shapes: dict[str, list[int]], target_hidde
         problems.append("no decoder layer (layers.*)")
     problems += [f"{name} {list(shapes[name])}, its config and the target say {want}"
                  for name, want in expected.items() if name in shapes and list(shapes[name]) != want]
-    if problems:
-        shown = "; ".join(problems[:3]) + (f" and {len(problems) - 3} more" if len(problems) > 3 else "")
+    norm_problems = fc_input_norm_problems(draft_config, shapes, aux, fed)
+    if problems or norm_problems:
+        shown = problems + norm_problems
+        shown = "; ".join(shown[:3]) + (f" and {len(shown) - 3} more" if len(shown) > 3 else "")
+        cause = "weights of a draft for another target?" if problems else "a config edited apart from its weights?"
         return Finding("weights", PROBLEM, f"the draft's weights do not fit its config and the target: {shown} "
-                                           f"(weights of a draft for another target?)", blocks=True, file=DRAFT_WEIGHTS)
+                                           f"({cause})", blocks=True, file=DRAFT_WEIGHTS)
     return Finding("weights", OK, f"{len(shapes)} tensors fit the config and the target (hidden {hidden}, "
                                   f"vocab {vocab}, draft vocab {draft_vocab})", file=DRAFT_WEIGHTS)
+
+
+def fc_input_norm_problems(draft_config: dict, shapes: dict[str, list[int]], aux: int, fed: int | None) -> list[str]:
+    """The norms before the fc projection as the config says and as the weights hold them. vLLM builds them from
+    the config alone: a config with fc_norm (or norm_before_fc) whose weights lack them serves norms of weight 1,
+    never trained; weights with fc_norm.* under a config without fc_norm stop vLLM's loader with a traceback;
+    input_norm.weight under a config without norm_before_fc is dropped silently (served without the norm it
+    trained with)."""
+    problems = []
+    fc_norm_names = sorted(name for name in shapes if name.startswith("fc_norm."))
+    wanted = [f"fc_norm.{i}.weight" for i in range(aux)]
+    if draft_config.get("fc_norm"):
+        missing = [name for name in wanted if name not in shapes]
+        if missing:
+            problems.append(f"config.json says fc_norm but the weights have no {', '.join(missing)}")
+        problems += [f"{name} {list(shapes[name])}, its config and the target say {[fed]}"
+                     for name in wanted if name in shapes and list(shapes[name]) != [fed]]
+        if extra := sorted(set(fc_norm_names) - set(wanted)):
+            problems.append(f"{', '.join(extra)} beyond the config's {aux} aux layers")
+    elif fc_norm_names:
+        problems.append(f"the weights hold {', '.join(fc_norm_names)} but config.json has no fc_norm")
+    if draft_config.get("norm_before_fc"):
+        if "input_norm.weight" not in shapes:
+            problems.append("config.json says norm_before_fc but the weights have no input_norm.weight")
+        elif list(shapes["input_norm.weight"]) != [aux * (fed or 0)]:
+            problems.append(f"input_norm.weight {list(shapes['input_norm.weight'])}, its config and the target say "
+                            f"{[aux * (fed or 0)]}")
+    elif "input_norm.weight" in shapes:
+        problems.append("the weights hold input_norm.weight but config.json has no norm_before_fc")
+    return problems
 
 
 def read_draft(draft_dir: Path) -> tuple[dict, dict[str, list[int]], np.ndarray | None]:

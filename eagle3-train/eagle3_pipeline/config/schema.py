@@ -256,7 +256,9 @@ class TrainConfig(StageConfig):
     max_bad_fraction: float = _field(0.01, "with --on-bad-sample skip: stop if more than this fraction of the samples "
                                            "are left out (or all of them); a file redone since it was left out (02) counts no more", ge=0, le=1, identity=False)
     vllm_request_timeout: float = _field(120.0, "online/hybrid: seconds per vLLM request (speculators --request-timeout)", gt=0, identity=False)
-    draft_config: str = _field(str(DEFAULT_DRAFT_CONFIG), "draft architecture file", identity=False)
+    draft_config: str = _field(str(DEFAULT_DRAFT_CONFIG), "draft architecture file (layers, TTT steps, window, the norm "
+                                                          "before fc: fc_norm per aux state by default, or norm_before_fc)",
+                               identity=False)
     epochs: int = _field(10, "training epochs", ge=1, identity=True, speculators="--epochs")
     max_steps: Optional[int] = _field(None, "stop after this many optimizer steps", identity=True, speculators="--max-steps")
     slice_rows: Optional[int] = _field(None, "sliced run (run_all.sh --slice-rows): the training rows are cut into slices "
@@ -421,7 +423,22 @@ class DraftConfig(BaseModel):
     sliding_window: int = Field(2048, ge=1, description="draft attention window (tokens)")
     full_attention_indices: list[int] = Field([], description="draft layers with full attention")
     norm_before_residual: bool = True
+    # EAGLE 3.1's per-layer norms: on the H200 they beat the single concatenation norm in vLLM at 1x data and were
+    # level or ahead at 4x, for +2% step cost at Kimi-K2.5's geometry (bench/README.md "Recipe screen")
+    fc_norm: bool = Field(True, description="a separate RMSNorm on each aux hidden state before the fc projection "
+                                            "(EAGLE 3.1)")
+    norm_before_fc: bool = Field(False, description="one RMSNorm over the aux hidden states' concatenation before "
+                                                    "the fc projection (speculators 0.9.0's eagle3 default)")
     num_speculative_tokens: int = Field(3, ge=1, description="draft tokens per step in the serve command")
+
+    def identity_settings(self) -> dict[str, Any]:
+        """The draft's part of stage 04's identity. fc_norm / norm_before_fc only when they differ from what
+        speculators 0.9.0 trained before the pipeline passed them (fc_norm false, norm_before_fc true), so a run
+        made before these keys existed resumes with them set to that, and is refused under the new default."""
+        settings = self.model_dump(exclude={"description"})
+        if not self.fc_norm and self.norm_before_fc:
+            del settings["fc_norm"], settings["norm_before_fc"]
+        return settings
 
     @field_validator("full_attention_indices")
     @classmethod
@@ -449,9 +466,14 @@ def load_draft_config(path: str | Path) -> DraftConfig:
     if unknown:
         raise ConfigError(f"{path}: unknown keys {unknown} (known: {', '.join(DraftConfig.model_fields)})")
     try:
-        return DraftConfig(**data)
+        draft = DraftConfig(**data)
     except ValidationError as exc:
         first = exc.errors()[0]
         key = ".".join(str(part) for part in first["loc"]) or "?"
         got = data.get(str(first["loc"][0]), "?") if first["loc"] else "?"
         raise ConfigError(f"{path}: {key}: {first['msg']} (got {json.dumps(got)})") from None
+    if draft.fc_norm and draft.norm_before_fc:  # speculators' Eagle3SpeculatorConfig refuses both, after minutes of setup
+        raise ConfigError(f"{path}: fc_norm and norm_before_fc are both true: choose one norm before the fc projection "
+                          f"(fc_norm: one per aux hidden state, the default; norm_before_fc: one over their "
+                          f"concatenation)")
+    return draft
