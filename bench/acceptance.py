@@ -408,6 +408,14 @@ def pipeline_defaults() -> dict:
             "short_run": {"few_optimizer_steps": sizing.FEW_OPTIMIZER_STEPS, "seq_len": sizing.SMALL_RUN_SEQ_LEN}}
 
 
+def landed_draft() -> dict:
+    """The draft config ours trains with (draft_config.json, validated, its defaults filled in): the screen's record
+    of what "ours" was."""
+    from eagle3_pipeline.config import DEFAULT_DRAFT_CONFIG, load_draft_config
+
+    return load_draft_config(DEFAULT_DRAFT_CONFIG).model_dump(exclude={"description"})
+
+
 def training_seconds(metrics_jsonl: Path) -> float:
     """The trainer's own wall time: what equal-time compares (process start-up excluded). metrics.jsonl
     gains one segment per launch (each opens with its `compat_applied` record); the segments that
@@ -742,6 +750,12 @@ def run_screen(args, bench: Bench, target: dict, started: float, load_start) -> 
     earlier = json.loads(output.read_text()) if output.is_file() else {}
     earlier = earlier if earlier.get("benchmark") == "screen-smollm2" else {}
     names = list(dict.fromkeys(["ours", "plain", *args.screen_recipes]))
+    # what "ours" is: the landed draft config (fc_norm became the default after the 1x/4x screens: their ours, and
+    # their timings of every class but plain, were over speculators' single norm instead; carried_ours_draft)
+    ours_draft = landed_draft()
+    if earlier and sc.carried_ours_draft(earlier) != ours_draft:
+        log(f"  {output.name}: its rows were trained over another draft config than ours' now (setup.ours_draft: "
+            f"{sc.carried_ours_draft(earlier)}); sizes not rerun here keep them, named so in each invocation's setup")
     try:
         recipes = {n: sc.resolve_recipe(n) for n in names}
         chats = sc.parse_screen_chat(args.screen_chat)
@@ -811,6 +825,9 @@ def run_screen(args, bench: Bench, target: dict, started: float, load_start) -> 
     # 3. offline curves: every epoch's validation, tau at k = 1..depth with a standard error; gpu_s once timed (5.)
     timing_path = bench.work / SCREEN_TIMING
     timing = json.loads(timing_path.read_text()) if timing_path.is_file() else {}
+    for key in sc.stale_timing(timing, ours_draft):  # timed over another landed draft: another step shape
+        log(f"  timing {key}: not reused (made over another draft than ours' now); timed again")
+        del timing[key]
     finished = [n for n in names if not any(isinstance(trained[(f, n)], BaseException) for f in args.screen_data)]
 
     def offline_curves() -> dict[str, dict]:
@@ -896,7 +913,8 @@ def run_screen(args, bench: Bench, target: dict, started: float, load_start) -> 
                    for k, e in earlier.get("timing", {}).items()}
         donors = [(SCREEN_TIMING, dict(timing))] + ([(output.name, carried)] if carried else [])
         recipes_then = {n: r for inv in earlier.get("invocations", []) for n, r in inv.get("setup", {}).get("recipes", {}).items()}
-        for line in sc.seed_timing(timing, wanted, donors, recipes_then):
+        for line in sc.seed_timing(timing, wanted, donors, recipes_then, ours_draft,
+                                   {SCREEN_TIMING: ours_draft, output.name: sc.carried_ours_draft(earlier)}):
             log(f"  {line}")
         atomic_write_text(timing_path, json.dumps(timing, indent=2))
         for key in wanted:
@@ -910,7 +928,7 @@ def run_screen(args, bench: Bench, target: dict, started: float, load_start) -> 
             metrics = Path(done["checkpoints"]) / "metrics.jsonl"
             step_ms = step_ms_of(metrics)
             timing[key] = {"steps": args.screen_timing_steps, "step_s": sc.solo_step_seconds(step_ms), "step_ms": step_ms,
-                           "total_seq_len": run_packing(metrics)}
+                           "total_seq_len": run_packing(metrics), "ours_draft": ours_draft}
             log(f"  timing {key}: {1000 * timing[key]['step_s']:.1f} ms/step alone")
             atomic_write_text(timing_path, json.dumps(timing, indent=2))
     curves = offline_curves()
@@ -962,7 +980,8 @@ def run_screen(args, bench: Bench, target: dict, started: float, load_start) -> 
                             "val_depth": args.screen_val_depth, "jobs": args.jobs, "loader_workers": args.screen_workers,
                             "timing_steps": args.screen_timing_steps, "vllm_top": args.screen_vllm_top, "vllm_k": k_top,
                             "speed_rounds": args.screen_speed_rounds, "speed_ks": args.ks,
-                            "recipes": recipes, "ours_04_flags": list(map(str, flags)), "plain_flags": plain_flags,
+                            "recipes": recipes, "ours_draft": ours_draft, "ours_04_flags": list(map(str, flags)),
+                            "plain_flags": plain_flags,
                             "screen_chat": {c: str(d) for c, d in chat_dirs.items()},
                             "datasets": {key: {"path": str(datasets[key]), **data_counts.get(key, {})} for key in dataset_keys},
                             "vllm_settings": settings.__dict__}, "failed": failed}

@@ -35,8 +35,12 @@ SCREEN_RECIPES: dict[str, dict] = {
     # compat/fused_loss.py mends for the backward kernel; H200 image, 2026-12-03)
     "lk-hybrid": {"train": ["--extra-args=--loss-fn", "--extra-args=lk_hybrid", "--loss-impl", "eager"]},
     "tv": {"train": ["--extra-args=--loss-fn", "--extra-args=tv"]},
-    # EAGLE 3.1's per-layer norm of each aux state instead of 0.9.0's default single norm over their concatenation
+    # EAGLE 3.1's per-layer norm of each aux state: the landed default since it led this screen (draft_config.json
+    # fc_norm), so now ours itself; kept with its explicit flags (harmless, the same draft) so its runs and names stay
     "fc-norm": {"train": ["--extra-args=--fc-norm", "--extra-args=--no-norm-before-fc"]},
+    # the default before that: speculators 0.9.0's single norm over the aux states' concatenation. Its own cost
+    # class: its step is the old ours', another shape than the new ours'
+    "no-fc-norm": {"draft": {"fc_norm": False, "norm_before_fc": True}},
     "layers-2": {"draft": {"num_layers": 2}},
     "muon": {"train": ["--optimizer", "muon"]},
     "warmup-10": {"train": ["--extra-args=--scheduler-warmup-ratio", "--extra-args=0.1"], "cost_as": "ours"},
@@ -54,8 +58,9 @@ SCREEN_RECIPES: dict[str, dict] = {
 # the size's own dataset; costs as ours per step (the same step shape when the packing is the same; checked).
 DATA_PREFIX = "data:"
 PROMPTS_2X = "prompts-2x"
-# The first hold's leads and the levers it could not finish (bench/README.md "Recipe screen"); `--screen-recipes` for more
-DEFAULT_SCREEN = ["ours", "plain", "fc-norm", "muon", "fc-norm+muon", "lk-hybrid", "ttt-7+decay-0.8"]
+# The first hold's leads and the levers it could not finish (bench/README.md "Recipe screen"); `--screen-recipes` for
+# more. fc-norm is ours now (and fc-norm+muon is muon): no-fc-norm keeps the pre-change default beside it
+DEFAULT_SCREEN = ["ours", "plain", "no-fc-norm", "muon", "lk-hybrid", "ttt-7+decay-0.8"]
 PLAIN = "plain"
 
 
@@ -337,15 +342,35 @@ def _packing_match(entry: Mapping, packing: int) -> str | None:
     return None
 
 
+def carried_ours_draft(results: Mapping) -> dict | None:
+    """The landed draft config ours trained with in a screen results file (its invocations' setup `ours_draft`), or
+    None where any invocation did not record it (files before fc_norm became the default: ours was then
+    speculators' single norm over the concatenation) or they differ."""
+    setups = [inv.get("setup", {}) for inv in results.get("invocations", [])] or [results.get("setup", {})]
+    drafts = [setup.get("ours_draft") for setup in setups]
+    return drafts[0] if drafts and drafts[0] is not None and all(d == drafts[0] for d in drafts) else None
+
+
+def stale_timing(timing: Mapping[str, Mapping], ours_draft: Mapping) -> list[str]:
+    """The keys of timing entries made over another landed draft than `ours_draft` (or over an unrecorded one):
+    every class but plain trains on top of the draft config, so its step shape changed with it."""
+    return [key for key, entry in timing.items()
+            if key.split("/", 1)[1] != PLAIN and entry.get("ours_draft") != ours_draft]
+
+
 def seed_timing(timing: dict, wanted: Mapping[str, int | None], donors: Sequence[tuple[str, Mapping]],
-                recipes_then: Mapping[str, Mapping] | None = None) -> list[str]:
+                recipes_then: Mapping[str, Mapping] | None = None, ours_draft: Mapping | None = None,
+                ours_drafts_then: Mapping[str, Mapping | None] | None = None) -> list[str]:
     """Fill timing's missing keys ("SIZEx/CLASS" -> the packing that size's runs of CLASS trained at) from donor
     timings of the same class at the same packing: the step shape is the class's kernels at that many tokens per
     step, whatever the data size. `donors`: (source, timing dict) in order of preference (this work's own
     screen-timing.json first, then a carried results file's `timing`); `recipes_then`: the donor file's recipes
     (its invocations' setup), so a class whose flags changed since is not reused. A donor entry without a recorded
     packing is reused only with its runs' `mean_tokens_per_step` (mean_fill) inside [FILL_LOW x packing, packing].
-    Each seeded entry says where it came from and how its packing is known (`seeded_from`). Returns log lines."""
+    `ours_draft`: the landed draft config ours trains with now; every class but plain builds on it, so its timing
+    is reused only from an entry made over the same one (the entry's own `ours_draft`, else its source's in
+    `ours_drafts_then`, None: not recorded). Each seeded entry says where it came from and how its packing is
+    known (`seeded_from`). Returns log lines."""
     lines = []
     for key, packing in wanted.items():
         if key in timing or packing is None:
@@ -354,18 +379,27 @@ def seed_timing(timing: dict, wanted: Mapping[str, int | None], donors: Sequence
         if recipes_then is not None and cls in recipes_then and recipes_then[cls] != resolve_recipe(cls):
             lines.append(f"timing {key}: not reused ({cls}'s flags differ from the carried file's)")
             continue
+        other_draft = False
         for source, entries in donors:
-            match = next(((k, e, how) for k, e in entries.items() if k.split("/", 1)[1] == cls and k != key
-                          and e.get("step_s") and (how := _packing_match(e, packing))), None)
+            same_class = [(k, e) for k, e in entries.items() if k.split("/", 1)[1] == cls and k != key and e.get("step_s")]
+            if ours_draft is not None and cls != PLAIN:
+                made_over = {k: e.get("ours_draft", (ours_drafts_then or {}).get(source)) for k, e in same_class}
+                other_draft = other_draft or any(d != ours_draft for d in made_over.values())
+                same_class = [(k, e) for k, e in same_class if made_over[k] == ours_draft]
+            match = next(((k, e, how) for k, e in same_class if (how := _packing_match(e, packing))), None)
             if match:
                 donor_key, entry, how = match
                 kept = {k: v for k, v in entry.items() if k not in ("seeded_from", "mean_tokens_per_step")}
                 timing[key] = {**kept, "total_seq_len": packing,
+                               **({"ours_draft": dict(ours_draft)} if ours_draft is not None else {}),
                                "seeded_from": {"source": source, "key": donor_key, "packing": how,
                                                **({"via": entry["seeded_from"]} if "seeded_from" in entry else {})}}
                 lines.append(f"timing {key}: {1000 * entry['step_s']:.1f} ms/step from {source} {donor_key} "
                              f"(same class, {packing} tokens/step)")
                 break
+        else:
+            if other_draft:
+                lines.append(f"timing {key}: not reused (ours' draft differs from the carried file's)")
     return lines
 
 

@@ -480,3 +480,47 @@ def test_the_screen_report_reprints_a_results_file_and_adds_the_projection_leavi
                              capture_output=True, text=True, timeout=120)
     assert refused.returncode == 1 and refused.stderr.strip().splitlines() == [
         f"bench-acceptance --screen-report: {other}: not a screen results file (benchmark screen-smollm2)"]
+
+
+# ---------------------------------------------------------------------------------------------
+# fc_norm became the default: ours changed under the carried results
+
+OLD_OURS = {"fc_norm": False, "norm_before_fc": True}
+
+
+def test_ours_is_the_landed_fc_norm_draft_and_no_fc_norm_the_old_default_with_its_own_step_cost():
+    import acceptance
+
+    landed = acceptance.landed_draft()
+    assert (landed["fc_norm"], landed["norm_before_fc"]) == (True, False) and sc.resolve_recipe("ours") == {}
+    assert sc.resolve_recipe("no-fc-norm") == {"draft": OLD_OURS}
+    assert sc.cost_class("no-fc-norm") == "no-fc-norm" != sc.cost_class("ours")  # the old ours' step, not the new's
+    assert sc.resolve_recipe("fc-norm") == {"train": FC_NORM}  # the same draft as ours now, its flags harmless
+    assert sc.resolve_recipe("no-fc-norm+decay-0.8")["cost_as"] == "no-fc-norm"
+    assert "fc-norm" not in sc.DEFAULT_SCREEN and "no-fc-norm" in sc.DEFAULT_SCREEN
+
+
+def test_a_timing_made_over_another_ours_draft_is_not_reused():
+    """Before: the carried file's 1x/ours (37.4 ms, the old default's step) seeded the new ours' 4x timing."""
+    now = {"draft_arch": "llama", "fc_norm": True, "norm_before_fc": False}
+    old_file = {"invocations": [{"setup": {"recipes": {"ours": {}}}}]}  # the 1x/4x files: no ours_draft recorded
+    assert sc.carried_ours_draft(old_file) is None
+    new_file = {"invocations": [{"setup": {"ours_draft": now}}, {"setup": {"ours_draft": now}}]}
+    assert sc.carried_ours_draft(new_file) == now
+    assert sc.carried_ours_draft({"invocations": [{"setup": {"ours_draft": now}}, {"setup": {}}]}) is None
+    carried = {"1x/ours": {"steps": 30, "step_s": 0.0374, "total_seq_len": 8192},
+               "1x/plain": {"steps": 30, "step_s": 0.0527, "total_seq_len": 8192}}
+    timing: dict = {}
+    lines = sc.seed_timing(timing, {"4x/ours": 8192, "4x/plain": 8192}, [("h200-screen-smollm2.json", carried)],
+                           recipes_then={"ours": {}}, ours_draft=now,
+                           ours_drafts_then={"h200-screen-smollm2.json": sc.carried_ours_draft(old_file)})
+    assert "4x/ours" not in timing and "timing 4x/ours: not reused (ours' draft differs from the carried file's)" in lines
+    assert timing["4x/plain"]["step_s"] == 0.0527  # plain is speculators' own defaults: no draft config under it
+    # a file that recorded the same ours is reused, and the seeded entry records it for the next file
+    lines = sc.seed_timing(timing, {"4x/ours": 8192}, [("h200-screen-smollm2.json", carried)], ours_draft=now,
+                           ours_drafts_then={"h200-screen-smollm2.json": now})
+    assert timing["4x/ours"]["step_s"] == 0.0374 and timing["4x/ours"]["ours_draft"] == now
+    # entries of this work's own timing file made over another draft are dropped (timed again); plain is kept
+    here = {"1x/ours": {"step_s": 0.0374}, "1x/fc-norm": {"step_s": 0.0485, "ours_draft": {**now, **OLD_OURS}},
+            "1x/muon": {"step_s": 0.06, "ours_draft": now}, "1x/plain": {"step_s": 0.05}}
+    assert sc.stale_timing(here, now) == ["1x/ours", "1x/fc-norm"]
