@@ -739,6 +739,16 @@ def same_prompts_rows(base_rows: Path, other_rows: Path, conversations: int, out
     return counts
 
 
+def screen_output(args, bench: Bench) -> Path:
+    return args.output or REPO / "bench" / "results" / f"{'cpu' if bench.cpu else 'h200'}-screen-smollm2.json"
+
+
+def carried_screen(output: Path) -> dict:
+    """The screen results file a run merges into ({} when there is none yet)."""
+    earlier = json.loads(output.read_text()) if output.is_file() else {}
+    return earlier if earlier.get("benchmark") == "screen-smollm2" else {}
+
+
 def run_screen(args, bench: Bench, target: dict, started: float, load_start) -> int:
     """--screen (issue 37): per data size one dataset, every --screen-recipes trained on it (--jobs at once: equal
     epochs do not need a quiet GPU), validated on the held-out rows to --screen-val-depth TTT steps at every epoch;
@@ -746,9 +756,8 @@ def run_screen(args, bench: Bench, target: dict, started: float, load_start) -> 
     each step shape timed alone (--screen-timing-steps: the equal-GPU-time x), unless a timing of the same class at
     the same packing is already known (another size here, or the carried results file). Results merge into one
     JSON across invocations."""
-    output = args.output or REPO / "bench" / "results" / f"{'cpu' if bench.cpu else 'h200'}-screen-smollm2.json"
-    earlier = json.loads(output.read_text()) if output.is_file() else {}
-    earlier = earlier if earlier.get("benchmark") == "screen-smollm2" else {}
+    output = screen_output(args, bench)
+    earlier = carried_screen(output)
     names = list(dict.fromkeys(["ours", "plain", *args.screen_recipes]))
     # what "ours" is: the landed draft config (fc_norm became the default after the 1x/4x screens: their ours, and
     # their timings of every class but plain, were over speculators' single norm instead; carried_ours_draft)
@@ -1371,6 +1380,10 @@ def main() -> int:
     load_start = os.getloadavg()
     bench = Bench(args)
     log(f"bench-acceptance: work {bench.work}, {args.device}, load average {load_start[0]:.1f} on {os.cpu_count()} CPUs")
+    if args.screen and not args.screen_speed_only:  # in seconds, before any model is built
+        output = screen_output(args, bench)
+        if refusal := sc.sizes_already_measured(carried_screen(output), args.screen_data, str(output)):
+            raise SystemExit(f"bench-acceptance --screen: {refusal}")
     target = bench.build_target()
     refusal = jobs_refusal(args, bench, ["dataset", "engine"] if args.curves else ["dataset", "engine", "training"])
     if refusal:

@@ -217,7 +217,8 @@ case "$cmd" in
         --disk-write "$@" 2>&1 | tee "$OUT/bench.log"
     elif [ "$cmd" = screen ]; then
       work=work/bench-curves-gpu
-      results=h200-screen-smollm2.json
+      # SCREEN_RESULTS: another results file for a data size the carried one already holds (it would be replaced)
+      results=${SCREEN_RESULTS:-h200-screen-smollm2.json}
       [ -f "bench/results/$results" ] && cp "bench/results/$results" "$OUT/$results"
       timeout "${BENCH_TIMEOUT_S:-0}" python3 bench/acceptance.py --device cuda --screen --work $work --output "$OUT/$results" \
         "${flags[@]}" "$@" 2>&1 | tee "$OUT/bench.log"

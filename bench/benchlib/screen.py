@@ -351,6 +351,20 @@ def carried_ours_draft(results: Mapping) -> dict | None:
     return drafts[0] if drafts and drafts[0] is not None and all(d == drafts[0] for d in drafts) else None
 
 
+def sizes_already_measured(results: Mapping, sizes: Iterable[int], name: str) -> str | None:
+    """Why a screen of `sizes` must not write into `results` (the file `name` it would merge into), or None. The
+    merge keeps one record per data size, so a size measured again would replace an earlier hold's records of every
+    recipe at that size (e.g. a new default's 1x screen over the 1x screen of the recipes that chose it)."""
+    again = sorted({str(s) for s in sizes} & set(results.get("curves", {})), key=int)
+    if not again:
+        return None
+    by = [f"{inv.get('commit') or '?'} {str(inv.get('date', '?'))[:10]}" for inv in results.get("invocations", [])
+          if {str(s) for s in inv.get("data_sizes", [])} & set(again)]
+    made = "; ".join(by) or "an earlier invocation"
+    return (f"{name}: already holds the screen at {', '.join(s + 'x' for s in again)} ({made}), whose records this run "
+            f"would replace; choose another --output (bench/h200_vllm_gpu.sh: SCREEN_RESULTS=NAME.json)")
+
+
 def stale_timing(timing: Mapping[str, Mapping], ours_draft: Mapping) -> list[str]:
     """The keys of timing entries made over another landed draft than `ours_draft` (or over an unrecorded one):
     every class but plain trains on top of the draft config, so its step shape changed with it."""

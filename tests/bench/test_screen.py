@@ -524,3 +524,22 @@ def test_a_timing_made_over_another_ours_draft_is_not_reused():
     here = {"1x/ours": {"step_s": 0.0374}, "1x/fc-norm": {"step_s": 0.0485, "ours_draft": {**now, **OLD_OURS}},
             "1x/muon": {"step_s": 0.06, "ours_draft": now}, "1x/plain": {"step_s": 0.05}}
     assert sc.stale_timing(here, now) == ["1x/ours", "1x/fc-norm"]
+
+
+def test_a_screen_of_a_size_its_results_file_holds_is_refused_in_seconds(tmp_path):
+    """The merge keeps one record per data size: a new default's 1x screen written into the file of the 1x screen
+    that chose it would have replaced all nine recipes' records there. Refused before any model is built."""
+    out = tmp_path / "screen.json"
+    out.write_text(json.dumps({"benchmark": "screen-smollm2", "curves": {"1": {"ours": {}}, "4": {"ours": {}}},
+                               "invocations": [{"commit": "d45e425", "date": "2026-12-03T12:02:57", "data_sizes": [1]},
+                                               {"commit": "46102d8", "date": "2026-12-03T16:34:45", "data_sizes": [4]}]}))
+    before = out.read_bytes()
+    env = {**os.environ, "PYTHONPATH": f"{REPO / 'eagle3-train'}:{REPO / 'bench'}"}
+    result = subprocess.run([sys.executable, str(REPO / "bench" / "acceptance.py"), "--screen", "--target",
+                             str(tmp_path / "no-model"), "--work", str(tmp_path / "work"), "--screen-data", "1", "2",
+                             "--output", str(out)], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and out.read_bytes() == before
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"bench-acceptance --screen: {out}: already holds the screen at 1x (d45e425 2026-12-03), whose records this run "
+        f"would replace; choose another --output (bench/h200_vllm_gpu.sh: SCREEN_RESULTS=NAME.json)")
+    assert sc.sizes_already_measured(json.loads(before), [2, 8], "x") is None
