@@ -408,14 +408,6 @@ def pipeline_defaults() -> dict:
             "short_run": {"few_optimizer_steps": sizing.FEW_OPTIMIZER_STEPS, "seq_len": sizing.SMALL_RUN_SEQ_LEN}}
 
 
-def landed_draft() -> dict:
-    """The draft config ours trains with (draft_config.json, validated, its defaults filled in): the screen's record
-    of what "ours" was."""
-    from eagle3_pipeline.config import DEFAULT_DRAFT_CONFIG, load_draft_config
-
-    return load_draft_config(DEFAULT_DRAFT_CONFIG).model_dump(exclude={"description"})
-
-
 def training_seconds(metrics_jsonl: Path) -> float:
     """The trainer's own wall time: what equal-time compares (process start-up excluded). metrics.jsonl
     gains one segment per launch (each opens with its `compat_applied` record); the segments that
@@ -761,7 +753,7 @@ def run_screen(args, bench: Bench, target: dict, started: float, load_start) -> 
     names = list(dict.fromkeys(["ours", "plain", *args.screen_recipes]))
     # what "ours" is: the landed draft config (fc_norm became the default after the 1x/4x screens: their ours, and
     # their timings of every class but plain, were over speculators' single norm instead; carried_ours_draft)
-    ours_draft = landed_draft()
+    ours_draft = sc.landed_draft()
     if earlier and sc.carried_ours_draft(earlier) != ours_draft:
         log(f"  {output.name}: its rows were trained over another draft config than ours' now (setup.ours_draft: "
             f"{sc.carried_ours_draft(earlier)}); sizes not rerun here keep them, named so in each invocation's setup")
@@ -969,9 +961,12 @@ def run_screen(args, bench: Bench, target: dict, started: float, load_start) -> 
         vllm_equal = {**earlier.get("vllm_equal_time", {}), **vllm_equal}
         merged_from = earlier.get("invocations", [])
         speed = {**earlier.get("speed", {}), **speed}
+    if kimi:  # each size's ours: this invocation's landed draft, or the carried file's for sizes not rerun here
+        kimi = sc.with_kimi_classes(kimi, merged_curves, {**sc.screen_ours_drafts(earlier),
+                                                          **{str(size): ours_draft for size in args.screen_data}})
     rows = sc.screen_table(merged_curves, report_ks, vllm, kimi)
     lever = sc.data_lever_table(merged_curves, vllm, vllm_equal, sorted({*report_ks, k_top}))
-    for line in (sc.format_screen(rows, report_ks) + sc.format_data_lever(lever, sorted({*report_ks, k_top}))
+    for line in (sc.format_screen(rows, report_ks, kimi) + sc.format_data_lever(lever, sorted({*report_ks, k_top}))
                  + sp.format_speed(speed)):
         log(line)
     for size, a in agreement.items():
@@ -1171,8 +1166,9 @@ def load_kimi_costs(path: Path | None) -> dict | None:
     except (OSError, ValueError, AttributeError) as exc:
         raise ValueError(f"--kimi-costs {path}: {exc}") from None
     return {"what": "projection: the equal-time ratio at Kimi-K2.5 geometry, x = a checkpoint's trained tokens / its "
-                    "cost class's training tokens/s there (the run of that name in this file); a recipe whose class "
-                    "has no run shows '-'; Kimi runs at another packing than the screen's are another step shape "
+                    "cost class's training tokens/s there (the run in this file that trained the class's draft: "
+                    "classes, classes_from per data size); a recipe whose class no run prices shows '-'; Kimi runs "
+                    "at another packing than the screen's are another step shape "
                     "(compare runs' tokens_per_step with the curves' total_seq_len)",
             "source": str(path), **costs}
 
@@ -1203,8 +1199,10 @@ def screen_records_report(records: Path, output: Path | None, val_depth: int, ki
     for size, names in found.items():
         curves.update(screen_curves(records, [size], names, ks, timing, positions, whole=False))
     report_ks = [k for k in (3, 5) if k <= val_depth]
+    if kimi:
+        kimi = sc.with_kimi_classes(kimi, curves, records_ours_drafts(records, timing, curves))
     rows = sc.screen_table(curves, report_ks, kimi=kimi)
-    for line in sc.format_screen(rows, report_ks):
+    for line in sc.format_screen(rows, report_ks, kimi):
         log(line)
     if output:
         results = {"benchmark": "screen-smollm2", "partial": f"from the records in {records.name}: the epochs each run "
@@ -1214,6 +1212,30 @@ def screen_records_report(records: Path, output: Path | None, val_depth: int, ki
         write_results(output, results)
         log(f"wrote {output}")
     return 0
+
+
+def records_ours_drafts(records: Path, timing: dict, curves: dict) -> dict[str, dict | None]:
+    """Each data size's ours draft in a hold's records: the ours_draft its timing entries were made over (every class
+    but plain's), else the draft config its finished runs record (bench-run.json's pipeline_defaults; one without the
+    norms' keys predates them: the legacy draft); None where neither says (read as the legacy draft)."""
+    from eagle3_pipeline.config import DraftConfig
+
+    out: dict[str, dict | None] = {}
+    for size in curves:
+        timed = [e["ours_draft"] for k, e in timing.items() if k.startswith(f"{size}x/") and e.get("ours_draft")]
+        if timed:
+            out[size] = timed[0]
+            continue
+        for record in sorted(records.glob(f"screen-{size}x-*/bench-run.json")):
+            settings = json.loads(record.read_text()).get("settings", {})
+            raw = settings.get("pipeline_defaults", {}).get("draft_config")
+            if raw:  # plain's records have none
+                fields = {k: v for k, v in raw.items() if not k.startswith("_") and k in DraftConfig.model_fields}
+                out[size] = DraftConfig(**{**sc.LEGACY_NORMS, **fields}).model_dump(exclude={"description"})
+                break
+        else:
+            out[size] = None
+    return out
 
 
 def screen_report(path: Path, kimi_path: Path | None, output: Path | None) -> int:
@@ -1233,9 +1255,11 @@ def screen_report(path: Path, kimi_path: Path | None, output: Path | None) -> in
     k_top = max([s["vllm_k"] for s in setups if "vllm_k" in s] or [depth])
     report_ks = [k for k in (3, 5) if k <= depth] or [depth]  # run_screen's rule
     vllm = results.get("vllm", {})
+    if kimi:
+        kimi = sc.with_kimi_classes(kimi, results["curves"], sc.screen_ours_drafts(results))
     rows = sc.screen_table(results["curves"], report_ks, vllm, kimi)
     lever = sc.data_lever_table(results["curves"], vllm, results.get("vllm_equal_time", {}), sorted({*report_ks, k_top}))
-    for line in sc.format_screen(rows, report_ks) + sc.format_data_lever(lever, sorted({*report_ks, k_top})):
+    for line in sc.format_screen(rows, report_ks, kimi) + sc.format_data_lever(lever, sorted({*report_ks, k_top})):
         log(line)
     for line in sp.format_speed(results.get("speed", {})):
         log(line)

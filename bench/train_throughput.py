@@ -7,7 +7,8 @@ One invocation, on one GPU machine, on the same data:
   3. runs (a) plain `speculators train` with its defaults and (b) ours with the shipped
      defaults, a fixed number of steps after warm-up each, in subprocesses;
   4. prints tokens/s, the step split (fetch/fwd/bwd/opt), peak memory, MFU and the FLOP
-     count per token, and writes bench/results/<gpu>-train.json (both runs, ratio, mfu).
+     count per token, and writes bench/results/<gpu>-train.json (both runs, ratio, mfu; each 04_train
+     run's `draft` as trained and the landed `ours_draft`, by which the screen's projection prices its classes).
 
     python bench/train_throughput.py                       # plain vs ours, one GPU
     python bench/train_throughput.py --runs plain ours --ddp 2   # + ours on 2 GPUs (torchrun)
@@ -36,9 +37,10 @@ import threading
 import time
 from pathlib import Path
 
-from benchlib import throughput
+from benchlib import screen, throughput
 from eagle3_pipeline.compat.sample_check import OFF_ENV as INPUT_CHECKS_ENV
 from eagle3_pipeline.disk_reads import measure_cold_read_bandwidth
+from eagle3_pipeline.errors import ConfigError
 from eagle3_pipeline.hidden_states import HS_DIRNAME, StateFormat, hs_file, hs_files
 from eagle3_pipeline.metrics import read_metrics
 
@@ -377,6 +379,7 @@ def main() -> None:
 
     # 3. The runs.
     runs: dict = {}
+    report["ours_draft"] = screen.landed_draft()  # ours' draft config now (its runs' `draft`: what each trained)
     report["runs"] = runs
     vocab = work / "vocab"
     if any(spec.get("via_04") for spec in plan.values()):
@@ -431,6 +434,12 @@ def main() -> None:
         runs[name]["device_prefetch"] = spec["prefetch"]
         if spec.get("via_04"):
             runs[name]["input_checks"] = spec.get("input_checks", True)
+            # what it trained (bench/acceptance.py's projection prices each screen class by the run of its draft)
+            try:
+                runs[name]["draft"] = run_draft(args, spec["flags"])
+            except ConfigError as exc:  # 04 refused the same config: the run failed and prices nothing
+                runs[name]["draft"] = None
+                print(f"[{name}] its draft: {exc}", flush=True)
         _print_run(name, runs[name])
         if "error" in runs[name]:
             print((run_dir / "log.txt").read_text()[-4000:], flush=True)
@@ -688,13 +697,26 @@ def kimi_run_seq_len(profile: str) -> int:
     return int(load_profile(profile).get("train", {}).get("total_seq_len", default))
 
 
-def _resolved_04_config(args: argparse.Namespace) -> dict:
-    """04_train's resolved train config (its `--print-config`: `key = value  # source`)."""
+def run_draft(args: argparse.Namespace, flags: list[str]) -> dict:
+    """The draft a 04_train run with `flags` trains: the draft config 04 resolves (the profile's, or the flags'
+    --draft-config) with the norm flags among its --extra-args applied as speculators reads them."""
+    from eagle3_pipeline.config import DEFAULT_DRAFT_CONFIG, load_draft_config
+
+    resolved = _resolved_04_config(args, flags)
+    path = resolved.get("draft_config") or (flags[flags.index("--draft-config") + 1] if "--draft-config" in flags
+                                            else DEFAULT_DRAFT_CONFIG)
+    extra = resolved["extra_args"] if "extra_args" in resolved else screen.extra_args_of(flags)
+    draft = load_draft_config(path).model_dump(exclude={"description"})
+    return screen.trained_draft(draft, extra)
+
+
+def _resolved_04_config(args: argparse.Namespace, flags: list[str] | None = None) -> dict:
+    """04_train's resolved train config (its `--print-config`: `key = value  # source`), with a run's `flags`."""
     work = args.workdir
     command = [sys.executable, str(REPO / "eagle3-train" / "04_train.py"), "--profile",
                args.ours_profile, "--target", str(work / "verifier"), "--data", str(work / "data"),
                "--vocab", str(work / "vocab"), "--output", str(work / "runs" / "ours" / "out"),
-               "--nproc", "1", "--print-config"]
+               "--nproc", "1", *(flags or []), "--print-config"]
     try:
         out = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO).stdout
     except (OSError, subprocess.TimeoutExpired):

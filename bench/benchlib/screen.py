@@ -421,24 +421,161 @@ def seed_timing(timing: dict, wanted: Mapping[str, int | None], donors: Sequence
 # The projection at Kimi-K2.5 geometry
 
 
+# The norms before the fc projection as speculators 0.9.0's eagle3 trains them unless told otherwise: ours' draft until
+# 33fcbc2 made fc_norm the landed default. Files made before then record no ours_draft (the screen's setup, a
+# train_throughput results file): their ours trained this.
+LEGACY_NORMS = {"fc_norm": False, "norm_before_fc": True}
+NORM_FLAGS = ("--fc-norm", "--norm-before-fc", "--no-norm-before-fc")
+
+
+def landed_draft() -> dict:
+    """The draft config ours trains with (draft_config.json, validated, its defaults filled in): the screen's and
+    the Kimi costs' record of what "ours" was."""
+    from eagle3_pipeline.config import DEFAULT_DRAFT_CONFIG, load_draft_config
+
+    return load_draft_config(DEFAULT_DRAFT_CONFIG).model_dump(exclude={"description"})
+
+
+def extra_args_of(flags: Sequence[str]) -> list[str]:
+    """The values of stage 04's --extra-args among `flags` (`--extra-args=X` or `--extra-args X`), in order."""
+    out, i = [], 0
+    while i < len(flags):
+        flag = str(flags[i])
+        if flag.startswith("--extra-args="):
+            out.append(flag.split("=", 1)[1])
+        elif flag == "--extra-args" and i + 1 < len(flags):
+            i += 1
+            out.append(str(flags[i]))
+        i += 1
+    return out
+
+
+def trained_draft(draft: Mapping, extra_args: Sequence[str]) -> dict:
+    """The draft speculators trains from stage 04's draft config fields `draft` and its --extra-args: 04 passes both
+    norms explicitly and a user's extra args come after them (training.speculators_argv), so the last
+    --norm-before-fc / --no-norm-before-fc wins, and --fc-norm (store_true: there is no way back) sets fc_norm."""
+    out = dict(draft)
+    for arg in extra_args:
+        if arg == "--fc-norm":
+            out["fc_norm"] = True
+        elif arg in ("--norm-before-fc", "--no-norm-before-fc"):
+            out["norm_before_fc"] = arg == "--norm-before-fc"
+    return out
+
+
+def recipe_draft(name: str, ours_draft: Mapping) -> dict | None:
+    """The draft a recipe trains when ours trains `ours_draft`; None for plain (speculators' own defaults)."""
+    recipe = resolve_recipe(name)
+    if recipe.get("plain"):
+        return None
+    return trained_draft({**ours_draft, **recipe.get("draft", {})}, extra_args_of(recipe.get("train", [])))
+
+
+def _norms_only(part: str) -> bool:
+    """A recipe part that changes nothing but the norms before fc (ours, fc-norm, no-fc-norm)."""
+    recipe = _part(part)
+    train = [str(f) for f in recipe.get("train", [])]
+    return (set(recipe) <= {"train", "draft", "cost_as"} and set(recipe.get("draft", {})) <= set(LEGACY_NORMS)
+            and all(f.startswith("--extra-args=") for f in train) and set(extra_args_of(train)) <= set(NORM_FLAGS))
+
+
+def _changes(name: str) -> frozenset | None:
+    """What a recipe name changes besides the norms before fc (its other parts); None: not a screen recipe."""
+    try:
+        return frozenset(p for p in name.split("+") if not _norms_only(p))
+    except ValueError:
+        return None
+
+
 def kimi_costs(throughput: Mapping) -> dict:
     """Each run's training tokens/s at Kimi-K2.5 geometry in a bench/train_throughput.py results JSON (`runs`:
-    plain, ours, and ours-variants such as fc-norm), keyed by run name = the screen's cost class."""
-    runs = {name: {"tokens_per_s": float(r["tokens_per_s"]), "tokens_per_step": r.get("tokens_per_step")}
+    plain, ours, and ours-variants such as fc-norm, each 04 run with the `draft` it trained; `ours_draft`: the landed
+    draft config then, absent in files made before the bench recorded it). Which run prices which of the screen's
+    cost classes: kimi_classes."""
+    runs = {name: {"tokens_per_s": float(r["tokens_per_s"]), "tokens_per_step": r.get("tokens_per_step"),
+                   **({"draft": r["draft"]} if r.get("draft") is not None else {})}
             for name, r in throughput.get("runs", {}).items() if isinstance(r, Mapping) and r.get("tokens_per_s")}
     if not runs:
         raise ValueError("no run with tokens_per_s (expected bench/train_throughput.py's results JSON)")
     return {"gpu": throughput.get("gpu"), "commit": throughput.get("commit"), "date": throughput.get("date"),
-            "geometry": throughput.get("geometry"), "runs": runs}
+            "geometry": throughput.get("geometry"), "ours_draft": throughput.get("ours_draft"), "runs": runs}
+
+
+def kimi_classes(costs: Mapping, classes: Iterable[str], screen_ours_draft: Mapping | None) -> tuple[dict, str]:
+    """Which Kimi run prices each of the screen's cost classes ({class: run name, or None: no run trained it}) and a
+    note saying how: by the draft each trained, not by name alone (the screen's ours and the Kimi file's can be
+    different drafts). A class is priced by the Kimi run of the same changes besides the norms before fc (its name's
+    other parts) that trained the same draft (fields both sides record), the run of its own name first. The Kimi
+    runs' drafts: each run's recorded `draft`; in a file without `ours_draft` (made before the bench recorded drafts)
+    inferred from the run's name over the legacy ours (LEGACY_NORMS), as is the ours of a screen without one
+    (`screen_ours_draft` None: made before 9f0f1cf). A legacy screen priced with a legacy Kimi file maps by name."""
+    kimi_ours, screen_ours = costs.get("ours_draft"), screen_ours_draft
+    kimi_base = kimi_ours if kimi_ours is not None else {**(screen_ours or {}), **LEGACY_NORMS}
+    screen_base = screen_ours if screen_ours is not None else {**(kimi_ours or {}), **LEGACY_NORMS}
+    run_drafts = {}
+    for name, run in costs["runs"].items():
+        if _changes(name) is None:
+            continue  # not a screen recipe's name (e.g. a packing variant): it prices no class
+        if run.get("draft") is not None:
+            run_drafts[name] = run["draft"]
+        elif kimi_ours is None or resolve_recipe(name).get("plain"):
+            run_drafts[name] = recipe_draft(name, kimi_base)
+
+    def same(a: Mapping | None, b: Mapping | None) -> bool:
+        return a is None and b is None or (a is not None and b is not None and set(LEGACY_NORMS) <= set(a) & set(b)
+                                           and all(a[k] == b[k] for k in set(a) & set(b)))
+
+    mapping = {}
+    for cls in dict.fromkeys(classes):
+        want = recipe_draft(cls, screen_base)
+        found = [n for n, d in run_drafts.items() if _changes(n) == _changes(cls) and same(d, want)]
+        mapping[cls] = cls if cls in found else (found[0] if found else None)
+    moved = [f"{c} by {r!r}" if r else f"{c} by none (no Kimi run trained its draft)"
+             for c, r in mapping.items() if r != c and (r or c in costs["runs"])]
+    legacy = ("the Kimi file records no ours_draft: its runs read as over the legacy draft (fc_norm false, "
+              "norm_before_fc true; its 'ours' is today's no-fc-norm, its 'fc-norm' today's ours)"
+              if kimi_ours is None else "")
+    if screen_ours is None:
+        legacy += ("; " if legacy else "") + "the screen records no ours_draft: its ours is the legacy draft"
+    note = "Kimi runs by the draft each trained" + (f" ({legacy})" if legacy else "") + (
+        ": " + ", ".join(moved) if moved else ": every class by its own name")
+    return mapping, note
+
+
+def screen_ours_drafts(results: Mapping) -> dict[str, dict | None]:
+    """Each data size's ours draft in a screen results file: the setup `ours_draft` of the last invocation that trained
+    it (None where that did not record one: made before 9f0f1cf, ours was the legacy draft); speed-only invocations
+    train nothing."""
+    out: dict[str, dict | None] = {}
+    for inv in results.get("invocations", []):
+        if not inv.get("speed_only"):
+            for size in inv.get("data_sizes") or []:
+                out[str(size)] = inv.get("setup", {}).get("ours_draft")
+    return out
+
+
+def with_kimi_classes(costs: Mapping, curves_by_size: Mapping[str, Mapping],
+                      ours_drafts: Mapping[str, Mapping | None]) -> dict:
+    """`costs` (kimi_costs) with, per data size, the Kimi run that prices each cost class (`classes`) and how
+    (`classes_from`: kimi_classes' note), the screen's ours being `ours_drafts[size]` (absent: the legacy draft)."""
+    classes, notes = {}, {}
+    for size, recipes in curves_by_size.items():
+        wanted = [c.get("cost_class") or cost_class(n) for n, c in recipes.items()]
+        classes[size], notes[size] = kimi_classes(costs, wanted, ours_drafts.get(size))
+    return {**costs, "classes": classes, "classes_from": notes}
 
 
 def projected_curves(curves_by_size: Mapping[str, Mapping], costs: Mapping) -> dict[str, dict]:
     """The screen's curves with x = the checkpoint's trained tokens / its cost class's Kimi-geometry tokens/s (the
-    GPU seconds the same tokens would cost at Kimi-K2.5's width); recipes whose class has no Kimi run are left out."""
+    GPU seconds the same tokens would cost at Kimi-K2.5's width); recipes whose class no Kimi run prices are left
+    out. The run of each class: `costs['classes']` (with_kimi_classes), else as for a screen without ours_draft."""
+    if "classes" not in costs:
+        costs = with_kimi_classes(costs, curves_by_size, {})
     out: dict[str, dict] = {}
     for size, recipes in curves_by_size.items():
         for name, curve in recipes.items():
-            run = costs["runs"].get(curve.get("cost_class") or cost_class(name))
+            run_name = costs["classes"].get(size, {}).get(curve.get("cost_class") or cost_class(name))
+            run = costs["runs"].get(run_name) if run_name else None
             if run:
                 points = [{**p, "gpu_s": p["tokens"] / run["tokens_per_s"]} for p in curve["points"]]
                 out.setdefault(size, {})[name] = {**curve, "points": points, "kimi": run}
@@ -574,7 +711,8 @@ def _fmt(entry: Mapping | None, value: str = "ratio", err: str = "stderr") -> st
     return "-" if not entry else f"{entry[value]:.3f}±{entry[err]:.3f}"
 
 
-def format_screen(rows: Sequence[Mapping], ks: Sequence[int]) -> list[str]:
+def format_screen(rows: Sequence[Mapping], ks: Sequence[int], kimi: Mapping | None = None) -> list[str]:
+    """The screen's table per data size; `kimi` (with_kimi_classes): its header says which Kimi run priced which class."""
     lines = []
     for size in dict.fromkeys(r["data"] for r in rows):
         size_rows = [r for r in rows if r["data"] == size]
@@ -582,7 +720,9 @@ def format_screen(rows: Sequence[Mapping], ks: Sequence[int]) -> list[str]:
         lines.append(f"screen at {size}x data: offline tau (held-out rows, last epoch), ratio to plain at equal epochs "
                      f"and at equal training GPU time, vLLM where measured"
                      + ("; projection: the equal-time ratio at Kimi-K2.5 geometry (trained tokens / the class's "
-                        "Kimi tokens/s; * = a Kimi run at another packing than the screen's)" if projection else ""))
+                        "Kimi tokens/s; * = a Kimi run at another packing than the screen's)" if projection else "")
+                     + (f"; {kimi['classes_from'][size]}" if projection and size in (kimi or {}).get("classes_from", {})
+                        else ""))
         head = f"{'recipe':<26} {'steps':>6} {'step ms':>8}"
         for k in ks:
             head += f" | k={k} {'offline':>13} {'best@ep':>8} {'= epochs':>12} {'= GPU time':>12} {'vLLM':>13}"

@@ -489,9 +489,7 @@ OLD_OURS = {"fc_norm": False, "norm_before_fc": True}
 
 
 def test_ours_is_the_landed_fc_norm_draft_and_no_fc_norm_the_old_default_with_its_own_step_cost():
-    import acceptance
-
-    landed = acceptance.landed_draft()
+    landed = sc.landed_draft()
     assert (landed["fc_norm"], landed["norm_before_fc"]) == (True, False) and sc.resolve_recipe("ours") == {}
     assert sc.resolve_recipe("no-fc-norm") == {"draft": OLD_OURS}
     assert sc.cost_class("no-fc-norm") == "no-fc-norm" != sc.cost_class("ours")  # the old ours' step, not the new's
@@ -543,3 +541,115 @@ def test_a_screen_of_a_size_its_results_file_holds_is_refused_in_seconds(tmp_pat
         f"bench-acceptance --screen: {out}: already holds the screen at 1x (d45e425 2026-12-03), whose records this run "
         f"would replace; choose another --output (bench/h200_vllm_gpu.sh: SCREEN_RESULTS=NAME.json)")
     assert sc.sizes_already_measured(json.loads(before), [2, 8], "x") is None
+
+
+# ---------------------------------------------------------------------------------------------
+# The projection's Kimi runs by the draft each trained (a Kimi costs file and a screen can hold different "ours")
+
+LANDED_KIMI = REPO / "bench" / "results" / "h200-train-kimi-8k-fc-norm.json"  # made before fc_norm became ours
+LANDED_SCREEN = REPO / "bench" / "results" / "h200-screen-smollm2.json"  # its 1x and 4x ours: the legacy draft
+
+
+def _kimi_file(tmp_path, ours_draft, drafts):
+    """A train_throughput results file as it is written now: `ours_draft` and each 04 run's `draft`."""
+    path = tmp_path / "kimi-drafts.json"
+    runs = {"plain": {"tokens_per_s": 10000.0, "tokens_per_step": 8188.0}}
+    runs.update({name: {"tokens_per_s": rate, "tokens_per_step": 8188.0, "draft": draft}
+                 for name, (rate, draft) in drafts.items()})
+    path.write_text(json.dumps({"gpu": "NVIDIA H200", "commit": "abc", "ours_draft": ours_draft, "runs": runs}))
+    return path
+
+
+def test_a_kimi_run_prices_the_screen_class_that_trained_its_draft():
+    """Fails before the mapping by draft: the name alone priced a new screen's ours with the landed Kimi file's old ours."""
+    import acceptance
+
+    kimi = acceptance.load_kimi_costs(LANDED_KIMI)
+    landed = sc.landed_draft()
+    classes = ["ours", "plain", "fc-norm", "no-fc-norm", "fc-norm+muon", "muon", "lk-hybrid"]
+    # the landed Kimi file (no ours_draft: its ours is the legacy draft) with a screen of today's ours
+    mapping, note = sc.kimi_classes(kimi, classes, landed)
+    assert mapping == {"ours": "fc-norm", "plain": "plain", "fc-norm": "fc-norm", "no-fc-norm": "ours",
+                       "fc-norm+muon": None, "muon": None, "lk-hybrid": None}
+    assert "records no ours_draft" in note and "ours by 'fc-norm'" in note and "no-fc-norm by 'ours'" in note
+    # with a screen made before 9f0f1cf (no ours_draft: the legacy draft too): by name, as the stored projection (its
+    # no-fc-norm, had it run one, would be its ours' draft)
+    mapping, note = sc.kimi_classes(kimi, classes, None)
+    assert mapping == {"ours": "ours", "plain": "plain", "fc-norm": "fc-norm", "no-fc-norm": "ours",
+                       "fc-norm+muon": None, "muon": None, "lk-hybrid": None}
+    assert "no-fc-norm by 'ours'" in note and "the screen records no ours_draft" in note
+
+
+def test_a_kimi_file_with_ours_draft_maps_by_name_when_it_is_the_screens_and_by_draft_when_not(tmp_path):
+    import acceptance
+
+    landed = sc.landed_draft()
+    legacy = {**landed, **sc.LEGACY_NORMS}
+    same = acceptance.load_kimi_costs(_kimi_file(tmp_path, landed, {"ours": (30000.0, landed), "fc-norm": (29000.0, landed),
+                                                                    "muon": (25000.0, landed), "no-fc-norm": (31000.0, legacy),
+                                                                    "48k": (40000.0, landed)}))
+    assert same["ours_draft"] == landed and same["runs"]["ours"]["draft"] == landed
+    mapping, note = sc.kimi_classes(same, ["ours", "fc-norm", "no-fc-norm", "muon", "fc-norm+muon", "plain"], landed)
+    assert mapping == {"ours": "ours", "fc-norm": "fc-norm", "no-fc-norm": "no-fc-norm", "muon": "muon",
+                       "fc-norm+muon": "muon", "plain": "plain"}  # fc-norm+muon is muon's draft and changes now
+    # the same file against a legacy screen (no ours_draft): its ours is the Kimi no-fc-norm run's draft; its fc-norm
+    # and muon are over the new draft (fc-norm) and over the legacy one (muon: no Kimi run trained that)
+    mapping, note = sc.kimi_classes(same, ["ours", "fc-norm", "muon", "plain"], None)
+    assert mapping == {"ours": "no-fc-norm", "fc-norm": "fc-norm", "muon": None, "plain": "plain"}
+    assert "muon by none (no Kimi run trained its draft)" in note and "ours by 'no-fc-norm'" in note
+    # a Kimi file whose ours differs from the screen's in another field: no class but plain has a run of its draft
+    other = {**landed, "num_layers": 2}
+    odd = acceptance.load_kimi_costs(_kimi_file(tmp_path, other, {"ours": (30000.0, other)}))
+    assert sc.kimi_classes(odd, ["ours", "plain"], landed)[0] == {"ours": None, "plain": "plain"}
+
+
+def test_the_landed_screen_with_the_landed_kimi_file_keeps_its_projection_and_a_new_ours_gets_fc_norms_cost():
+    """The stored 1x/4x screen (ours = the legacy draft) with the landed Kimi file: the projection the file holds
+    (ours priced by the Kimi 'ours' run). The same curves as a screen of today's ours: ours priced by 'fc-norm'."""
+    import acceptance
+
+    results = json.loads(LANDED_SCREEN.read_text())
+    kimi = acceptance.load_kimi_costs(LANDED_KIMI)
+    drafts = sc.screen_ours_drafts(results)
+    assert drafts == {"1": None, "4": None}
+    report_ks = [3, 5]
+    rows = sc.screen_table(results["curves"], report_ks, results.get("vllm", {}),
+                           sc.with_kimi_classes(kimi, results["curves"], drafts))
+    assert rows == results["table"]  # every stored value, the projection's included
+    proj = {(r["data"], r["recipe"]): r["projected_time_k3"] for r in rows if "projected_time_k3" in r}
+    assert proj[("1", "ours")]["kimi_tokens_per_s"] == kimi["runs"]["ours"]["tokens_per_s"]
+    landed = sc.landed_draft()
+    new = sc.with_kimi_classes(kimi, results["curves"], {"1": landed, "4": landed})
+    assert new["classes"]["1"]["ours"] == "fc-norm" and new["classes"]["4"]["ours"] == "fc-norm"
+    new_rows = sc.screen_table(results["curves"], report_ks, results.get("vllm", {}), new)
+    by = {(r["data"], r["recipe"]): r for r in new_rows}
+    assert by[("4", "ours")]["projected_time_k3"]["kimi_tokens_per_s"] == kimi["runs"]["fc-norm"]["tokens_per_s"]
+    lines = sc.format_screen(new_rows, report_ks, new)
+    assert "Kimi runs by the draft each trained" in lines[0] and "ours by 'fc-norm'" in lines[0]
+
+
+def test_stage_04s_extra_args_set_the_norms_as_speculators_reads_them():
+    flags = ["--ttt-steps", "5", "--extra-args=--fc-norm", "--extra-args", "--no-norm-before-fc", "--extra-args=--lr"]
+    assert sc.extra_args_of(flags) == ["--fc-norm", "--no-norm-before-fc", "--lr"]
+    assert sc.trained_draft(sc.LEGACY_NORMS, sc.extra_args_of(flags)) == {"fc_norm": True, "norm_before_fc": False}
+    assert sc.trained_draft({"fc_norm": True, "norm_before_fc": False}, ["--no-norm-before-fc", "--norm-before-fc"]) == {
+        "fc_norm": True, "norm_before_fc": True}  # the last wins (speculators then refuses both: not ours to judge)
+    assert sc.recipe_draft("no-fc-norm+muon", sc.landed_draft())["fc_norm"] is False
+    assert sc.recipe_draft("plain", sc.landed_draft()) is None
+
+
+def test_a_holds_records_say_each_sizes_ours_by_its_timings_else_its_runs_records(tmp_path):
+    import acceptance
+
+    landed = sc.landed_draft()
+    timing = {"1x/plain": {"step_s": 0.03}, "1x/ours": {"step_s": 0.04, "ours_draft": landed}}
+    raw = json.loads((REPO / "draft_config.json").read_text())
+    old = {k: v for k, v in raw.items() if k not in ("fc_norm", "norm_before_fc", "_fc_norm")}  # before 33fcbc2
+    for size, config in (("4", old), ("2", raw)):
+        (tmp_path / f"screen-{size}x-ours").mkdir()
+        (tmp_path / f"screen-{size}x-ours" / "bench-run.json").write_text(json.dumps(
+            {"settings": {"pipeline_defaults": {"draft_config": config}}}))
+    (tmp_path / "screen-8x-plain").mkdir()
+    (tmp_path / "screen-8x-plain" / "bench-run.json").write_text(json.dumps({"settings": {"speculators": "0.9.0"}}))
+    drafts = acceptance.records_ours_drafts(tmp_path, timing, {"1": {}, "2": {}, "4": {}, "8": {}})
+    assert drafts == {"1": landed, "2": landed, "4": {**landed, **sc.LEGACY_NORMS}, "8": None}

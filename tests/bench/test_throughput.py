@@ -392,3 +392,23 @@ def test_synthetic_manifests_satisfy_04_train_contracts(tmp_path):
     assert extracted.layer_ids == [1, 2, 3, 4] and vocab.draft_vocab_size == 64
     assert prepared.counts.model_dump(exclude_none=True) == {"rows": 12, "tokens": 12 * 32}  # what 04_train's preflight reads
     assert (tmp_path / "vocab" / "d2t.npy").is_file() and (tmp_path / "vocab" / "t2d.npy").is_file()
+
+
+def test_a_04_runs_recorded_draft_is_what_04_resolves_with_its_norm_flags(tmp_path):
+    """bench/train_throughput.py records each 04 run's draft (the projection prices screen classes by it): the draft
+    config 04 resolves (--print-config, real) with the norm flags among its --extra-args as speculators reads them."""
+    import argparse
+
+    from benchlib import screen
+
+    bench = _bench_module()
+    args = argparse.Namespace(workdir=tmp_path, ours_profile="h200-8x")
+    landed = screen.landed_draft()
+    assert bench.run_draft(args, ["--total-seq-len", "8192"]) == landed
+    legacy_file = tmp_path / "draft_config.json"
+    legacy_file.write_text(json.dumps({**landed, **screen.LEGACY_NORMS}))
+    legacy = bench.run_draft(args, ["--draft-config", str(legacy_file)])
+    assert legacy == {**landed, **screen.LEGACY_NORMS}
+    # the landed Kimi file's "fc-norm" run: today's ours over the legacy draft config
+    assert bench.run_draft(args, ["--draft-config", str(legacy_file), "--extra-args=--fc-norm",
+                                  "--extra-args=--no-norm-before-fc"]) == landed
