@@ -1055,7 +1055,7 @@ def measured_drafts(work: Path, sizes, k: int) -> dict[str, dict[str, str]]:
 def run_screen_speed_only(args, bench: Bench, started: float, load_start) -> int:
     """--screen-speed-only: the speed phase on the drafts a --screen in this --work trained and measured in vLLM (no
     data, no training, no tau engine); its `speed` merged into the screen's results file."""
-    output = args.output or REPO / "bench" / "results" / f"{'cpu' if bench.cpu else 'h200'}-screen-smollm2.json"
+    output = screen_output(args, bench)
     k_top = max(args.ks)
     drafts = measured_drafts(bench.work, args.screen_data, k_top)
     if not drafts:
@@ -1069,8 +1069,7 @@ def run_screen_speed_only(args, bench: Bench, started: float, load_start) -> int
     speed = screen_speed(args, bench, drafts, settings)
     for line in sp.format_speed(speed):
         log(line)
-    results = json.loads(output.read_text()) if output.is_file() else {}
-    results = results if results.get("benchmark") == "screen-smollm2" else {"benchmark": "screen-smollm2"}
+    results = carried_screen(output) or {"benchmark": "screen-smollm2"}
     results["speed"] = {**results.get("speed", {}), **speed}
     results.setdefault("invocations", []).append({
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "speed_only": True,
