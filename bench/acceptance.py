@@ -567,20 +567,17 @@ def run_curves(args, bench: Bench, target: dict, started: float, load_start) -> 
                 "training_process_s": done["times"].get("04_train"), "argv": done.get("argv")}
 
     # 5. merge with the data sizes an earlier invocation measured into the same file (one per device hold)
+    date = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     merged_from = []
     if output.is_file():
         earlier = json.loads(output.read_text())
         if earlier.get("benchmark") == "acceptance-curves-smollm2":
-            for size, recipes_then in earlier.get("curves", {}).items():
-                if size not in curves:
-                    curves[size] = recipes_then
-                    data_costs[size] = earlier["data_costs"][size]
-            merged_from = earlier.get("invocations", [])
+            merged_from = lc.merge_earlier(curves, data_costs, earlier, date)
     ks = sorted(set(args.ks) | ({3} if max(args.ks) >= 3 else set()))
     analysis = lc.analyse(curves, data_costs, ks, args.extract_cost_ratio)
     for line in lc.format_analysis(analysis):
         log(line)
-    invocation = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    invocation = {"date": date,
                   "command": shlex.join([sys.executable, *sys.argv]), "commit": git_commit(),
                   "data_sizes": args.curve_data, "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                   "device": args.device, "load_average_start": load_start, "load_average_end": os.getloadavg()},
@@ -588,6 +585,7 @@ def run_curves(args, bench: Bench, target: dict, started: float, load_start) -> 
     setup = {"train_conversations_1x": args.train_conversations, "epochs": {str(f): e for f, e in epochs_by_size.items()},
              "marks": args.curve_marks or "every epoch", "ks_measured": args.ks, "storage": args.curve_storage,
              "jobs": args.jobs, "recipes": recipes, "curve_04_flags": CURVE_04_FLAGS,
+             "ours_draft": sc.landed_draft(),  # what `ours` trained: the projection prices it by the Kimi run of that draft
              "cpu_forced": {"ours_04": CPU_04_FLAGS, "plain": CPU_TRAIN_FLAGS} if bench.cpu else None,
              "vllm_settings": settings.__dict__}
     invocation["setup"] = setup  # each invocation's own, when several data sizes are merged into one file
@@ -604,7 +602,7 @@ def run_curves(args, bench: Bench, target: dict, started: float, load_start) -> 
         "data_costs": data_costs,
         "curves": curves,
         "analysis": analysis,
-        "run_plan_line": lc.run_plan_line(analysis, "ours-8k", output.name),
+        "run_plan_line": lc.run_plan_line(analysis, lc.plan_recipe(curves), output.name),
     }
     write_results(output, results)
     png = lc.write_png(curves, max(args.ks), output.with_suffix(".png"), f"{output.name} (k={max(args.ks)})")
@@ -1269,15 +1267,30 @@ def screen_report(path: Path, kimi_path: Path | None, output: Path | None) -> in
     return 0
 
 
-def curves_report(path: Path) -> int:
-    """--curves-report FILE: print a curves JSON's tables again (recomputed from its curves) and draw its PNG."""
+def curves_report(path: Path, kimi_path: Path | None = None, output: Path | None = None) -> int:
+    """--curves-report FILE: print a curves JSON's tables again (recomputed from its curves) and draw its PNG; with
+    --kimi-costs the projection to Kimi-K2.5's step costs too. With --kimi-costs or --output it writes the file (or
+    --output) with the recomputed analysis, run-plan line and projection."""
+    try:
+        kimi = load_kimi_costs(kimi_path)
+    except ValueError as exc:
+        raise SystemExit(f"bench-acceptance --curves-report: {exc}") from None
     results = json.loads(path.read_text())
+    target = output or path
     ks = sorted(int(k) for k in results["analysis"]["by_k"])
     analysis = lc.analyse(results["curves"], results["data_costs"], ks, results["analysis"]["pricing"]["ratio"])
     for line in lc.format_analysis(analysis):
         log(line)
-    log(f"run plan: {lc.run_plan_line(analysis, 'ours-8k', path.name)}")
-    png = lc.write_png(results["curves"], max(ks), path.with_suffix(".png"), f"{path.name} (k={max(ks)})")
+    plan = lc.run_plan_line(analysis, lc.plan_recipe(results["curves"]), target.name)
+    log(f"run plan: {plan}")
+    projection = sc.curves_projection(results, kimi, ks) if kimi else None
+    for line in sc.format_curves_projection(projection) if projection else []:
+        log(line)
+    if kimi or output:
+        results.update(analysis=analysis, run_plan_line=plan, **({"projection": projection} if projection else {}))
+        write_results(target, results)
+        log(f"wrote {target}")
+    png = lc.write_png(results["curves"], max(ks), target.with_suffix(".png"), f"{target.name} (k={max(ks)})")
     log(f"drew {png}" if png else "no matplotlib: no PNG")
     return 0
 
@@ -1342,7 +1355,9 @@ def main() -> int:
                         help="cost of one extracted/regenerated token in draft training tokens (default: Kimi-K2.5's "
                              "forward / the draft's fwd+bwd, %.2f)" % lc.EXTRACT_COST_RATIO)
     curves.add_argument("--curves-report", type=Path, default=None, metavar="FILE",
-                        help="print a curves JSON's tables and draw its PNG; runs nothing else")
+                        help="print a curves JSON's tables and draw its PNG; with --kimi-costs the projection to "
+                             "Kimi-K2.5's step costs too, and (with it or --output) rewrite FILE (or --output) with the "
+                             "recomputed analysis, run-plan line and projection; runs nothing else")
     screen = parser.add_argument_group("recipe screen (--screen, issue 37): many recipes ranked by offline tau")
     screen.add_argument("--screen", action="store_true",
                         help="train every --screen-recipes on one dataset per --screen-data size (--jobs at once), rank "
@@ -1385,7 +1400,7 @@ def main() -> int:
     screen.add_argument("--kimi-costs", type=Path, default=None, metavar="FILE",
                         help="bench/train_throughput.py results JSON (runs plain, ours, fc-norm, ...): a projection "
                              "column, the equal-time ratio at Kimi-K2.5 geometry (trained tokens / the cost class's "
-                             "Kimi tokens/s); with --screen, --screen-records or --screen-report")
+                             "Kimi tokens/s); with --screen, --screen-records, --screen-report or --curves-report")
     args = parser.parse_args()
     if args.screen_speed_rounds < 0:
         parser.error("--screen-speed-rounds: a number of rounds, 0 or more")
@@ -1396,7 +1411,7 @@ def main() -> int:
     if args.screen_records:
         return screen_records_report(args.screen_records, args.output, args.screen_val_depth, args.kimi_costs)
     if args.curves_report:
-        return curves_report(args.curves_report)
+        return curves_report(args.curves_report, args.kimi_costs, args.output)
     output = args.output or REPO / "bench" / "results" / f"{args.device}-acceptance-smollm2.json"
 
     started = time.perf_counter()

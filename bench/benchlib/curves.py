@@ -516,6 +516,36 @@ def format_analysis(analysis: Mapping) -> list[str]:
     return lines
 
 
+PLAN_RECIPES = ("ours", "ours-8k")
+
+
+def plan_recipe(curves: Mapping) -> str:
+    """The recipe whose data/epochs split the run plan quotes: the landed defaults (`ours`) where the file has them,
+    else ours at 8K tokens per step (what the files before issue 44's curves measured the defaults as)."""
+    present = {name for recipes in curves.values() for name in recipes}
+    return next((r for r in PLAN_RECIPES if r in present), PLAN_RECIPES[0])
+
+
+def merge_earlier(curves: dict, data_costs: dict, earlier: Mapping, date: str) -> list[dict]:
+    """Fill this invocation's `curves` and `data_costs` with the data sizes an earlier results file holds and this
+    one did not measure; return the earlier file's invocations, each naming the sizes of its own that this one
+    replaced (`replaced_sizes`, `replaced_by`): the file keeps one record per size, so those records are gone from
+    it (git history keeps them) and that invocation no longer describes them."""
+    measured = set(curves)
+    for size, recipes_then in earlier.get("curves", {}).items():
+        if size not in measured:
+            curves[size] = recipes_then
+            data_costs[size] = earlier["data_costs"][size]
+    invocations = []
+    for inv in earlier.get("invocations", []):
+        gone = sorted({str(s) for s in inv.get("data_sizes") or []} & measured, key=float)
+        if gone:
+            inv = {**inv, "replaced_sizes": sorted({*inv.get("replaced_sizes", []), *gone}, key=float),
+                   "replaced_by": date}
+        invocations.append(inv)
+    return invocations
+
+
 def run_plan_line(analysis: Mapping, recipe: str, source: str) -> str:
     """The run plan's data/epochs line (eagle3_pipeline.plan reads it from the curves JSON)."""
     split = analysis["pricing"]["split"].get(recipe)

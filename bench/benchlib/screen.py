@@ -582,6 +582,35 @@ def projected_curves(curves_by_size: Mapping[str, Mapping], costs: Mapping) -> d
     return out
 
 
+def curves_projection(results: Mapping, costs: Mapping, ks: Sequence[int]) -> dict:
+    """A learning-curves file (acceptance.py --curves) projected to Kimi-K2.5 geometry: each curve named as a screen
+    recipe (ours, plain, ...; not the packing variants ours-8k/ours-32k) with x = its checkpoints' trained tokens /
+    the Kimi tokens/s of the run that trained its draft (the file's `ours_draft` per size, as a screen's), then the
+    equal-time table on those x: SmolLM2's tau against Kimi's step cost, a projection."""
+    priced = {size: {n: c for n, c in recipes.items() if _changes(n) is not None}
+              for size, recipes in results["curves"].items()}
+    costs = with_kimi_classes(costs, priced, screen_ours_drafts(results))
+    projected = projected_curves(priced, costs)
+    return {**costs, "by_k": {str(k): lc.equal_time_table(projected, k) for k in ks}}
+
+
+def format_curves_projection(projection: Mapping) -> list[str]:
+    """curves_projection's tables as printed lines."""
+    lines = []
+    for k, rows in projection["by_k"].items():
+        lines.append(f"projection at Kimi-K2.5 geometry, tau ours/plain at k={k} at equal Kimi training GPU seconds "
+                     f"(x = trained tokens / the Kimi run's tokens/s, {projection.get('source')}):")
+        for row in rows:
+            if not row["overlap"]:
+                lines.append(f"  {row['data'] + 'x':>5} {row['recipe']:<14} no overlap: {row['ranges_gpu_s']}")
+                continue
+            lines.append(f"  {row['data'] + 'x':>5} {row['recipe']:<14} Kimi GPU s matched {row['gpu_s_max']:>8.1f} "
+                         f"ratio at max {row['ratio_at_max']:.3f}±{row['ratio_at_max_stderr']:.3f} "
+                         f"min ratio {row['ratio_min']:.3f}")
+    lines += [f"  {size}x: {note}" for size, note in projection.get("classes_from", {}).items()]
+    return lines
+
+
 def packing_differs(curve: Mapping) -> bool:
     """The Kimi run packed another number of tokens per step than the screen's run (beyond the few percent a
     packer leaves empty): its tokens/s is another step shape's."""

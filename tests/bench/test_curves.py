@@ -306,3 +306,31 @@ def test_curve_mode_end_to_end_on_a_tiny_target(llama_target, tmp_path):
     report = subprocess.run([sys.executable, str(REPO / "bench" / "acceptance.py"), "--curves-report", str(out)],
                             env=env, capture_output=True, text=True, timeout=120)
     assert report.returncode == 0 and "run plan: " in report.stdout
+
+
+# --- merging hold by hold, and the run plan's recipe --------------------------------------------
+
+def test_a_new_size_keeps_the_files_other_sizes_and_names_the_invocation_whose_records_it_replaced():
+    """Fails before merge_earlier: the earlier 1x invocation stayed in the file unmarked, describing records it no
+    longer held (the 1x curves of ours-8k/ours-32k were replaced by issue 44's ours/plain)."""
+    earlier = {"curves": {"1": {"ours-8k": "old 1x"}, "2": {"ours-8k": "old 2x"}},
+               "data_costs": {"1": {"rows": 1}, "2": {"rows": 2}},
+               "invocations": [{"date": "d1", "data_sizes": [1]}, {"date": "d2", "data_sizes": [2]}]}
+    curves, costs = {"1": {"ours": "new 1x"}, "4": {"ours": "new 4x"}}, {"1": {"rows": 10}, "4": {"rows": 40}}
+    invocations = lc.merge_earlier(curves, costs, earlier, "d3")
+    assert curves == {"1": {"ours": "new 1x"}, "4": {"ours": "new 4x"}, "2": {"ours-8k": "old 2x"}}
+    assert costs["2"] == {"rows": 2} and costs["1"] == {"rows": 10}
+    assert invocations == [{"date": "d1", "data_sizes": [1], "replaced_sizes": ["1"], "replaced_by": "d3"},
+                           {"date": "d2", "data_sizes": [2]}]
+    assert earlier["invocations"][0] == {"date": "d1", "data_sizes": [1]}  # the earlier file's records untouched
+
+
+def test_the_run_plan_quotes_the_landed_defaults_where_the_curves_have_them():
+    """Fails before plan_recipe: the plan asked for ours-8k, which issue 44's curves (ours, plain) do not hold, and
+    printed 'no data/epochs split measured'."""
+    from eagle3_pipeline.plan import CURVES_RESULTS, data_epochs_line
+
+    assert lc.plan_recipe({"1": {"ours": {}, "ours-8k": {}, "plain": {}}}) == "ours"
+    assert lc.plan_recipe({"1": {"ours-8k": {}, "plain": {}}}) == "ours-8k"
+    line = data_epochs_line(CURVES_RESULTS)
+    assert line.startswith("more data, fewer epochs: ") and "best ours checkpoint is 4x data" in line

@@ -628,6 +628,48 @@ def test_the_landed_screen_with_the_landed_kimi_file_keeps_its_projection_and_a_
     assert "Kimi runs by the draft each trained" in lines[0] and "ours by 'fc-norm'" in lines[0]
 
 
+LANDED_CURVES = REPO / "bench" / "results" / "h200-acceptance-curves-smollm2.json"  # issue 44: ours (fc_norm), plain
+
+
+def test_the_landed_curves_project_to_kimi_costs_with_ours_priced_by_the_run_of_its_draft(tmp_path):
+    """The learning curves at Kimi-K2.5's step costs: x = trained tokens / the Kimi tokens/s of the run that trained
+    the curve's draft (today's ours = the Kimi file's fc-norm run); the stored projection is what the code computes."""
+    import acceptance
+
+    results = json.loads(LANDED_CURVES.read_text())
+    kimi = acceptance.load_kimi_costs(LANDED_KIMI)
+    projection = sc.curves_projection(results, kimi, [3, 5])
+    assert projection["classes"] == {"1": {"ours": "fc-norm", "plain": "plain"}, "4": {"ours": "fc-norm", "plain": "plain"}}
+    def same(a, b):  # the costs file's path as given aside
+        return {k: v for k, v in a.items() if k != "source"} == {k: v for k, v in b.items() if k != "source"}
+
+    assert same(json.loads(json.dumps(projection)), results["projection"])
+    row = next(r for r in projection["by_k"]["5"] if r["data"] == "4")
+    # by hand at 4x, k = 5: ours' last checkpoint at its Kimi seconds against plain interpolated there
+    ours, plain = results["curves"]["4"]["ours"]["points"], results["curves"]["4"]["plain"]["points"]
+    x = ours[-1]["tokens"] / kimi["runs"]["fc-norm"]["tokens_per_s"]
+    xs = [p["tokens"] / kimi["runs"]["plain"]["tokens_per_s"] for p in plain]
+    i = next(j for j in range(1, len(xs)) if xs[j] >= x)
+    t = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+    plain_tau = plain[i - 1]["tau"]["5"]["tau"] + t * (plain[i]["tau"]["5"]["tau"] - plain[i - 1]["tau"]["5"]["tau"])
+    assert row["gpu_s_max"] == pytest.approx(x) and row["ratio_at_max"] == pytest.approx(ours[-1]["tau"]["5"]["tau"] / plain_tau)
+    # the curves before fc_norm (ours-8k, ours-32k, ...: packing variants no Kimi run prices): no row but none to plain
+    before = json.loads((REPO / "bench" / "results" / "h200-acceptance-curves-smollm2-before-fc-norm.json").read_text())
+    assert sc.curves_projection(before, kimi, [5])["by_k"]["5"] == []
+    # the report writes it to --output only, the landed file untouched
+    out = tmp_path / "curves.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "eagle3-train"), str(REPO / "bench")])}
+    report = subprocess.run([sys.executable, str(REPO / "bench" / "acceptance.py"), "--curves-report", str(LANDED_CURVES),
+                             "--kimi-costs", str(LANDED_KIMI), "--output", str(out)], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert report.returncode == 0, report.stderr[-2000:]
+    assert "projection at Kimi-K2.5 geometry" in report.stdout and "ours by 'fc-norm'" in report.stdout
+    written = json.loads(out.read_text())
+    assert same(written["projection"], results["projection"]) and written["run_plan_line"].startswith("more data, fewer")
+    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+    assert json.loads(LANDED_CURVES.read_text()) == results
+
+
 def test_stage_04s_extra_args_set_the_norms_as_speculators_reads_them():
     flags = ["--ttt-steps", "5", "--extra-args=--fc-norm", "--extra-args", "--no-norm-before-fc", "--extra-args=--lr"]
     assert sc.extra_args_of(flags) == ["--fc-norm", "--no-norm-before-fc", "--lr"]
