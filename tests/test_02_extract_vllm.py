@@ -569,6 +569,67 @@ def test_an_untested_vllm_gets_the_stock_connector_on_a_gpu_and_is_refused_on_th
     assert "0.99.0" in vb.engine_problem(on_cpu=True)
 
 
+# --- the connector's file writers (EAGLE3_CONNECTOR_WRITER) ---------------------------------------
+
+@pytest.mark.parametrize("storage", ["bfloat16", "float32", "fp8"])
+def test_raw_writer_writes_save_files_bytes_from_the_tensors_memory(storage, tmp_path):
+    """The connector's writer thread with the raw writer and with `save_file` (the default), on tensors as
+    `_file_tensors` makes them (bf16, fp32, or fp8 + per-token scales) plus int64 token ids, with odd shapes and the
+    slot checks in the header: byte-for-byte the same file, which safe_open reads back, and the row's lock released."""
+    import fcntl
+    from types import SimpleNamespace
+
+    from safetensors import safe_open
+
+    from eagle3_pipeline.compat import hidden_states_connector as hsc
+
+    connector = hsc.CheckedHiddenStatesConnector
+    generator = torch.Generator().manual_seed(11)
+    for tokens, slots, width in ((1, 1, 1), (7, 3, 13), (37, 5, 1031)):
+        states = (torch.randn(tokens, slots, width, generator=generator) * 50).to(
+            torch.float32 if storage == "fp8" else getattr(torch, storage))
+        states[0] = states[0, 0].clone()  # a constant token: its check is not all-false
+        tensors, checks = connector._file_tensors(SimpleNamespace(_fp8=storage == "fp8"), states)
+        tensors["token_ids"] = torch.randint(0, 163_840, (tokens,), generator=generator)
+        files = {}
+        for name, write_file in hsc.WRITERS.items():
+            files[name] = tmp_path / f"{name}-{tokens}.safetensors"
+            lock_fd = os.open(f"{files[name]}.lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+            fcntl.flock(lock_fd, fcntl.LOCK_EX)
+            connector._write_checked(write_file, tensors, checks, hsc._CompletedEvent(), str(files[name]), lock_fd)
+            probe = os.open(f"{files[name]}.lock", os.O_RDONLY)
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises if the writer still held it
+            os.close(probe)
+        assert files["raw"].read_bytes() == files["safetensors"].read_bytes(), (storage, tokens, slots, width)
+        with safe_open(str(files["raw"]), "pt") as handle:
+            assert json.loads(handle.metadata()[SLOT_CHECKS_KEY]) == json.loads(json.dumps(checks.tolist()))
+            assert sorted(handle.keys()) == sorted(tensors)
+            for name, tensor in tensors.items():
+                read = handle.get_tensor(name)
+                assert read.dtype == tensor.dtype and read.shape == tensor.shape
+                assert torch.equal(read.view(torch.uint8), tensor.view(torch.uint8))
+
+
+def test_raw_writer_refuses_a_non_contiguous_tensor_naming_the_file(tmp_path):
+    from eagle3_pipeline.disk_writes import write_safetensors
+
+    path = tmp_path / "row.safetensors"
+    with pytest.raises(ValueError, match=f"{path}: tensor 'hidden_states' must be contiguous"):
+        write_safetensors({"hidden_states": torch.zeros(4, 6).t()}, path)
+    assert not path.exists()
+
+
+def test_the_connector_writer_is_chosen_by_env_and_passed_in_the_extra_config(tmp_path, monkeypatch):
+    monkeypatch.delenv(vb.WRITER_ENV, raising=False)
+    assert vb.WRITER_KEY not in vb.connector_config(tmp_path)["kv_connector_extra_config"]  # unset: as before
+    monkeypatch.setenv(vb.WRITER_ENV, "raw")
+    assert vb.connector_config(tmp_path)["kv_connector_extra_config"][vb.WRITER_KEY] == "raw"
+    assert vb.WRITER_KEY not in vb.connector_config(tmp_path, checked=False)["kv_connector_extra_config"]
+    monkeypatch.setenv(vb.WRITER_ENV, "mmap")
+    with pytest.raises(vb.ConfigError, match=f"{vb.WRITER_ENV}='mmap': expected one of safetensors, raw"):
+        vb.connector_config(tmp_path)
+
+
 # --- the server path ------------------------------------------------------------------------------
 
 def test_endpoint_path_against_the_printed_server_command(mini, kimi_vllm_run, tmp_path):

@@ -5,7 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from eagle3_pipeline.disk_writes import measure_write_bandwidth, start_writeback
+import pytest
+
+from eagle3_pipeline.disk_writes import LANDING_WRITEBACK_ENV, landing_writeback, measure_write_bandwidth, start_writeback
+from eagle3_pipeline.errors import ConfigError
 
 
 def test_write_bandwidth_writes_every_byte_then_leaves_nothing(tmp_path):
@@ -24,6 +27,21 @@ def test_start_writeback_keeps_the_file_as_it_is(tmp_path):
     path.write_bytes(b"x" * 100_000)
     start_writeback(path)
     assert path.read_bytes() == b"x" * 100_000
+
+
+def test_landing_writeback_is_on_unless_the_env_says_off(monkeypatch):
+    for value, expected in ((None, True), ("on", True), ("off", False)):
+        landing_writeback.cache_clear()
+        if value is None:
+            monkeypatch.delenv(LANDING_WRITEBACK_ENV, raising=False)
+        else:
+            monkeypatch.setenv(LANDING_WRITEBACK_ENV, value)
+        assert landing_writeback() is expected
+    landing_writeback.cache_clear()
+    monkeypatch.setenv(LANDING_WRITEBACK_ENV, "no")
+    with pytest.raises(ConfigError, match=f"{LANDING_WRITEBACK_ENV}='no': expected on or off"):
+        landing_writeback()
+    landing_writeback.cache_clear()  # later tests read their own environment
 
 
 def test_the_command_prints_the_rate_for_the_plan_and_cleans_up(tmp_path):

@@ -6,7 +6,10 @@ not by the forward pass (bench/README.md "Stage 02 at Kimi-K2.5's width"). Two t
   sync_file_range(SYNC_FILE_RANGE_WRITE): asynchronous, returns at once unless the disk's queue is full). Without it
   the kernel waits for its background threshold (10% of RAM by default: tens of GB on a GPU box) and a run's tail
   is one long flush; with it the disk is busy from the first file and the final flush (`sync_filesystem`)
-  has little left. Elsewhere (not Linux) it does nothing.
+  has little left. Elsewhere (not Linux) it does nothing. Stage 02 starts it per landed file unless
+  EAGLE3_LANDING_WRITEBACK=off (`landing_writeback`: the bench's A/B, `extraction_vs_prefill.py --writeback on off`).
+- `write_safetensors(tensors, path, metadata)`: `safetensors.torch.save_file`'s file, byte for byte, written by one
+  `os.writev` of the header and each tensor's own memory (the connector's writer with EAGLE3_CONNECTOR_WRITER=raw).
 - `measure_write_bandwidth(directory, sizes, threads, writeback)`: the disk's rate for files of those sizes, written
   the way stage 02's connector writes them (buffered, `threads` at a time), timed to the last write (the page cache)
   and to the flush that makes them durable (the device): the bound stage 02 is held to.
@@ -15,12 +18,17 @@ not by the forward pass (bench/README.md "Stage 02 at Kimi-K2.5's width"). Two t
 from __future__ import annotations
 
 import ctypes
+import functools
+import json
 import os
 import queue
+import struct
 import threading
 import time
 from pathlib import Path
 from typing import Sequence
+
+from .errors import ConfigError
 
 _SYNC_FILE_RANGE_WRITE = 2
 _CHUNK = 16 << 20  # bytes per write() call
@@ -37,6 +45,18 @@ def _sync_file_range():
 
 _SYNC_FILE_RANGE = _sync_file_range()
 
+LANDING_WRITEBACK_ENV = "EAGLE3_LANDING_WRITEBACK"
+
+
+@functools.cache
+def landing_writeback() -> bool:
+    """Whether stage 02 starts each landed file's writeback (`start_writeback`): yes unless EAGLE3_LANDING_WRITEBACK
+    is `off` (its A/B in bench/extraction_vs_prefill.py `--writeback on off`). Read once per process."""
+    value = os.environ.get(LANDING_WRITEBACK_ENV, "on")
+    if value not in ("on", "off"):
+        raise ConfigError(f"{LANDING_WRITEBACK_ENV}={value!r}: expected on or off")
+    return value == "on"
+
 
 def start_writeback(path: Path) -> None:
     """Start writing `path`'s dirty pages to the device now, without waiting for them (no-op where unsupported)."""
@@ -47,6 +67,67 @@ def start_writeback(path: Path) -> None:
         _SYNC_FILE_RANGE(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)  # a failure only means the kernel's own pace
     finally:
         os.close(fd)
+
+
+# safetensors' dtype names in the order of its `Dtype` enum (safetensors/src/tensor.rs: increasing alignment): a
+# file's tensors are laid out by that order, descending, then by name. Keys: str(torch dtype), so no torch import.
+_SAFETENSORS_DTYPE_ORDER = ("BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0",
+                            "F8_E4M3FNUZ", "F8_E5M2FNUZ", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "C64",
+                            "F64", "I64", "U64")
+_SAFETENSORS_DTYPES = {"torch.bool": "BOOL", "torch.uint8": "U8", "torch.int8": "I8", "torch.float8_e5m2": "F8_E5M2",
+                       "torch.float8_e4m3fn": "F8_E4M3", "torch.int16": "I16", "torch.float16": "F16",
+                       "torch.bfloat16": "BF16", "torch.int32": "I32", "torch.float32": "F32",
+                       "torch.float64": "F64", "torch.int64": "I64"}
+
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in getattr(os, "sysconf_names", {}) else 16  # buffers per call
+
+
+def safetensors_header(tensors: dict, metadata: dict[str, str] | None = None) -> tuple[bytes, list[str]]:
+    """The bytes `safetensors.torch.save_file` writes before the data (8-byte little-endian length, then the compact
+    JSON header padded with spaces to a multiple of 8) and the order its tensors' data follows. One metadata key
+    gives the same bytes; with several, safetensors writes them in its hash map's order (this: insertion order)."""
+    names = {name: _SAFETENSORS_DTYPES.get(str(tensor.dtype)) for name, tensor in tensors.items()}
+    if unknown := [name for name, dtype in names.items() if dtype is None]:
+        raise ValueError(f"write_safetensors: no safetensors dtype for {unknown}")
+    order = sorted(tensors, key=lambda name: (-_SAFETENSORS_DTYPE_ORDER.index(names[name]), name))
+    header: dict = {} if metadata is None else {"__metadata__": metadata}
+    offset = 0
+    for name in order:
+        size = tensors[name].numel() * tensors[name].element_size()
+        header[name] = {"dtype": names[name], "shape": list(tensors[name].shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    # serde_json's compact form, which escapes what Python's json does and leaves other characters as UTF-8
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text, order
+
+
+def write_safetensors(tensors: dict, filename, metadata: dict[str, str] | None = None) -> None:
+    """`safetensors.torch.save_file(tensors, filename, metadata)`'s file, byte for byte, written from each tensor's
+    own memory: the header and every tensor's bytes in one `os.writev` (repeated only for what a call leaves
+    unwritten), the GIL released meanwhile. Tensors: on the CPU (pinned or not), contiguous."""
+    import torch  # here: this module's command (the disk's rate) needs no torch
+
+    header, order = safetensors_header(tensors, metadata)
+    buffers = [memoryview(header)]
+    for name in order:
+        tensor = tensors[name]
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            raise ValueError(f"{filename}: tensor {name!r} must be contiguous and on the CPU")
+        if tensor.numel():
+            # bf16 and fp8 have no numpy dtype: the same memory as bytes, no copy
+            buffers.append(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B"))
+    fd = os.open(filename, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # as open(..., "wb") and safetensors
+    try:
+        while buffers:
+            written = os.writev(fd, buffers[:_IOV_MAX])
+            while buffers and written >= len(buffers[0]):
+                written -= len(buffers.pop(0))
+            if written:
+                buffers[0] = buffers[0][written:]
+    finally:
+        os.close(fd)
+
 
 
 def sync_filesystem(directory: Path) -> None:

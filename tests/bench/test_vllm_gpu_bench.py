@@ -92,6 +92,21 @@ def test_extraction_vs_prefill_rows_are_deterministic_and_both_sides_get_stage_0
     assert evp.engine_settings(Args, on_cpu=True)["dtype"] == "float32"
 
 
+def test_one_invocation_runs_stage_02_per_storage_writer_and_writeback_the_first_under_the_storages_name():
+    evp = load("extraction_vs_prefill")
+    plain = evp.stage_02_runs(["dtype", "fp8"], None, None, stock_fp8=True)  # no new flags: the runs as before
+    assert [(r["key"], r["variant"], r["env"]) for r in plain] == [
+        ("dtype", "dtype", {}), ("fp8", "fp8", {}), ("fp8_host_quantized", "fp8-stock", {evp.CONNECTOR_ENV: "stock"})]
+    runs = evp.stage_02_runs(["dtype"], ["safetensors", "raw"], ["on", "off"], stock_fp8=True)
+    assert [r["key"] for r in runs] == ["dtype", "dtype_writer_safetensors_writeback_off", "dtype_writer_raw_writeback_on",
+                                        "dtype_writer_raw_writeback_off"]
+    assert [(r["writer"], r["writeback"]) for r in runs] == [("safetensors", "on"), ("safetensors", "off"),
+                                                             ("raw", "on"), ("raw", "off")]
+    assert runs[3]["env"] == {evp.WRITER_ENV: "raw", evp.LANDING_WRITEBACK_ENV: "off"}
+    assert runs[3]["variant"] == "dtype-writer-raw-writeback-off"  # its logs' name
+    assert [r["env"] for r in evp.stage_02_runs(["fp8"], ["raw"], None, stock_fp8=False)] == [{evp.WRITER_ENV: "raw"}]
+
+
 def test_the_extraction_bound_is_the_slower_of_the_prefill_and_the_disks_durable_bytes():
     evp = load("extraction_vs_prefill")
     disk = {"writeback": {"device_gb_per_s": 2.0, "page_cache_gb_per_s": 2.1},

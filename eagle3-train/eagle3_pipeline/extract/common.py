@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file
 from tqdm import tqdm
 
-from ..disk_writes import start_writeback
+from ..disk_writes import landing_writeback, start_writeback
 from ..errors import InputError
 from ..files import atomic_path, atomic_save_safetensors, changed_fingerprints, remove_path, temp_path_for
 from ..files import write_fingerprints as write
@@ -332,7 +332,8 @@ def land_sample(sample: ExtractedSample, hs_dir: Path, expected_ids: list[int], 
 def _land_staged(staged: Path, final: Path) -> Path:
     _rename_into_place(staged, final)
     remove_path(staged.with_name(staged.name + ".lock"))
-    start_writeback(final)  # the disk starts on it now, not at the kernel's threshold (disk_writes.py)
+    if landing_writeback():
+        start_writeback(final)  # the disk starts on it now, not at the kernel's threshold (disk_writes.py)
     return final
 
 

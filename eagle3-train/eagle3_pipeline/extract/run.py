@@ -18,7 +18,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from ..config.schema import ExtractConfig
-from ..disk_writes import sync_filesystem
+from ..disk_writes import landing_writeback, sync_filesystem
 from ..errors import StageError
 from ..files import atomic_write_json
 from ..hidden_states import DTYPES, StateFormat, dtype_name, hs_file
@@ -94,6 +94,7 @@ def run_extraction(backend: ExtractionBackend, plan: ExtractPlan, hs_dir: Path, 
     come). Adds the rate of the work to plan.counts (`extract_s`, `extracted_tokens`, `extract_tokens_per_s`:
     engine start excluded, landing included).
     """
+    landing_writeback()  # a bad EAGLE3_LANDING_WRITEBACK stops the run here, not in the first landing
     pending = list(plan.todo)
     failures: dict[int, str] = {}
     started, landed_tokens, hows = time.monotonic(), 0, []

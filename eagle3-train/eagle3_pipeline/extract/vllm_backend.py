@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Iterator
 
 from ..config.schema import SCRIPTS_DIR, ExtractConfig
-from ..errors import InputError, StageError
+from ..errors import ConfigError, InputError, StageError
 from ..target import TargetInfo
 from .common import ExtractedSample
 
@@ -72,6 +72,12 @@ IGNORE_CHECKS_ENV = "EAGLE3_IGNORE_VLLM_CHECKS"
 CONNECTOR_ENV = "EAGLE3_CONNECTOR"
 # Our connector's extra-config key: "fp8" quantizes on the device before the copy (compat/hidden_states_connector.py).
 STORAGE_KEY = "eagle3_storage"
+# How our connector's writer threads write each file: "safetensors" (`save_file`, the default) or "raw"
+# (`disk_writes.write_safetensors`: the same bytes in one writev). Stage 02 reads the variable once, at the engine's
+# config, and passes it in the extra config (vLLM's engine processes read that): the extraction bench's A/B.
+WRITER_ENV = "EAGLE3_CONNECTOR_WRITER"
+WRITER_KEY = "eagle3_writer"
+CONNECTOR_WRITERS = ("safetensors", "raw")
 # vLLM's CPU build sizes its KV cache from this (GiB), not from --gpu-memory-utilization.
 CPU_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 CPU_KV_CACHE_DEFAULT_GIB = "1"
@@ -294,6 +300,10 @@ def connector_config(staging_dir: Path, checked: bool = True, storage: str = "dt
         config["kv_connector"] = CHECKED_CONNECTOR
         config["kv_connector_module_path"] = CHECKED_CONNECTOR_MODULE
         config["kv_connector_extra_config"][STORAGE_KEY] = storage
+        if (writer := os.environ.get(WRITER_ENV)) is not None:  # unset: the connector's default, config unchanged
+            if writer not in CONNECTOR_WRITERS:
+                raise ConfigError(f"{WRITER_ENV}={writer!r}: expected one of {', '.join(CONNECTOR_WRITERS)}")
+            config["kv_connector_extra_config"][WRITER_KEY] = writer
     return config
 
 
