@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_reliability_bad_input import refused, stage_module, succeeded
+from test_reliability_bad_input import refused, snapshot, stage_module, succeeded
 
 from conftest import SAMPLES
 
@@ -450,6 +450,13 @@ def disk_fills_after_preflight(monkeypatch):
     monkeypatch.setattr(preflight, "disk_free", lambda path: 10**15)  # what the checks ask
     monkeypatch.setattr(machine, "disk_free", lambda path: 10**15)  # what files.py asks
 
+def fill_disk(filler: Path) -> None:
+    """Take every free block of the filesystem `filler` is on (another job's file)."""
+    with contextlib.suppress(OSError), open(filler, "wb", buffering=0) as handle:
+        while True:
+            handle.write(b"\0" * 4096)
+
+
 
 def test_disk_full_while_writing_hidden_states_is_one_line_with_the_numbers(capsys, work, kimi_target, tmp_path,
                                                                             monkeypatch):
@@ -523,9 +530,7 @@ def test_disk_full_while_appending_training_metrics_is_one_line(capsys, work, ki
 
     def then_the_disk_fills(*a, **k):  # right before training: every later write meets a full disk
         settings(*a, **k)
-        with contextlib.suppress(OSError), open(out / "filler", "wb", buffering=0) as handle:
-            while True:
-                handle.write(b"\0" * 4096)
+        fill_disk(out / "filler")
 
     monkeypatch.setattr(stage, "export_compat_settings", then_the_disk_fills)
     with small_disk(out, 1024 * 1024):
@@ -535,8 +540,54 @@ def test_disk_full_while_appending_training_metrics_is_one_line(capsys, work, ki
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
     assert code == 1 and len(errors) == 1 and "Traceback" not in err, err[-3000:]
     error = errors[0].removeprefix("error: ")
-    assert error.startswith(f"{out / 'metrics.jsonl'}: disk full (") and " B free at " in error, error
+    assert error.startswith(f"{out / 'metrics.jsonl'}: disk full while appending a record to the training metrics "
+                            f"log (") and " B free at " in error, error
     assert error.endswith("; free space, then rerun (training resumes from the last complete checkpoint)"), error
+
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_disk_full_while_recording_a_left_out_sample_names_bad_samples_jsonl(workers, capsys, work, kimi_target,
+                                                                              monkeypatch):
+    """Before: `<newest file>: disk full while speculators saved a checkpoint (...; one checkpoint needs ~N B)`, though
+    the write that met the full disk was the loader's bad-sample record (--on-bad-sample skip), appended in a
+    DataLoader worker process (workers=1) or in the trainer's (workers=0). A resumed run: checkpoint 0 is kept."""
+    import eagle3_pipeline.compat.sample_check as checks
+
+    disk_fills_after_preflight(monkeypatch)
+    for hs_file in work["hs"].glob("hs_*.safetensors"):  # every sample bad: the first one read is recorded
+        hs_file.write_bytes(b"garbage")
+    out = work["root"] / "small-disk-checkpoints"
+    on_device = checks.check_values_on_device
+
+    def then_the_disk_fills(*a, **k):  # the loaders exist, none has read a sample: the next new block is refused
+        result = on_device(*a, **k)
+        fill_disk(out / "filler")
+        return result
+
+    monkeypatch.setattr(checks, "check_values_on_device", then_the_disk_fills)
+    used = sum(p.stat().st_size for p in work["checkpoints"].rglob("*") if p.is_file() and not p.is_symlink())
+    with small_disk(out, used + 1024 * 1024):
+        for item in work["checkpoints"].iterdir():  # killed while it saved epoch 1: resumes from checkpoint 0
+            if item.is_dir() and not item.is_symlink() and item.name != "1":
+                shutil.copytree(item, out / item.name, symlinks=True)
+            elif item.name != "1":
+                shutil.copy2(item, out / item.name, follow_symlinks=False)
+        (out / "manifest.json").write_text(json.dumps({**manifest(out), "complete": False}))
+        kept = {name: digest for name, digest in snapshot(out).items() if name.startswith("0/")}
+        metrics_before = (out / "metrics.jsonl").read_text()
+        code, error = refused(capsys, *args("train", {**work, "checkpoints": out}, kimi_target, "--on-bad-sample",
+                                            "skip", "--max-bad-fraction", "1", "--num-workers", workers))
+        after = snapshot(out)
+        metrics_after = (out / "metrics.jsonl").read_text()
+        record = (out / "bad_samples.jsonl").read_bytes() if (out / "bad_samples.jsonl").exists() else b""
+    head = f"{out / 'bad_samples.jsonl'}: disk full while the loader recorded bad sample {work['hs']}/hs_"
+    assert code == 1 and error.startswith(head) and "unreadable safetensors (" in error, error
+    assert "checkpoint needs" not in error and " B free at " in error, error
+    assert error.endswith("; free space, then rerun (training resumes from the last complete checkpoint)"), error
+    assert kept and {name: after.get(name) for name in kept} == kept  # checkpoint 0, byte for byte
+    assert metrics_after.startswith(metrics_before) and all(json.loads(line) for line in metrics_after.splitlines())
+    assert record == b""  # no half line for the rerun's record to be glued to
 
 
 # --- 7. draft_config.json is a typed schema -----------------------------------------------------------------

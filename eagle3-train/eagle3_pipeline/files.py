@@ -40,11 +40,38 @@ def is_temp_path(path: Path) -> bool:
 
 
 class DiskFull(StageError):
-    """A write ran out of space; the message names the file and the free bytes (stages add what the rest needs)."""
+    """A write ran out of space; the message names the file, what was being written (`what`, e.g. "the loader
+    recorded a bad sample ...") and the free bytes (stages add what the rest needs)."""
 
-    def __init__(self, path: Path, where: Path):
+    def __init__(self, path: Path, where: Path, what: str = ""):
         self.path, self.free = Path(path), _free_bytes(where)
-        super().__init__(f"{path}: disk full ({self.free:,} B free at {where})")
+        super().__init__(f"{path}: disk full{f' while {what}' if what else ''} ({self.free:,} B free at {where})")
+
+
+def disk_full_line(text: str) -> str | None:
+    """The one line of a DiskFull raised in another process, from the text that carries it there: a DataLoader
+    worker's traceback, which torch re-raises in the trainer as text (the exception object itself is lost)."""
+    marker = f"{DiskFull.__module__}.{DiskFull.__qualname__}: "
+    if marker not in text:
+        return None
+    return text.rsplit(marker, 1)[1].splitlines()[0].strip()
+
+
+def append_line(path: str | Path, line: str, what: str) -> None:
+    """Append one line (a JSONL record) to `path`. A full disk is DiskFull naming the file and `what` was being
+    written, with the file cut back to its size before, so no half line is left for the next record to be glued
+    to (earlier lines are kept). Opened per line: several processes append (O_APPEND keeps short lines whole)."""
+    path = Path(path)
+    size = path.stat().st_size if path.is_file() else 0
+    try:
+        with open(path, "a") as handle:
+            handle.write(line + "\n")
+    except OSError as exc:
+        if not is_disk_full(exc):
+            raise
+        with contextlib.suppress(OSError):
+            os.truncate(path, size)
+        raise DiskFull(path, path.parent, what) from None
 
 
 def is_disk_full(exc: BaseException) -> bool:

@@ -12,7 +12,6 @@ fixes that process installed. The file is appended to, so a resumed run continue
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -21,7 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .files import DiskFull, is_disk_full
+from .files import append_line
 
 # Local imports: torch, where a record gets GPU memory (train_report reads metrics without torch).
 
@@ -66,17 +65,8 @@ def write_record(path: str | Path, record: Mapping[str, Any]) -> None:
     """Append one record, stamped with "time". Opened per record: speculators' dictConfig closes
     every handler that exists when it runs, and a line per step is cheap next to a training step."""
     entry = {"time": time.time(), **record}
-    path = Path(path)
-    size = path.stat().st_size if path.is_file() else 0
-    try:
-        with open(path, "a") as handle:
-            handle.write(json.dumps(entry, default=_json_scalar) + "\n")
-    except OSError as exc:
-        if not is_disk_full(exc):
-            raise
-        with contextlib.suppress(OSError):  # no cut line for the next record to be glued to
-            os.truncate(path, size)
-        raise DiskFull(path, path.parent) from None  # one line naming the file (a full disk mid-training)
+    # A full disk mid-training: one line naming this file (DiskFull), no cut line left in it.
+    append_line(path, json.dumps(entry, default=_json_scalar), "appending a record to the training metrics log")
 
 
 def _json_scalar(value: Any) -> Any:

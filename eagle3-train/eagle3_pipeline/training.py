@@ -28,7 +28,7 @@ from .config.resolution import Sources
 from .config.schema import SCRIPTS_DIR, DraftConfig, TrainConfig, load_draft_config, speculators_pass_through
 from .contract import read_manifest, require_equal, require_upstream
 from .errors import ConfigError, InputError, Interrupted, StageError
-from .files import DiskFull, atomic_write_text, is_disk_full
+from .files import DiskFull, atomic_write_text, disk_full_line, is_disk_full
 from .hidden_states import HS_DIRNAME
 from .machine import cuda_capabilities
 from .manifest import ExtractManifest, PrepareManifest, VocabManifest
@@ -313,8 +313,10 @@ def launch_env() -> dict[str, str]:
 
 
 def run_in_process(argv: list[str], metrics_path: Path, checkpoint_bytes: int = 0) -> None:
-    """speculators' own trainer, in this process (one GPU, or the CPU). A full disk while it saves a
-    checkpoint is one line naming the file being written, the free bytes and what a checkpoint needs."""
+    """speculators' own trainer, in this process (one GPU, or the CPU). A full disk is one line naming the file
+    that could not be written and what was being written: our records (metrics, bad samples, samples) name
+    themselves (files.DiskFull, raised here or in a loader worker); else it was speculators saving a checkpoint:
+    the newest file, the free bytes and what a checkpoint needs."""
     from speculators.train.cli import main as speculators_main
     from speculators.train.config import TrainConfig as SpeculatorsTrainConfig
 
@@ -325,9 +327,11 @@ def run_in_process(argv: list[str], metrics_path: Path, checkpoint_bytes: int = 
         if is_rank_zero():  # stage 04 records them in its manifest (it may not be this process)
             write_record(metrics_path, {COMPAT_KEY: applied})
         speculators_main(SpeculatorsTrainConfig.resolve(argv))
-    except DiskFull as exc:  # a metrics record (metrics.write_record): the file and the free bytes
-        raise StageError(f"{exc}; free space, then rerun (training resumes from the last complete checkpoint)") from None
+    except DiskFull as exc:  # one of our records in this process (metrics, bad samples, samples): it names the file
+        raise StageError(f"{exc}; {DISK_FULL_RERUN}") from None
     except Exception as exc:
+        if written := disk_full_line(str(exc)):  # ... or in a loader worker (bad_samples.jsonl): its line, as text
+            raise StageError(f"{written}; {DISK_FULL_RERUN}") from None
         if ENDPOINT_DOWN_TAG in str(exc):  # compat/online_generation.py stopped the run at a batch
             raise endpoint_down_error(str(exc).split(ENDPOINT_DOWN_TAG, 1)[1], save) from None
         if stop_line(str(exc)):  # compat/sample_check.py or finite_loss.py: one line naming the file/step
@@ -427,14 +431,18 @@ def endpoint_down_error(problem: str, save: Path):
                       f"the same command (training resumes {resume_from})")
 
 
+DISK_FULL_RERUN = "free space, then rerun (training resumes from the last complete checkpoint)"
+
+
 def disk_full_error(save: Path, checkpoint_bytes: int):
-    """The checkpoint file being written when the disk filled (the newest under the save path)."""
+    """A full disk met by speculators' own writes, which name no file: the checkpoint file being written when the
+    disk filled (the newest under the save path). Our records (metrics, bad samples, samples) raise DiskFull,
+    naming their file, and never get here."""
     files = [p for p in Path(save).rglob("*") if p.is_file() and not p.is_symlink()]
     newest = max(files, key=lambda p: p.stat().st_mtime_ns) if files else Path(save)
     free = shutil.disk_usage(save).free
     return StageError(f"{newest}: disk full while speculators saved a checkpoint ({free:,} B free at {save}; one "
-                      f"checkpoint needs ~{checkpoint_bytes:,} B); free space, then rerun (training resumes from the "
-                      f"last complete checkpoint)")
+                      f"checkpoint needs ~{checkpoint_bytes:,} B); {DISK_FULL_RERUN}")
 
 
 def write_command_file(out_dir: Path, argv: list[str], launch: list[str] | None, notes: tuple[str, ...] = (),

@@ -46,6 +46,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..files import append_line
 from ..hidden_states import HS_DIRNAME, hs_file, rows_label
 from .gate import require_speculators
 
@@ -161,10 +162,17 @@ def finite_problem(hidden_states, num_slots: int, hidden_size: int) -> str | Non
 
 
 def record(path: str | None, entry: dict) -> None:
-    """One line per bad sample (loader workers append: O_APPEND lines this short are not interleaved)."""
-    if path:
-        with open(path, "a") as handle:
-            handle.write(json.dumps(entry, default=int) + "\n")
+    """One line per bad sample (loader workers append: O_APPEND lines this short are not interleaved). A full
+    disk is DiskFull naming this file and the sample; in a loader worker stage 04 reads that line back from the
+    worker's traceback (files.disk_full_line), so it is never worded as a checkpoint save."""
+    if not path:
+        return
+    if entry.get("file") is None:  # the stop line (too many left out; a batch's values on the GPU)
+        what = f"the loader recorded why training stops ({entry.get('reason')})"
+    else:
+        row = f"row {entry['row']}: " if entry.get("row") is not None and entry["file"] != f"row {entry['row']}" else ""
+        what = f"the loader recorded bad sample {entry['file']} ({row}{entry.get('reason')})"
+    append_line(path, json.dumps(entry, default=int), what)
 
 
 def sample_key(entry: dict) -> str:

@@ -22,6 +22,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+from ..files import append_line
 from .gate import speculators_supported
 
 SUPPORTED_SPECULATORS = ("0.9.0",)
@@ -73,8 +74,7 @@ def apply() -> bool:
             entry = {"epoch": epoch, "local_step": step, "global_step": self.global_step - 1, "rank": rank,  # as in metrics.jsonl
                      "samples": batches[step - 1] if step <= len(batches) else None,
                      "left_out": counter.last_left_out}
-            with open(path, "a") as handle:  # one short line per step; flushed at close
-                handle.write(json.dumps(entry) + "\n")
+            append_line(path, json.dumps(entry), f"recording which samples global step {entry['global_step']} trained on")
             if step_callback is not None:
                 step_callback()
 
