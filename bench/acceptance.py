@@ -1025,8 +1025,9 @@ def screen_speed(args, bench: Bench, drafts_by_size: dict[str, dict[str, str]], 
     def save(entries: dict) -> None:
         atomic_write_text(cache_path, json.dumps(entries))
 
+    serving = sp.serving_settings(settings, bench.cpu)
     return {size: sp.measure_speed(bench.target, drafts, bench.work / "chat" / "eval_prompts.jsonl", args.ks,
-                                   args.screen_speed_rounds, settings, draft_stamp, cache, save, bench.logs, log,
+                                   args.screen_speed_rounds, serving, draft_stamp, cache, save, bench.logs, log,
                                    key_prefix=f"{size}x/")
             for size, drafts in drafts_by_size.items() if drafts}
 

@@ -6,8 +6,9 @@ generate: the first engine after the baseline pays the box's warm-up (on the H20
 so its tokens/s is confounded with its place in the order. Here each round starts every engine once, alone, in an
 order rotated by one per round (round r starts at engine r mod n), so a place's cost is spread over the engines;
 each engine generates the prompts once untimed (the warm-up: vLLM's settings.warmup_prompts set to all of them),
-then once timed. At temperature 0 the rounds generate the same tokens, so tau must be equal across rounds: the
-summary records whether it was (and whether the outputs were), a check on the measurement itself.
+then once timed; on a GPU with CUDA graphs, as vLLM serves (serving_settings). At temperature 0 the rounds generate
+the same tokens, so tau must be equal across rounds: the summary records whether it was (and whether the outputs
+were), a check on the measurement itself.
 """
 
 from __future__ import annotations
@@ -55,6 +56,14 @@ def summarize(rounds: Sequence[Mapping], baseline_median: float | None = None) -
     if baseline_median:
         out["speedup_median"] = out["median_tokens_per_s"] / baseline_median
     return out
+
+
+def serving_settings(settings: VllmSettings, cpu: bool) -> VllmSettings:
+    """The speed phase's engine settings: the tau phase's, but on a GPU with CUDA graphs (vLLM's serving default, as
+    stage 06's own defaults). Eager, every kernel is launched from Python, which at a small target is most of a decode
+    step: a draft's few extra small kernels (fc_norm's three RMSNorms) would cost far more than in a served engine.
+    tau does not depend on it (the tau phase stays eager: no capture per engine); speed does. vLLM's CPU build: eager."""
+    return settings if cpu else dataclasses.replace(settings, enforce_eager=False)
 
 
 def measure_speed(target_dir, drafts: Mapping[str, str], prompts_path, ks: Sequence[int], rounds: int,

@@ -78,3 +78,15 @@ def test_speed_only_takes_the_drafts_vllm_measured_unless_retrained_since(tmp_pa
     assert found == {"1": {"ours": str(drafts["ours"]), "fc-norm": str(drafts["fc-norm"])}}
     assert acceptance.measured_drafts(tmp_path, [1, 4], 3) == {}  # measured at k = 5 only
     assert set(acceptance.measured_drafts(tmp_path, [4], 5)) == {"4"}
+
+
+def test_the_speed_phase_serves_with_cuda_graphs_on_a_gpu_and_stays_eager_on_the_cpu():
+    """Fails before serving_settings: the speed phase ran the tau phase's eager engines on the GPU, where Python's
+    kernel launches dominate SmolLM2's step and overprice a draft's extra small kernels (fc_norm's norms)."""
+    from benchlib.acceptance import VllmSettings
+
+    tau_phase = VllmSettings(max_tokens=128, max_model_len=2048, dtype="bfloat16", enforce_eager=True, kv_cache_gib=2)
+    served = sp.serving_settings(tau_phase, cpu=False)
+    assert served.enforce_eager is False and tau_phase.enforce_eager is True
+    assert {**served.__dict__, "enforce_eager": True} == tau_phase.__dict__  # nothing else changes
+    assert sp.serving_settings(tau_phase, cpu=True) is tau_phase
