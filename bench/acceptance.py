@@ -1377,7 +1377,8 @@ def main() -> int:
     screen.add_argument("--screen-timing-steps", type=int, default=30,
                         help="steps of each step shape's solo timing run (0: no timing, no equal-GPU-time column)")
     screen.add_argument("--screen-vllm-top", type=int, default=3,
-                        help="recipes measured in vLLM besides ours and plain (0: none)")
+                        help="recipes measured in vLLM besides ours and plain (0: no vLLM phase at all, ours and plain "
+                             "left out too, and so no speed phase)")
     parser.add_argument("--vs-stage06", action="store_true",
                         help="stage 06 against the bench on one pipeline-trained draft (issue 45): tau at each --ks "
                              "with the same prompts and engine settings, 06 with its own defaults, 06 on two faults")
