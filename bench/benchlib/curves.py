@@ -480,18 +480,21 @@ def analyse(curves: Mapping, data_costs: Mapping, ks: Sequence[int], ratio: floa
     return out
 
 
+def format_equal_time_row(row: Mapping) -> str:
+    """One equal_time_table row as printed: the matched GPU seconds, the ratio at the largest, the lowest ratio."""
+    if not row["overlap"]:
+        return f"  {row['data'] + 'x':>5} {row['recipe']:<14} no overlap: {row['ranges_gpu_s']}"
+    return (f"  {row['data'] + 'x':>5} {row['recipe']:<14} {row['gpu_s_max']:>14.1f} "
+            f"{row['ratio_at_max']:>8.3f}±{row['ratio_at_max_stderr']:.3f} {row['ratio_min']:>10.3f}")
+
+
 def format_analysis(analysis: Mapping) -> list[str]:
     """The tables as printed lines."""
     lines = []
     for k, tables in analysis["by_k"].items():
         lines.append(f"equal training GPU time, tau ours/plain at k={k} (interpolated at matched GPU seconds):")
         lines.append(f"  {'data':>5} {'recipe':<14} {'GPU s matched':>14} {'ratio at max':>14} {'min ratio':>10}")
-        for row in tables["equal_time"]:
-            if not row["overlap"]:
-                lines.append(f"  {row['data'] + 'x':>5} {row['recipe']:<14} no overlap: {row['ranges_gpu_s']}")
-                continue
-            lines.append(f"  {row['data'] + 'x':>5} {row['recipe']:<14} {row['gpu_s_max']:>14.1f} "
-                         f"{row['ratio_at_max']:>8.3f}±{row['ratio_at_max_stderr']:.3f} {row['ratio_min']:>10.3f}")
+        lines += [format_equal_time_row(row) for row in tables["equal_time"]]
         lines.append(f"equal epochs, tau ours/plain at k={k}:")
         for row in tables["equal_epochs"]:
             lines.append(f"  {row['data'] + 'x':>5} {row['recipe']:<14} last epoch {row['points'][-1]['epoch'] + 1}: "

@@ -595,18 +595,13 @@ def curves_projection(results: Mapping, costs: Mapping, ks: Sequence[int]) -> di
 
 
 def format_curves_projection(projection: Mapping) -> list[str]:
-    """curves_projection's tables as printed lines."""
+    """curves_projection's tables as printed lines (the curves' equal-time rows, x in Kimi GPU seconds)."""
     lines = []
     for k, rows in projection["by_k"].items():
         lines.append(f"projection at Kimi-K2.5 geometry, tau ours/plain at k={k} at equal Kimi training GPU seconds "
                      f"(x = trained tokens / the Kimi run's tokens/s, {projection.get('source')}):")
-        for row in rows:
-            if not row["overlap"]:
-                lines.append(f"  {row['data'] + 'x':>5} {row['recipe']:<14} no overlap: {row['ranges_gpu_s']}")
-                continue
-            lines.append(f"  {row['data'] + 'x':>5} {row['recipe']:<14} Kimi GPU s matched {row['gpu_s_max']:>8.1f} "
-                         f"ratio at max {row['ratio_at_max']:.3f}±{row['ratio_at_max_stderr']:.3f} "
-                         f"min ratio {row['ratio_min']:.3f}")
+        lines.append(f"  {'data':>5} {'recipe':<14} {'Kimi GPU s':>14} {'ratio at max':>14} {'min ratio':>10}")
+        lines += [lc.format_equal_time_row(row) for row in rows]
     lines += [f"  {size}x: {note}" for size, note in projection.get("classes_from", {}).items()]
     return lines
 
