@@ -28,7 +28,8 @@
 #                                  hours of regeneration, extraction and training, recommendation) from
 #                                  WORK/data's manifest or N x T tokens; writes nothing. RATES (python -m
 #                                  eagle3_pipeline.plan --help): --decode-tokens-per-s, --extract-tokens-per-s,
-#                                  --train-tokens-per-s, --disk-read-gb-s, --disk-write-gb-s, --answer-tokens-per-row, --free-disk-gb;
+#                                  --train-tokens-per-s, --disk-read-gb-s, --disk-write-gb-s, --extract-disk-fraction,
+#                                  --answer-tokens-per-row, --free-disk-gb;
 #                                  its `slices` lines plan a sliced run (--slice-rows N: that size, else the most that fit)
 #
 # Logs: WORK/logs/0N_<stage>.log per stage (appended, one header per attempt) and WORK/logs/run_all.log.
@@ -85,7 +86,7 @@ while [[ $# -gt 0 ]]; do
     --rows|--tokens-per-row|--slice-rows)
       [[ $# -ge 2 ]] || { echo "run_all.sh: $1 needs a value (see --help)" >&2; exit 2; }
       v="${1#--}"; declare "${v//-/_}=$2"; shift 2 ;;
-    --decode-tokens-per-s|--extract-tokens-per-s|--train-tokens-per-s|--disk-read-gb-s|--disk-write-gb-s|--answer-tokens-per-row|--free-disk-gb)
+    --decode-tokens-per-s|--extract-tokens-per-s|--train-tokens-per-s|--disk-read-gb-s|--disk-write-gb-s|--extract-disk-fraction|--answer-tokens-per-row|--free-disk-gb)
       [[ $# -ge 2 ]] || { echo "run_all.sh: $1 needs a value (see --help)" >&2; exit 2; }
       plan_rates+=("$1" "$2"); shift 2 ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;

@@ -98,9 +98,10 @@ def test_every_stage_has_hours_with_stated_rates_and_their_sources(kimi_config, 
 
 def test_extraction_hours_use_the_slower_of_the_prefill_and_the_disks_bytes(kimi_config, tmp_path):
     """At Kimi-K2.5's width stage 02 writes 57,344 B/token (bf16): a 2 GB/s disk takes ~34,900 tokens/s, below an
-    80,000 tokens/s prefill (the disk governs bf16), while fp8's half the bytes still fit under a slower prefill."""
+    80,000 tokens/s prefill (the disk governs bf16), while fp8's half the bytes still fit under a slower prefill.
+    --extract-disk-fraction 1 plans at the disk's bound itself."""
     plan = make_plan(str(kimi_config), "b300-8x", str(tmp_path / "w"), rows=100_000, tokens_per_row=2048,
-                     extract_tokens_per_s=50_000, disk_write_gb_s=2.0)
+                     extract_tokens_per_s=50_000, disk_write_gb_s=2.0, extract_disk_fraction=1.0)
     disk_bf16 = 2.0e9 / plan.bytes_per_token["bf16"]
     assert plan.extract_rate("bf16") == (pytest.approx(disk_bf16), "disk")
     assert plan.extract_rate("fp8") == (50_000, "prefill")  # 2e9 / 28,676 B = 69,700 tokens/s > 50,000
@@ -109,6 +110,44 @@ def test_extraction_hours_use_the_slower_of_the_prefill_and_the_disks_bytes(kimi
     extraction = next(line for line in format_plan(plan).splitlines() if line.strip().startswith("extraction:"))
     assert f"bf16 {plan.extract_hours('bf16'):,.1f} h at {disk_bf16:,.0f} tokens/s (disk governs)" in extraction
     assert "fp8 1.1 h at 50,000 tokens/s (prefill governs)" in extraction and "2.00 GB/s (--disk-write-gb-s)" in extraction
+    assert "bf16 1.000, fp8 1.000; --extract-disk-fraction" in extraction
+
+
+def test_the_disk_bound_is_priced_at_stage_02s_measured_fraction_of_it(kimi_config, tmp_path):
+    """Stage 02 does not keep the disk busy all the time: by default the plan takes the disk's write rate times the
+    ratio_to_bound that stage 02 reached at Kimi-K2.5's width on the H200 (per format, read from the results file), so
+    the disk can govern where the bound alone would leave it to the prefill."""
+    from eagle3_pipeline.plan import BENCH_STORAGES, EXTRACTION_RESULTS
+
+    storages = json.loads(EXTRACTION_RESULTS.read_text())["targets"]["kimi-width"]["storages"]
+    measured = {s: storages[bench]["ratio_to_bound"] for s, bench in BENCH_STORAGES.items()}
+    assert all(0.5 < f < 1 for f in measured.values())  # the file's figures, below the bound
+    # a prefill between the measured rate and the bound: the bound alone says the prefill governs, the measured
+    # fraction says the disk does
+    bound_bf16 = 2.0e9 / 57_344
+    prefill = bound_bf16 * (1 + measured["bf16"]) / 2
+    plan = make_plan(str(kimi_config), "b300-8x", str(tmp_path / "w"), rows=100_000, tokens_per_row=2048,
+                     extract_tokens_per_s=prefill, disk_write_gb_s=2.0)
+    assert plan.disk_fraction == measured
+    assert plan.extract_rate("bf16") == (pytest.approx(bound_bf16 * measured["bf16"]), "disk")
+    assert plan.extract_rate("fp8") == (pytest.approx(prefill), "prefill")
+    extraction = next(line for line in format_plan(plan).splitlines() if line.strip().startswith("extraction:"))
+    assert f"bf16 {measured['bf16']:.3f}, fp8 {measured['fp8']:.3f}" in extraction
+    assert "bench/results/h200-extraction-kimi-width.json, ratio_to_bound" in extraction
+    # the same plan at the bound itself: the prefill governs both
+    at_bound = make_plan(str(kimi_config), "b300-8x", str(tmp_path / "w"), rows=100_000, tokens_per_row=2048,
+                         extract_tokens_per_s=prefill, disk_write_gb_s=2.0, extract_disk_fraction=1.0)
+    assert at_bound.extract_rate("bf16") == (pytest.approx(prefill), "prefill")
+
+
+def test_without_the_results_file_the_plan_says_it_prices_the_bound_itself(tmp_path):
+    from eagle3_pipeline.plan import disk_fractions
+
+    fractions, source = disk_fractions(results=tmp_path / "none.json")
+    assert fractions == {"bf16": 1.0, "fp8": 1.0} and source.startswith("not measured: needs ")
+    assert disk_fractions(0.8)[0] == {"bf16": 0.8, "fp8": 0.8}
+    with pytest.raises(SystemExit):  # argparse refuses a fraction outside (0, 1]
+        main(["--target", str(tmp_path), "--profile", "cpu-mini", "--work", str(tmp_path), "--extract-disk-fraction", "1.5"])
 
 
 def test_extraction_rate_is_read_from_a_10_sample_stage_02s_manifest(kimi_config, tmp_path):
@@ -134,11 +173,12 @@ def test_run_all_plan_passes_the_rates_through(kimi_config, tmp_path):
     result = subprocess.run(["bash", str(SCRIPTS / "run_all.sh"), "--plan", "--profile", "b300-8x", "--target",
                              str(kimi_config), "--work", str(tmp_path / "w"), "--rows", "100000", "--tokens-per-row",
                              "2048", "--decode-tokens-per-s", "20000", "--extract-tokens-per-s", "80000",
-                             "--disk-write-gb-s", "1.5", "--python", sys.executable], capture_output=True, text=True,
+                             "--disk-write-gb-s", "1.5", "--extract-disk-fraction", "0.5", "--python", sys.executable],
+                            capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr
     assert "(--decode-tokens-per-s)" in result.stdout and "(--extract-tokens-per-s)" in result.stdout
-    assert "1.50 GB/s (--disk-write-gb-s)" in result.stdout
+    assert "1.50 GB/s (--disk-write-gb-s)" in result.stdout and "bf16 0.500, fp8 0.500; --extract-disk-fraction" in result.stdout
 
 
 @pytest.mark.parametrize("damage", ["cut short", "not complete"])

@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .config.resolution import load_profile
@@ -75,6 +75,10 @@ class Plan:
     slice_rows: int | None = None  # --slice-rows: the size to plan; else the largest that fits
     disk_write_gb_s: float | None = None  # the data disk's durable write rate (disk_writes.py measures it)
     disk_write_source: str = "not given"
+    # stage 02's measured fraction of the disk's write rate, per format, where the disk governs (the connector's
+    # writers and stage 02's landing do not keep the disk busy all the time); 1.0 where nothing measured it
+    disk_fraction: dict = field(default_factory=lambda: {s: 1.0 for s in FORMATS})
+    disk_fraction_source: str = "not measured: the disk's bound itself"
 
     def need_gb_s(self, storage: str) -> float:
         return self.gpus * self.train_tokens_per_s_per_gpu * self.bytes_per_token[storage] / 1e9
@@ -90,10 +94,11 @@ class Plan:
         return self.answer_tokens / self.decode_tokens_per_s / 3600 if self.decode_tokens_per_s else None
 
     def extract_rate(self, storage: str) -> tuple[float | None, str]:
-        """Stage 02's tokens/s writing `storage` files and which bound governs: the slower of the prefill rate and the
-        disk's write rate over the format's bytes per token (at Kimi-K2.5's width the disk can be the slower: bench/README.md
-        "Stage 02 at Kimi-K2.5's width")."""
-        disk = self.disk_write_gb_s * 1e9 / self.bytes_per_token[storage] if self.disk_write_gb_s else None
+        """Stage 02's tokens/s writing `storage` files and which bound governs: the slower of the prefill rate and what
+        stage 02 gets of the disk (its write rate over the format's bytes per token, times stage 02's measured fraction
+        of that bound: at Kimi-K2.5's width the disk can be the slower, bench/README.md "Stage 02 at Kimi-K2.5's width")."""
+        disk = (self.disk_write_gb_s * 1e9 / self.bytes_per_token[storage] * self.disk_fraction[storage]
+                if self.disk_write_gb_s else None)
         if disk is not None and (not self.extract_tokens_per_s or disk < self.extract_tokens_per_s):
             return disk, "disk"
         return self.extract_tokens_per_s, "prefill" if disk is not None else "prefill only"
@@ -294,7 +299,8 @@ def make_plan(target_dir: str, profile: str | None, work: str, rows: int | None 
               extract_tokens_per_s: float | None = None, *, data: str | None = None, gpus: int | None = None,
               epochs: int | None = None, decode_tokens_per_s: float | None = None,
               answer_tokens_per_row: int | None = None, free_disk_gb: float | None = None,
-              slice_rows: int | None = None, disk_write_gb_s: float | None = None) -> Plan:
+              slice_rows: int | None = None, disk_write_gb_s: float | None = None,
+              extract_disk_fraction: float | None = None) -> Plan:
     """`data`: stage 01's output (default WORK/data); `gpus`/`epochs`: stage 04's resolved values (default:
     the profile's train section, else 04's defaults)."""
     target = load_target_info(target_dir)
@@ -312,6 +318,7 @@ def make_plan(target_dir: str, profile: str | None, work: str, rows: int | None 
     else:
         extract_tokens_per_s, extract_source = measured_extract_rate(data_dir)
     answers, answers_source = answer_tokens(data_dir, num_rows, tokens, answer_tokens_per_row)
+    fractions, fractions_source = disk_fractions(extract_disk_fraction)
     plan = Plan(
         target=target.path, hidden_size=target.hidden_size, num_layers=target.num_layers, profile=profile or "none",
         gpus=gpus, epochs=epochs, rows=num_rows, tokens=tokens, tokens_source=source, data=str(data_dir),
@@ -328,6 +335,7 @@ def make_plan(target_dir: str, profile: str | None, work: str, rows: int | None 
         train_data_ratio=prepared_ratio(data_dir), disk_write_gb_s=disk_write_gb_s,
         disk_write_source="--disk-write-gb-s" if disk_write_gb_s else
         f"not given: python -m eagle3_pipeline.disk_writes --dir {data_dir} measures it",
+        disk_fraction=fractions, disk_fraction_source=fractions_source,
     )
     plan.recommendation = recommend(plan)
     return plan
@@ -346,6 +354,32 @@ def check_plan_lines(target_dir: str, data: str | Path, profile: str | None, *, 
 CURVES_RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results" / "h200-acceptance-curves-smollm2.json"
 
 
+# Stage 02 at Kimi-K2.5's width on one H200 (bench/extraction_vs_prefill.py --targets kimi-width --disk-write): its
+# `ratio_to_bound` per storage is the fraction of the disk's write rate stage 02 reached where the disk governed.
+EXTRACTION_RESULTS = CURVES_RESULTS.parent / "h200-extraction-kimi-width.json"
+BENCH_STORAGES = {"bf16": "dtype", "fp8": "fp8"}  # the plan's formats -> the bench's storages
+
+
+def _shown(path: Path) -> Path:
+    """A checkout's results file as the docs name it (bench/results/...), any other path as given."""
+    return path.relative_to(CURVES_RESULTS.parents[2]) if path.parent == CURVES_RESULTS.parent else path
+
+
+def disk_fractions(given: float | None = None, results: str | Path = EXTRACTION_RESULTS) -> tuple[dict, str]:
+    """Stage 02's fraction of the disk bound per format: `given` (the user's own stage 02 on their disk) for both, else
+    the measured `ratio_to_bound`s of `results`, else 1.0 (the bound itself) with the file it needs."""
+    if given is not None:
+        return {s: float(given) for s in FORMATS}, "--extract-disk-fraction"
+    path = Path(results)
+    try:
+        storages = json.loads(path.read_text())["targets"]["kimi-width"]["storages"]
+        fractions = {s: float(storages[bench]["ratio_to_bound"]) for s, bench in BENCH_STORAGES.items()}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {s: 1.0 for s in FORMATS}, (f"not measured: needs {_shown(path)} (bench/h200_vllm_gpu.sh extract-width); "
+                                           f"the disk's bound itself")
+    return fractions, f"measured on one H200 at Kimi-K2.5's width: {_shown(path)}, ratio_to_bound"
+
+
 def data_epochs_line(curves_path: str | Path = CURVES_RESULTS) -> str:
     """The split between more data and more epochs that the measured learning curves favour once each
     extracted token is priced at the target's forward (the bench's `run_plan_line`), or which file it needs."""
@@ -353,8 +387,7 @@ def data_epochs_line(curves_path: str | Path = CURVES_RESULTS) -> str:
     try:
         line = json.loads(path.read_text())["run_plan_line"]
     except (OSError, ValueError, KeyError):
-        shown = path.relative_to(CURVES_RESULTS.parents[2]) if path == CURVES_RESULTS else path  # the checkout's: as in the docs
-        return (f"not measured: needs {shown} (python bench/acceptance.py --curves --device cuda, bench/README.md); "
+        return (f"not measured: needs {_shown(path)} (python bench/acceptance.py --curves --device cuda, bench/README.md); "
                 f"until then data size is the larger lever (NOTES.md, 'Acceptance length')")
     return str(line)
 
@@ -374,13 +407,16 @@ def format_plan(plan: Plan) -> str:
         why = "the prefill; the disk's write rate not given" if bound == "prefill only" else f"{bound} governs"
         return f"{storage} {plan.extract_hours(storage):,.1f} h at {rate:,.0f} tokens/s ({why})"
 
+    fractions = ", ".join(f"{s} {plan.disk_fraction[s]:.3f}" for s in FORMATS)
+
     prefill = (f"prefill {plan.extract_tokens_per_s:,.0f} tokens/s ({plan.extract_rate_source})" if plan.extract_tokens_per_s
                else "prefill ?: run a 10-sample stage 02 (--max-samples 10; its manifest records the rate) or give "
                     "--extract-tokens-per-s")
     written = (f"{plan.disk_write_gb_s:.2f} GB/s ({plan.disk_write_source})" if plan.disk_write_gb_s
                else f"? ({plan.disk_write_source})")
     extract = (f"{extract_line('bf16')}, {extract_line('fp8')}: the slower of the {prefill} and the disk's "
-               f"writes, {written}, over each format's bytes per token")
+               f"writes, {written}, over each format's bytes per token times stage 02's fraction of that bound "
+               f"({fractions}; {plan.disk_fraction_source})")
     regen = (f"{plan.regen_hours():,.1f} h at {plan.decode_tokens_per_s:,.0f} decode tokens/s ({plan.decode_rate_source})"
              if plan.decode_tokens_per_s else "hours = answer tokens / the target's decode rate at your batch "
                                               "(vLLM's throughput): give --decode-tokens-per-s")
@@ -415,6 +451,14 @@ def format_plan(plan: Plan) -> str:
     ])
 
 
+def fraction(text: str) -> float:
+    """argparse type: a number in (0, 1]."""
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text} is not in (0, 1]")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])
@@ -434,6 +478,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--disk-write-gb-s", type=float, help="the data disk's durable write rate in GB/s (python -m "
                         "eagle3_pipeline.disk_writes --dir WORK/data measures it): extraction is bound by the slower of "
                         "the prefill and these writes")
+    parser.add_argument("--extract-disk-fraction", type=fraction, help="the fraction of --disk-write-gb-s that stage "
+                        "02 reaches where the disk governs, both formats (default: the ratio_to_bound per format measured "
+                        "at Kimi-K2.5's width, bench/results/h200-extraction-kimi-width.json)")
     parser.add_argument("--slice-rows", type=int, help="the slice size to plan (run_all.sh --slice-rows; default: the "
                         "largest whose states fit the free disk)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -442,7 +489,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = make_plan(args.target, args.profile, args.work, args.rows, args.tokens_per_row, args.train_tokens_per_s,
                          args.disk_read_gb_s, args.extract_tokens_per_s, decode_tokens_per_s=args.decode_tokens_per_s,
                          answer_tokens_per_row=args.answer_tokens_per_row, free_disk_gb=args.free_disk_gb,
-                         slice_rows=args.slice_rows, disk_write_gb_s=args.disk_write_gb_s)
+                         slice_rows=args.slice_rows, disk_write_gb_s=args.disk_write_gb_s,
+                         extract_disk_fraction=args.extract_disk_fraction)
     except StageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
