@@ -30,6 +30,10 @@ bytes back during a long run anyway).
             (EAGLE3_LANDING_WRITEBACK on/off), in that order, each from scratch with its own (d) and `ratio_to_bound`;
             the first keeps the storage's name, the others are `<storage>_writer_<w>_writeback_<on|off>` in `storages`,
             all listed in `writer_writeback_ab`; with --engine-side, (c) once per writer too
+  timeline  with --disk-write, per (b): the disk's own writes sampled while stage 02 runs (/proc/diskstats,
+            benchlib/disk_timeline.py), its window (extraction + final flush) split into the disk busy (its rate then,
+            as a share of (d)'s) and idle before the first write, between writes and after the last (`disk_timeline`):
+            what keeps `ratio_to_bound` below 1, the disk waiting or the disk slower than alone
 
 Targets: `smollm2` (SmolLM2-135M-Instruct, bench/testbed.py; the wheel in --cache-dir/wheels or --gguf) and `kimi`
 (the Kimi-K2.5-shaped MLA/MoE miniature, eagle3_pipeline/miniature.py), or NAME=PATH for any target directory.
@@ -58,6 +62,7 @@ import time
 from pathlib import Path
 
 from benchlib import logged
+from benchlib.disk_timeline import DiskTimeline, split_line, split_window
 from benchlib.logged import float_after, log
 from eagle3_pipeline.disk_writes import LANDING_WRITEBACK_ENV, dirty_limits, measure_write_bandwidth
 from eagle3_pipeline.extract.vllm_backend import CONNECTOR_ENV, CONNECTOR_WRITERS, WRITER_ENV
@@ -240,6 +245,20 @@ def bound_of(figures: dict, prefill: dict) -> dict:
             "ratio_to_bound_page_cache": figures["tokens_per_s"] / page_cache_bound}
 
 
+def disk_split(timeline: DiskTimeline, counts, figures: dict) -> dict:
+    """Stage 02's window (extraction + final flush) on the disk that took its writes, against the disk's own rate
+    for the same files ((d), the better of its two ways, as `bound_of` takes it): `disk_timeline.split_window`."""
+    disk, series = timeline.busiest()
+    if not timeline.available or counts.extract_started_at is None or len(series) < 2:
+        why = ("no /proc/diskstats or no whole disk on this machine" if not timeline.available else
+               "stage 02's manifest has no extract_started_at" if counts.extract_started_at is None else "no samples")
+        return {"disk": disk, "unavailable": why}
+    start = counts.extract_started_at
+    disk_rate = max(way["device_gb_per_s"] for way in figures["disk"].values()) * 1e9
+    return {"disk": disk, "interval_s": timeline.interval_s,
+            **split_window(series, start, start + counts.extract_s + counts.sync_s, disk_rate, figures["bytes"])}
+
+
 def measure_target(name: str, args, work: Path, logs: Path, on_cpu: bool) -> dict:
     target = target_dir(name, args, logs)
     tag = name.split("=", 1)[0]
@@ -296,7 +315,8 @@ def measure_target(name: str, args, work: Path, logs: Path, on_cpu: bool) -> dic
         shutil.rmtree(data / "hidden_states", ignore_errors=True)  # a fresh extraction per variant
         name = f"{tag}-02" + ("" if variant == "dtype" else f"-{variant}")
         with extra_env(env or {}):
-            text, wall = run_logged(name, command, logs, timeout=args.timeout)
+            with DiskTimeline() as timeline:  # the disk's own writes while stage 02 runs (not its --validate)
+                text, wall = run_logged(name, command, logs, timeout=args.timeout)
             validated, _ = run_logged(f"{name}-validate", [*command, "--validate"], logs, timeout=args.timeout)
         counts = parse_manifest(data / "hidden_states" / "manifest.json").counts
         files = sorted((data / "hidden_states").glob("*.safetensors"))
@@ -314,6 +334,10 @@ def measure_target(name: str, args, work: Path, logs: Path, on_cpu: bool) -> dic
             figures["disk"] = {how: measure_write_bandwidth(work / tag / "disk-write", sizes, threads=args.disk_threads,
                                                             writeback=how == "writeback")
                                for how in ("writeback", "kernel_pace")}
+            figures["disk_timeline"] = disk_split(timeline, counts, figures)
+            log(f"{name} disk timeline ({figures['disk_timeline'].get('disk')}): "
+                + (split_line(figures["disk_timeline"]) if "window_s" in figures["disk_timeline"]
+                   else figures["disk_timeline"]["unavailable"]))
         return figures
 
     storages = {}
@@ -339,7 +363,9 @@ def measure_target(name: str, args, work: Path, logs: Path, on_cpu: bool) -> dic
             result["writer_writeback_ab"] = [
                 {"key": key, **{field: figures.get(field) for field in (
                     "storage", "writer", "writeback", "tokens_per_s", "device_tokens_per_s", "sync_s", "ratio_to_bound",
-                    "ratio_to_bound_page_cache")}}
+                    "ratio_to_bound_page_cache")},
+                 **{f"disk_{field}": (figures.get("disk_timeline") or {}).get(field) for field in (
+                     "busy_share", "busy_rate_share", "idle_before_first_write_s", "idle_after_last_write_s")}}
                 for key, figures in result["storages"].items() if key != "fp8_host_quantized"]
             for row in result["writer_writeback_ab"]:
                 log(f"{tag} A/B {row['storage']} writer {row['writer']} writeback {row['writeback']}: "

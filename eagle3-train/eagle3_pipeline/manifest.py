@@ -137,6 +137,9 @@ class ExtractCounts(_Strict):
     extracted_tokens: int | None = None
     extract_tokens_per_s: float | None = None
     sync_s: float | None = None
+    # wall clock (Unix seconds) when the extraction began: lines extract_s up with the disk's own counters
+    # (bench/benchlib/disk_timeline.py)
+    extract_started_at: float | None = None
     # rows by how they were landed (extract.common.land_sample): header, read_back, quantized_here, tensors
     landed: dict[str, int] | None = None
 

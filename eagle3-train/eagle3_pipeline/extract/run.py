@@ -97,7 +97,7 @@ def run_extraction(backend: ExtractionBackend, plan: ExtractPlan, hs_dir: Path, 
     landing_writeback()  # a bad EAGLE3_LANDING_WRITEBACK stops the run here, not in the first landing
     pending = list(plan.todo)
     failures: dict[int, str] = {}
-    started, landed_tokens, hows = time.monotonic(), 0, []
+    started, started_at, landed_tokens, hows = time.monotonic(), time.time(), 0, []
     writers = int(getattr(backend, "landing_threads", 1))
     with tqdm(total=len(plan.todo), desc="extract", unit="row") as bar:
         for attempt in range(retries + 1):
@@ -150,7 +150,8 @@ def run_extraction(backend: ExtractionBackend, plan: ExtractPlan, hs_dir: Path, 
     sync_filesystem(hs_dir)
     plan.counts.update(extract_s=round(seconds, 3), extracted_tokens=landed_tokens,
                        extract_tokens_per_s=round(landed_tokens / seconds, 1) if seconds > 0 else None,
-                       sync_s=round(time.monotonic() - synced, 3), landed=dict(Counter(hows)))
+                       sync_s=round(time.monotonic() - synced, 3), landed=dict(Counter(hows)),
+                       extract_started_at=round(started_at, 3))
     log.info("extracted %d token(s) in %.1fs: %.0f tokens/s (engine start excluded); flushed to disk in %.1fs",
              landed_tokens, seconds, landed_tokens / seconds if seconds > 0 else 0.0, plan.counts["sync_s"])
     return failures
