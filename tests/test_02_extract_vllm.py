@@ -614,6 +614,33 @@ def test_raw_writer_writes_save_files_bytes_from_the_tensors_memory(storage, tmp
                 assert torch.equal(read.view(torch.uint8), tensor.view(torch.uint8))
 
 
+@pytest.mark.parametrize("writeback", [False, True])
+def test_the_writer_thread_starts_the_files_writeback_only_when_asked(writeback, tmp_path, monkeypatch):
+    """EAGLE3_LANDING_WRITEBACK=writer: the connector's writer thread starts the file's writeback right after writing
+    it (before stage 02 lands it), on the finished file, then releases the row's lock; otherwise it leaves it."""
+    from safetensors.torch import load_file
+
+    from eagle3_pipeline.compat import hidden_states_connector as hsc
+
+    started, real = [], hsc.start_writeback
+
+    def spy(path):
+        started.append((str(path), Path(path).stat().st_size))  # the file is whole when its writeback starts
+        real(path)
+
+    monkeypatch.setattr(hsc, "start_writeback", spy)
+    tensors = {"hidden_states": torch.ones(5, 4, 8, dtype=torch.bfloat16), "token_ids": torch.arange(5)}
+    checks = torch.zeros(3, 4)
+    path = tmp_path / "row.safetensors"
+    lock_fd = os.open(f"{path}.lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+    hsc.CheckedHiddenStatesConnector._write_checked(hsc.WRITERS["safetensors"], tensors, checks, hsc._CompletedEvent(),
+                                                    str(path), lock_fd, writeback)
+    assert started == ([(str(path), path.stat().st_size)] if writeback else [])
+    assert load_file(str(path))["token_ids"].tolist() == list(range(5))
+    with pytest.raises(OSError):
+        os.fstat(lock_fd)  # closed: the lock is released
+
+
 def test_raw_writer_refuses_a_non_contiguous_tensor_naming_the_file(tmp_path):
     from eagle3_pipeline.disk_writes import write_safetensors
 

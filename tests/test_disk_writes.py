@@ -7,7 +7,14 @@ import sys
 
 import pytest
 
-from eagle3_pipeline.disk_writes import LANDING_WRITEBACK_ENV, landing_writeback, measure_write_bandwidth, start_writeback
+from eagle3_pipeline.disk_writes import (
+    LANDING_WRITEBACK_ENV,
+    landing_writeback,
+    measure_write_bandwidth,
+    start_writeback,
+    writeback_mode,
+    writer_writeback,
+)
 from eagle3_pipeline.errors import ConfigError
 
 
@@ -29,19 +36,20 @@ def test_start_writeback_keeps_the_file_as_it_is(tmp_path):
     assert path.read_bytes() == b"x" * 100_000
 
 
-def test_landing_writeback_is_on_unless_the_env_says_off(monkeypatch):
-    for value, expected in ((None, True), ("on", True), ("off", False)):
-        landing_writeback.cache_clear()
+def test_landing_writeback_is_on_unless_the_env_says_off_or_writer(monkeypatch):
+    for value, landing, writer in ((None, True, False), ("on", True, False), ("off", False, False),
+                                   ("writer", False, True)):
+        writeback_mode.cache_clear()
         if value is None:
             monkeypatch.delenv(LANDING_WRITEBACK_ENV, raising=False)
         else:
             monkeypatch.setenv(LANDING_WRITEBACK_ENV, value)
-        assert landing_writeback() is expected
-    landing_writeback.cache_clear()
+        assert (landing_writeback(), writer_writeback()) == (landing, writer)
+    writeback_mode.cache_clear()
     monkeypatch.setenv(LANDING_WRITEBACK_ENV, "no")
-    with pytest.raises(ConfigError, match=f"{LANDING_WRITEBACK_ENV}='no': expected on or off"):
+    with pytest.raises(ConfigError, match=f"{LANDING_WRITEBACK_ENV}='no': expected one of on, off, writer"):
         landing_writeback()
-    landing_writeback.cache_clear()  # later tests read their own environment
+    writeback_mode.cache_clear()  # later tests read their own environment
 
 
 def test_the_command_prints_the_rate_for_the_plan_and_cleans_up(tmp_path):

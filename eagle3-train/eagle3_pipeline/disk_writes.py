@@ -7,7 +7,8 @@ not by the forward pass (bench/README.md "Stage 02 at Kimi-K2.5's width"). Two t
   the kernel waits for its background threshold (10% of RAM by default: tens of GB on a GPU box) and a run's tail
   is one long flush; with it the disk is busy from the first file and the final flush (`sync_filesystem`)
   has little left. Elsewhere (not Linux) it does nothing. Stage 02 starts it per landed file unless
-  EAGLE3_LANDING_WRITEBACK=off (`landing_writeback`: the bench's A/B, `extraction_vs_prefill.py --writeback on off`).
+  EAGLE3_LANDING_WRITEBACK says `off` or `writer` (`writeback_mode`: the bench's A/B, `extraction_vs_prefill.py
+  --writeback on off writer`).
 - `write_safetensors(tensors, path, metadata)`: `safetensors.torch.save_file`'s file, byte for byte, written by one
   `os.writev` of the header and each tensor's own memory (the connector's writer with EAGLE3_CONNECTOR_WRITER=raw).
 - `measure_write_bandwidth(directory, sizes, threads, writeback)`: the disk's rate for files of those sizes, written
@@ -48,14 +49,30 @@ _SYNC_FILE_RANGE = _sync_file_range()
 LANDING_WRITEBACK_ENV = "EAGLE3_LANDING_WRITEBACK"
 
 
+# Who starts a stage 02 file's writeback (EAGLE3_LANDING_WRITEBACK): `on` stage 02 when it lands the file (the
+# default), `writer` our connector's writer thread right after writing it (earlier by the wait for the landing; other
+# backends' files then go at the kernel's pace), `off` nobody (the kernel's pace). The A/B: bench/extraction_vs_prefill.py
+# `--writeback on off writer`.
+WRITEBACK_MODES = ("on", "off", "writer")
+
+
 @functools.cache
-def landing_writeback() -> bool:
-    """Whether stage 02 starts each landed file's writeback (`start_writeback`): yes unless EAGLE3_LANDING_WRITEBACK
-    is `off` (its A/B in bench/extraction_vs_prefill.py `--writeback on off`). Read once per process."""
+def writeback_mode() -> str:
+    """EAGLE3_LANDING_WRITEBACK (default `on`), checked; read once per process."""
     value = os.environ.get(LANDING_WRITEBACK_ENV, "on")
-    if value not in ("on", "off"):
-        raise ConfigError(f"{LANDING_WRITEBACK_ENV}={value!r}: expected on or off")
-    return value == "on"
+    if value not in WRITEBACK_MODES:
+        raise ConfigError(f"{LANDING_WRITEBACK_ENV}={value!r}: expected one of {', '.join(WRITEBACK_MODES)}")
+    return value
+
+
+def landing_writeback() -> bool:
+    """Whether stage 02 starts each landed file's writeback (`start_writeback`) as it lands it."""
+    return writeback_mode() == "on"
+
+
+def writer_writeback() -> bool:
+    """Whether our connector's writer threads start each file's writeback right after writing it."""
+    return writeback_mode() == "writer"
 
 
 def start_writeback(path: Path) -> None:

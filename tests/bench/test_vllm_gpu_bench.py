@@ -105,6 +105,11 @@ def test_one_invocation_runs_stage_02_per_storage_writer_and_writeback_the_first
     assert runs[3]["env"] == {evp.WRITER_ENV: "raw", evp.LANDING_WRITEBACK_ENV: "off"}
     assert runs[3]["variant"] == "dtype-writer-raw-writeback-off"  # its logs' name
     assert [r["env"] for r in evp.stage_02_runs(["fp8"], ["raw"], None, stock_fp8=False)] == [{evp.WRITER_ENV: "raw"}]
+    # the writeback A/B with the connector-side start: one run per mode and storage, the mode in its env and key
+    modes = evp.stage_02_runs(["dtype", "fp8"], None, ["on", "off", "writer"], stock_fp8=False)
+    assert [r["key"] for r in modes] == ["dtype", "dtype_writeback_off", "dtype_writeback_writer",
+                                         "fp8", "fp8_writeback_off", "fp8_writeback_writer"]
+    assert modes[2]["env"] == {evp.LANDING_WRITEBACK_ENV: "writer"} and modes[2]["writeback"] == "writer"
 
 
 def test_the_extraction_bound_is_the_slower_of_the_prefill_and_the_disks_durable_bytes():

