@@ -14,6 +14,7 @@ the two nodes is then the same on every run, never a race left to the machine's 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -275,3 +276,67 @@ def test_a_node_counts_as_gone_only_when_its_lock_is_free_and_its_record_is_of_t
     assert here.gone() is None
     monkeypatch.setattr(nodes, "STALE_GRACE_S", 0)
     assert here.gone().startswith("node 1 of 2 (host h1, pid 7), not started again in 0 s since its stage 04 of ")
+
+
+def test_where_flock_is_per_node_a_beating_node_is_alive_and_a_silent_one_gone(tmp_path, monkeypatch, caplog):
+    """BeeGFS by default, NFS with local_lock=flock, Lustre with localflock: another node's lock always looks free.
+    Before heartbeats node 0 then took a live node 1 for killed and stopped the run at once."""
+    import logging
+
+    monkeypatch.setattr(nodes, "lock_is_free", lambda *args: True)  # this node never sees the other's lock
+    now = [100.0]
+    here = nodes.Presence(tmp_path, 0, 2, "h0:29500", clock=lambda: now[0])
+    _record(tmp_path, 1, status="starting", time=1.0, beat=0)  # (its clock far behind this node's: no matter)
+    assert here.gone() is None  # its first beat seen
+    now[0] += nodes.BEAT_S
+    _record(tmp_path, 1, status="starting", time=1.0, beat=1)
+    with caplog.at_level(logging.WARNING, logger="eagle3"):
+        assert here.gone() is None  # it beats
+    assert "is local to each node (node 1 beats while its lock looks free)" in caplog.text
+    now[0] += nodes.BEAT_STALE_S - 1
+    assert here.gone() is None  # no beat for a while, not yet BEAT_STALE_S
+    now[0] += 1
+    assert "is gone before the rendezvous: its stage 04 and all it started ended without a word" in here.gone()
+
+    # one that stops on an error says so: gone at once, beats or not
+    here = nodes.Presence(tmp_path, 0, 2, "h0:29500", clock=lambda: now[0])
+    _record(tmp_path, 1, status="error", error="/data: no such directory (--data)", time=1.0, beat=7)
+    assert here.gone() == "node 1 of 2 (host h1, pid 7) stopped before the rendezvous: /data: no such directory (--data)"
+
+
+def test_a_node_beats_while_starting_and_its_last_record_says_how_it_ended(tmp_path, monkeypatch):
+    monkeypatch.setattr(nodes, "BEAT_S", 0.02)
+    for fails in (False, True):
+        with contextlib.suppress(RuntimeError), nodes.presence(tmp_path, 1, 2):
+            deadline = time.monotonic() + 30
+            while (nodes.read_record(tmp_path, 1, 2) or {}).get("beat", 0) < 3:
+                assert time.monotonic() < deadline, "no heartbeat"
+                time.sleep(0.01)
+            assert nodes.read_record(tmp_path, 1, 2)["status"] == "starting"
+            if fails:
+                raise RuntimeError("a flag nobody knows")
+        ended = nodes.read_record(tmp_path, 1, 2)
+        assert ended["status"] == ("error" if fails else "ended") and ended["beat"] >= 3
+        assert ended["error"] == ("RuntimeError: a flag nobody knows" if fails else "it finished or found nothing to do")
+        time.sleep(0.1)  # five beat periods: none came after the last record
+        assert nodes.read_record(tmp_path, 1, 2) == ended
+
+
+def test_a_filesystem_without_flock_is_one_line_naming_the_lock_file(tmp_path, monkeypatch):
+    """Lustre mounted without flock answers ENOSYS, some NFS mounts ENOLCK: before, a traceback from fcntl."""
+    import errno
+
+    from eagle3_pipeline import files
+    from eagle3_pipeline.errors import StageError
+    from eagle3_pipeline.stage import lock_output
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(files.fcntl, "flock", no_locks)
+    with pytest.raises(StageError) as error:
+        lock_output(tmp_path / "ckpt")
+    line = str(error.value)
+    assert line.startswith(f"{tmp_path / 'ckpt' / '.eagle3.lock'}: locking it failed (No locks available): ")
+    assert "\n" not in line and "mount it with them" in line and error.value.exit_code == 74
+    assert not files.held_lock_fds()

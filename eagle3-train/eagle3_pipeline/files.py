@@ -242,6 +242,11 @@ def hold_lock(lock_file: Path, exclusive: bool = True) -> int:
     except BlockingIOError:
         os.close(fd)
         raise LockedError(str(lock_file)) from None
+    except OSError as exc:  # ENOLCK, ENOSYS, EOPNOTSUPP: a filesystem (or mount) without flock
+        os.close(fd)
+        raise PathError(f"{lock_file}: locking it failed ({exc.strerror or exc}): its filesystem does not take flock "
+                        f"locks, which keep two runs from writing one folder; mount it with them (Lustre: -o flock; "
+                        f"NFS: not nolock) or choose a folder on a filesystem that has them, then rerun") from None
     os.set_inheritable(fd, True)
     _held_locks[key] = fd
     return fd

@@ -21,7 +21,16 @@ changed since this node started, or its lock was seen held meanwhile) stops this
 line naming that node and why (its recorded error, or "killed"). An older record (that node not started
 again) counts after STALE_GRACE_S: its restart may simply be slower than this node's. Once every rank
 of the launch has written its record (ranks.py), the rendezvous is over and torchrun's own failure
-detection takes over (tests/test_04_multirank.py). The record is written in place, not as temp + rename:
+detection takes over (tests/test_04_multirank.py).
+
+Filesystems whose flock is local to each node (BeeGFS by default, NFS mounted with `local_lock=flock`, Lustre with
+`localflock`): there another node's lock always looks free, which alone would count a live node as gone. So a node
+also beats: while it is "starting" its record's `beat` counts up every BEAT_S. A node whose lock looks free but whose
+beat this node saw change within BEAT_STALE_S (by this node's own clock: the nodes' clocks need not agree) is alive;
+once this node has seen it beat with its lock looking free, it says once that the filesystem's locks are per node.
+A node killed there is seen gone when its beat stops (BEAT_STALE_S); one that stops on an error, at once (its record
+says so). Where flock works across nodes nothing changes: a lock seen held, then free, proves that node gone at once.
+The record is written in place, not as temp + rename:
 a temp would sit where node 0 sweeps, and nothing treats it as an output (readers skip a record caught
 half-written and read it again half a second later). Tests: tests/test_reliability_two_nodes.py.
 """
@@ -31,9 +40,11 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -44,6 +55,10 @@ from .ranks import read_exits
 POLL_S = 0.5
 STALE_GRACE_S = 60  # an earlier attempt's record of a node not started again: how long its restart may take
 TERM_GRACE_S = 5  # torchrun blocked in the rendezvous may not see SIGTERM: SIGKILL after this
+BEAT_S = 2.0  # a "starting" node rewrites its record (`beat` + 1) this often
+BEAT_STALE_S = 20.0  # a beat not seen changing for this long (this node's clock) no longer proves that node alive
+
+log = logging.getLogger("eagle3")
 
 
 def lock_path(out_dir: Path, node: int, nnodes: int) -> Path:
@@ -86,9 +101,13 @@ def error_line(exc: BaseException) -> str:
 class Presence:
     """This node's record in the shared --output, and what it knows of the others'."""
 
-    def __init__(self, out_dir: Path, node: int, nnodes: int, endpoint: str = ""):
+    def __init__(self, out_dir: Path, node: int, nnodes: int, endpoint: str = "", clock=time.monotonic):
         self.out_dir, self.node, self.nnodes, self.endpoint = Path(out_dir), node, nnodes, endpoint
+        self.clock = clock  # the watch's own time (tests pass their own)
         self.started = time.time()
+        self.beat = 0
+        self._beats: dict[int, tuple[object, float]] = {}  # node -> (its last beat seen, when it was first seen)
+        self._local_locks_said = False
         self.others = [n for n in range(nnodes) if n != node]
         self._before = {n: read_record(self.out_dir, n, nnodes) for n in self.others}  # earlier attempts' records
         # Seen running since this node started: its record is of this attempt, however old (it started first).
@@ -98,7 +117,7 @@ class Presence:
     def write(self, status: str, error: str = "") -> None:
         """Best effort (the stage's own error must never be masked by this record's)."""
         record = {"node": self.node, "host": socket.gethostname(), "pid": os.getpid(), "status": status,
-                  "error": error, "time": time.time()}
+                  "error": error, "time": time.time(), "beat": self.beat}
         with contextlib.suppress(OSError):
             self.out_dir.mkdir(parents=True, exist_ok=True)
             fd = os.open(record_path(self.out_dir, self.node, self.nnodes), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -106,6 +125,28 @@ class Presence:
                 os.write(fd, (json.dumps(record) + "\n").encode())
             finally:
                 os.close(fd)
+
+    def beating(self, stop: threading.Event) -> None:
+        """The heartbeat thread: rewrite the "starting" record every BEAT_S until `stop` is set."""
+        while not stop.wait(BEAT_S):
+            self.beat += 1
+            self.write("starting")
+
+    def _beats_alive(self, node: int, record: dict) -> bool:
+        """That node's beat, its lock looking free, changed within BEAT_STALE_S of this node's clock: alive."""
+        if record.get("status") != "starting" or "beat" not in record:
+            return False
+        now, beat = self.clock(), (record.get("pid"), record.get("beat"))
+        seen = self._beats.get(node)
+        if seen is None or seen[0] != beat:
+            if seen is not None and not self._local_locks_said:  # it beats while its lock looks free
+                self._local_locks_said = True
+                log.warning("flock on the filesystem of %s is local to each node (node %d beats while its lock "
+                            "looks free): nodes are watched by their heartbeats (a killed one is seen gone in %.0f s), "
+                            "and a second stage 04 started for a node on another machine is not refused",
+                            self.out_dir, node, BEAT_STALE_S)
+            self._beats[node] = seen = (beat, now)
+        return now - seen[1] < BEAT_STALE_S
 
     def _this_attempt(self, node: int, record: dict) -> bool:
         # Written since this node started (the nodes' clocks agree, as ranks.stopped_line assumes), or
@@ -129,6 +170,8 @@ class Presence:
             if not lock_is_free(self.out_dir, node, self.nnodes):
                 self._seen_alive.add(node)
                 continue
+            if node not in self._seen_alive and self._beats_alive(node, record):
+                continue  # its lock never seen held (locks may be per node), its heartbeat going on
             fresh = self._this_attempt(node, record) or node in self._seen_alive
             if not fresh and now - self._watch_started < STALE_GRACE_S:
                 continue  # an earlier attempt's record: that node may be starting again
@@ -150,14 +193,25 @@ class Presence:
 def presence(out_dir: Path, node: int, nnodes: int, endpoint: str = "") -> Iterator[Presence]:
     """Around a multi-node stage 04, entered once this node holds its node lock (a record of a node whose lock
     is free means that node is gone; and a second stage 04 started for the same node must not write it): "starting",
-    then how it ended; an exception is recorded as "error" with its one line, and re-raised."""
+    beating every BEAT_S (`Presence.beating`), then how it ended; an exception is recorded as "error" with its one
+    line, and re-raised."""
     here = Presence(out_dir, node, nnodes, endpoint)
     here.write("starting")
+    stop = threading.Event()
+    heart = threading.Thread(target=here.beating, args=(stop,), name="node-heartbeat", daemon=True)
+    heart.start()
+
+    def stop_beating() -> None:  # before the last record: a late beat must not overwrite how it ended
+        stop.set()
+        heart.join()
+
     try:
         yield here
     except BaseException as exc:
+        stop_beating()
         here.write("error", error_line(exc))
         raise
+    stop_beating()
     here.write("ended", "it finished or found nothing to do")
 
 
