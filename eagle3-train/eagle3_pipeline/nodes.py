@@ -160,7 +160,7 @@ class Presence:
         attempt (written or changed since this node started, or its lock was seen held meanwhile), or,
         older, has stayed as it was for STALE_GRACE_S of this node's watch (that node was not started again).
         """
-        now = time.monotonic()
+        now = self.clock()
         if self._watch_started is None:
             self._watch_started = now
         for node in self.others:
