@@ -5,10 +5,11 @@ only part of the disk's measured rate. Two different causes leave the same ratio
 time (nothing handed to it yet at the start, gaps while the engine computes, a drain at the end), or the disk busy
 all the time at a lower rate than it reaches alone (other writes beside the states, seeks between many files). The
 block layer's own counters tell them apart: `DiskTimeline` samples the sectors written of every whole disk
-(/proc/diskstats) in a thread; `split_window` takes the disk that wrote the most and, over stage 02's window (its
-manifest's `extract_started_at`, `extract_s` and `sync_s`), returns the seconds it was busy and idle (before its
-first write, between writes, after its last) and its rate while busy, as shares of the window and of the disk's
-own rate:  stage 02's rate to the device ~= bound x busy_share x busy_rate_share x file_bytes_share.
+(/proc/diskstats) in a thread, and `busiest` picks the disk that wrote the most; `split_window` takes that disk's
+series over stage 02's window (its manifest's `extract_started_at`, `extract_s` and `sync_s`) and returns the seconds
+it was busy and idle (before its first write, between writes, after its last) and its rate while busy, as shares of
+the window and of the disk's own rate:  stage 02's rate to the device ~= bound x busy_share x busy_rate_share x
+file_bytes_share.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class DiskTimeline:
     """Samples every whole disk's bytes written, every `interval_s`, while the `with` block runs.
 
     `samples` is [(time.time(), {disk: bytes written since the first sample})]; `available` is False where the
-    machine has no /proc/diskstats or no whole disk (then `split_window` says so instead of figures)."""
+    machine has no /proc/diskstats or no whole disk (nothing is sampled; the bench records why instead of figures)."""
 
     def __init__(self, interval_s: float = 0.05):
         self.interval_s = interval_s
