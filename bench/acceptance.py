@@ -981,7 +981,8 @@ def run_screen(args, bench: Bench, target: dict, started: float, load_start) -> 
                   "setup": {"train_conversations_1x": args.train_conversations, "epochs": args.screen_epochs,
                             "val_depth": args.screen_val_depth, "jobs": args.jobs, "loader_workers": args.screen_workers,
                             "timing_steps": args.screen_timing_steps, "vllm_top": args.screen_vllm_top, "vllm_k": k_top,
-                            "speed_rounds": args.screen_speed_rounds, "speed_ks": args.ks,
+                            "speed_rounds": args.screen_speed_rounds, "speed_repeats": args.screen_speed_repeats,
+                            "speed_ks": args.ks,
                             "recipes": recipes, "ours_draft": ours_draft, "ours_04_flags": list(map(str, flags)),
                             "plain_flags": plain_flags,
                             "screen_chat": {c: str(d) for c, d in chat_dirs.items()},
@@ -1028,7 +1029,7 @@ def screen_speed(args, bench: Bench, drafts_by_size: dict[str, dict[str, str]], 
     serving = sp.serving_settings(settings, bench.cpu)
     return {size: sp.measure_speed(bench.target, drafts, bench.work / "chat" / "eval_prompts.jsonl", args.ks,
                                    args.screen_speed_rounds, serving, draft_stamp, cache, save, bench.logs, log,
-                                   key_prefix=f"{size}x/")
+                                   key_prefix=f"{size}x/", repeats=args.screen_speed_repeats)
             for size, drafts in drafts_by_size.items() if drafts}
 
 
@@ -1076,7 +1077,8 @@ def run_screen_speed_only(args, bench: Bench, started: float, load_start) -> int
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "device": args.device,
                     "load_average_start": load_start, "load_average_end": os.getloadavg()},
         "wall_s": {"speed": time.perf_counter() - started},
-        "setup": {"speed_rounds": args.screen_speed_rounds, "speed_ks": args.ks, "vllm_settings": settings.__dict__}})
+        "setup": {"speed_rounds": args.screen_speed_rounds, "speed_repeats": args.screen_speed_repeats, "speed_ks": args.ks,
+                  "vllm_settings": settings.__dict__}})
     write_results(output, results)
     log(f"wrote {output}")
     return 0
@@ -1386,8 +1388,11 @@ def main() -> int:
                         help="print the screen table of a hold's unpacked records (its runs' epochs so far); runs nothing")
     screen.add_argument("--screen-speed-rounds", type=int, default=0, metavar="R",
                         help="after the tau and timing phases, vLLM output tokens/s of each draft measured in vLLM and "
-                             "of the target alone at each --ks: one engine at a time, a warm-up generate then a timed "
-                             "one, R rounds in rotated order (benchlib/speed.py); 0: off")
+                             "of the target alone at each --ks: one engine at a time, a warm-up generate then "
+                             "--screen-speed-repeats timed ones, R rounds in rotated order (benchlib/speed.py); 0: off")
+    screen.add_argument("--screen-speed-repeats", type=int, default=3, metavar="N",
+                        help="timed passes over the prompts per speed engine (one lasts seconds on a GPU, the engine's "
+                             "start a minute: repeats make each round's figure steadier at little cost)")
     screen.add_argument("--screen-speed-only", action="store_true",
                         help="only the speed phase (--screen-speed-rounds, default 3 here) on the drafts a --screen "
                              "in this --work measured in vLLM at max(--ks); trains nothing; merges `speed` into the "
@@ -1406,6 +1411,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.screen_speed_rounds < 0:
         parser.error("--screen-speed-rounds: a number of rounds, 0 or more")
+    if args.screen_speed_repeats < 1:
+        parser.error("--screen-speed-repeats: a number of timed passes, 1 or more")
     if args.screen_speed_only and not args.screen_speed_rounds:
         args.screen_speed_rounds = 3
     if args.screen_report:

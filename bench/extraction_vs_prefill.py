@@ -424,7 +424,7 @@ def machine() -> dict:
     return info
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])
@@ -453,9 +453,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="also (a''): (a) with vLLM's async scheduling off, as vLLM runs extract_hidden_states")
     parser.add_argument("--storages", nargs="+", choices=["dtype", "fp8"], default=["dtype"],
                         help="stage 02 once per storage (--storage), each from scratch; the first is (b)")
-    parser.add_argument("--stock-fp8", action="store_true",
+    parser.add_argument("--stock-fp8", action=argparse.BooleanOptionalAction, default=False,
                         help="with fp8 among --storages: also stage 02 fp8 with vLLM's stock connector (bf16 files read "
-                             "back and quantized on the host: what our connector's on-device quantization replaced)")
+                             "back and quantized on the host: what our connector's on-device quantization replaced); "
+                             "--no-stock-fp8 after it drops that run (h200_vllm_gpu.sh extract-width passes --stock-fp8)")
     parser.add_argument("--disk-write", action="store_true",
                         help="also (d): the disk's write rate for files of each storage's sizes, in the work dir, to the "
                              "page cache and to the device; each storage's ratio_to_bound = stage 02 / min(prefill, disk)")
@@ -470,6 +471,11 @@ def main(argv: list[str] | None = None) -> int:
                              "thread right after writing it; off = the kernel's pace), for each --writers")
     parser.add_argument("--timeout", type=float, default=900, help="per engine process (s)")
     parser.add_argument("--prefill-child", nargs=2, metavar=("REQUEST", "RESULT"), help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.prefill_child:
         prefill_child(*map(Path, args.prefill_child))

@@ -6,7 +6,9 @@ generate: the first engine after the baseline pays the box's warm-up (on the H20
 so its tokens/s is confounded with its place in the order. Here each round starts every engine once, alone, in an
 order rotated by one per round (round r starts at engine r mod n), so a place's cost is spread over the engines;
 each engine generates the prompts once untimed (the warm-up: vLLM's settings.warmup_prompts set to all of them),
-then once timed; on a GPU with CUDA graphs, as vLLM serves (serving_settings). At temperature 0 the rounds generate
+then `repeats` times timed (one pass over 96 prompts lasts ~3 s on the H200 against an engine start of ~60 s, so a
+single timing scatters by percents; the repeats cost little); on a GPU with CUDA graphs, as vLLM serves
+(serving_settings). At temperature 0 the rounds generate
 the same tokens, so tau must be equal across rounds: the summary records whether it was (and whether the outputs
 were), a check on the measurement itself.
 """
@@ -41,16 +43,27 @@ def outputs_digest(token_ids: Sequence[Sequence[int]]) -> str:
     return hashlib.sha256(json.dumps(token_ids).encode()).hexdigest()[:16]
 
 
+def stderr_of(values: Sequence[float]) -> float | None:
+    """The standard error of the values' mean (None under two values)."""
+    return statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else None
+
+
 def summarize(rounds: Sequence[Mapping], baseline_median: float | None = None) -> dict:
     """One engine's rounds (in round order) -> tokens/s per round, median, min, max, x the baseline's median, tau per
-    round and whether tau and the outputs were the same in every round (temperature 0: they must be)."""
+    round and whether tau and the outputs were the same in every round (temperature 0: they must be).
+    `stderr_tokens_per_s`: over the rounds' figures when there are several rounds (engine to engine, the honest
+    one), else over the one round's timed repeats (within one engine: a lower bound)."""
     tps = [r["tokens_per_s"] for r in rounds]
     taus = [r.get("tau") for r in rounds]
     out = {"rounds": len(rounds), "tokens_per_s": tps, "median_tokens_per_s": statistics.median(tps),
            "min_tokens_per_s": min(tps), "max_tokens_per_s": max(tps),
            "engine_start_s": [r["engine_start_s"] for r in rounds], "generate_s": [r["generate_s"] for r in rounds],
            "generated_tokens": [r["generated_tokens"] for r in rounds], "position": [r["position"] for r in rounds],
-           "outputs_equal_across_rounds": len({r["outputs_sha"] for r in rounds}) == 1}
+           "outputs_equal_across_rounds": len({r["outputs_sha"] for r in rounds}) == 1,
+           "repeat_tokens_per_s": [r.get("repeat_tokens_per_s") for r in rounds],
+           "outputs_equal_across_repeats": [r.get("outputs_equal_across_repeats", True) for r in rounds],
+           "stderr_tokens_per_s": stderr_of(tps) if len(tps) > 1 else stderr_of(rounds[0].get("repeat_tokens_per_s") or []),
+           "stderr_from": "rounds" if len(tps) > 1 else "repeats"}
     if any(t is not None for t in taus):
         out.update(tau=taus, tau_equal_across_rounds=len(set(taus)) == 1)
     if baseline_median:
@@ -68,7 +81,7 @@ def serving_settings(settings: VllmSettings, cpu: bool) -> VllmSettings:
 
 def measure_speed(target_dir, drafts: Mapping[str, str], prompts_path, ks: Sequence[int], rounds: int,
                   settings: VllmSettings, stamp: Callable[[str], str], cache: dict, save: Callable[[dict], None],
-                  log_dir: Path | None = None, log=print, key_prefix: str = "") -> dict:
+                  log_dir: Path | None = None, log=print, key_prefix: str = "", repeats: int = 1) -> dict:
     """`rounds` rounds of every engine (engine_names) one at a time, rotated; `cache` holds each finished (engine,
     round) under key_prefix + engine name with the draft's `stamp` and the settings, so a rerun runs only what is
     missing (`save` writes it after each engine). Returns the speed block: per draft and k the summary, and the
@@ -78,7 +91,8 @@ def measure_speed(target_dir, drafts: Mapping[str, str], prompts_path, ks: Seque
     warm = dataclasses.replace(settings, warmup_prompts=len(prompts))
     engines = engine_names(drafts, ks)
     names = list(engines)
-    same = json.dumps({"settings": dataclasses.asdict(warm), "prompts": outputs_digest(prompts)}, sort_keys=True)
+    same = json.dumps({"settings": dataclasses.asdict(warm), "prompts": outputs_digest(prompts),
+                       **({"repeats": repeats} if repeats > 1 else {})}, sort_keys=True)
     order = []
     for r in range(rounds):
         order.append(rotated(names, r))
@@ -91,13 +105,15 @@ def measure_speed(target_dir, drafts: Mapping[str, str], prompts_path, ks: Seque
             if str(r) in cache[key]["rounds"]:
                 continue
             log_path = str(log_dir / f"vllm-speed-{name}-r{r}.log") if log_dir else None
-            run = run_engine_isolated(target_dir, draft, k, prompts, warm, log_path)
+            run = run_engine_isolated(target_dir, draft, k, prompts, warm, log_path, timed_repeats=repeats)
             sd = run.get("spec_decode")
             cache[key]["rounds"][str(r)] = {
                 "round": r, "position": position, "tokens_per_s": run["tokens_per_s"], "generate_s": run["generate_s"],
                 "generated_tokens": run["generated_tokens"], "engine_start_s": run["engine_start_s"],
                 "tau": sd["mean_acceptance_length"] if sd else None,
-                "outputs_sha": outputs_digest(run["generated_token_ids"])}
+                "outputs_sha": outputs_digest(run["generated_token_ids"]),
+                "repeat_tokens_per_s": run.get("repeat_tokens_per_s"),
+                "outputs_equal_across_repeats": run.get("outputs_equal_across_repeats", True)}
             save(cache)
             log(f"  speed round {r + 1}/{rounds} #{position + 1} {name}: {run['tokens_per_s']:.1f} tokens/s"
                 + (f", tau {sd['mean_acceptance_length']:.3f}" if sd else "") + f", engine start {run['engine_start_s']:.0f} s")
@@ -113,26 +129,38 @@ def measure_speed(target_dir, drafts: Mapping[str, str], prompts_path, ks: Seque
             if not s["tau_equal_across_rounds"] or not s["outputs_equal_across_rounds"]:
                 log(f"  WARNING speed {label} k={k}: tau {s['tau']} or the outputs differ across rounds at temperature "
                     f"{settings.temperature} (the rounds did not generate the same tokens)")
-    return {"rounds": rounds, "ks": list(ks), "prompts": str(prompts_path), "num_prompts": len(prompts),
+    return {"rounds": rounds, "repeats": repeats, "ks": list(ks), "prompts": str(prompts_path), "num_prompts": len(prompts),
             "settings": dataclasses.asdict(warm), "drafts": dict(drafts), "order": order,
             "baseline": baseline, "by_draft": by_draft}
 
 
+def _se(summary: Mapping) -> str:
+    se = summary.get("stderr_tokens_per_s")
+    return "-" if se is None else f"{se:.1f}"
+
+
+def _same(summary: Mapping) -> str:
+    """yes: the same tokens (and tau) in every round and every timed repeat, as greedy decoding must give."""
+    repeats_equal = all(summary.get("outputs_equal_across_repeats") or [True])
+    return "yes" if summary.get("tau_equal_across_rounds", True) and summary["outputs_equal_across_rounds"] and repeats_equal else "NO"
+
+
 def format_speed(speed_by_size: Mapping[str, Mapping]) -> list[str]:
-    """The speed table: draft, k, median tokens/s over the rounds, its range, x the baseline's median, tau."""
+    """The speed table: draft, k, median tokens/s over the rounds, its standard error (stderr_from), its range, x the
+    baseline's median, tau."""
     lines = []
     for size, block in speed_by_size.items():
         base = block["baseline"]
         lines.append(f"serving speed at {size}x data: vLLM output tokens/s, one engine at a time, {block['rounds']} "
-                     f"rounds in rotated order, {block['num_prompts']} held-out prompts (median, min-max over rounds)")
-        lines.append(f"{'draft':<26} {'k':>2} {'tokens/s':>9} {'range':>15} {'x base':>7} {'tau':>7} {'same':>5}")
-        lines.append(f"{BASELINE:<26} {'-':>2} {base['median_tokens_per_s']:>9.1f} "
+                     f"rounds in rotated order x {block.get('repeats', 1)} timed passes, {block['num_prompts']} held-out "
+                     f"prompts (median over rounds; se over the {base.get('stderr_from', 'rounds')}; min-max over rounds)")
+        lines.append(f"{'draft':<26} {'k':>2} {'tokens/s':>9} {'se':>6} {'range':>15} {'x base':>7} {'tau':>7} {'same':>5}")
+        lines.append(f"{BASELINE:<26} {'-':>2} {base['median_tokens_per_s']:>9.1f} {_se(base):>6} "
                      f"{base['min_tokens_per_s']:>7.1f}-{base['max_tokens_per_s']:<7.1f} {1.0:>7.2f} {'-':>7} "
-                     f"{'yes' if base['outputs_equal_across_rounds'] else 'NO':>5}")
+                     f"{_same(base):>5}")
         for label, by_k in block["by_draft"].items():
             for k, s in sorted(by_k.items(), key=lambda kv: int(kv[0])):
-                same = s["tau_equal_across_rounds"] and s["outputs_equal_across_rounds"]
-                lines.append(f"{label:<26} {k:>2} {s['median_tokens_per_s']:>9.1f} "
+                lines.append(f"{label:<26} {k:>2} {s['median_tokens_per_s']:>9.1f} {_se(s):>6} "
                              f"{s['min_tokens_per_s']:>7.1f}-{s['max_tokens_per_s']:<7.1f} {s['speedup_median']:>7.2f} "
-                             f"{s['tau'][0]:>7.3f} {'yes' if same else 'NO':>5}")
+                             f"{s['tau'][0]:>7.3f} {_same(s):>5}")
     return lines

@@ -151,12 +151,40 @@ def repeated_ngram_fraction(outputs: Sequence[Sequence[int]], n: int = 4) -> flo
     return repeated / max(1, total)
 
 
+def _timed_pass(llm, requests: list, labels: list[str], greedy, with_draft: bool) -> tuple[list, dict, float, int]:
+    """One timed generation of every request, group by group: (token ids per request, per-group figures, seconds,
+    generated tokens)."""
+    generated: list[list[int]] = [[] for _ in requests]
+    by_group, generate_s = {}, 0.0
+    for group in sorted(set(labels)):
+        members = [i for i, label in enumerate(labels) if label == group]
+        group_before = spec_decode_counters(llm.get_metrics()) if with_draft else None
+        t0 = time.perf_counter()
+        outputs = llm.generate([requests[i] for i in members], greedy, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        generate_s += seconds
+        for i, output in zip(members, outputs):
+            generated[i] = list(output.outputs[0].token_ids)
+        tokens = sum(len(generated[i]) for i in members)
+        by_group[group] = {"num_prompts": len(members), "generated_tokens": tokens, "generate_s": seconds,
+                           "tokens_per_s": tokens / seconds}
+        if with_draft:
+            delta = counters_delta(group_before, spec_decode_counters(llm.get_metrics()))
+            # a group whose outputs all end at once verifies no draft: reported as such, not divided by zero
+            by_group[group]["spec_decode"] = summarize_spec_decode(delta) if delta["num_drafts"] > 0 else None
+    return generated, by_group, generate_s, sum(len(g) for g in generated)
+
+
 def run_engine(target_dir: str, draft_dir: str | None, num_speculative_tokens: int,
-               prompts: list[list[int]], settings: VllmSettings, groups: list[str] | None = None) -> dict:
+               prompts: list[list[int]], settings: VllmSettings, groups: list[str] | None = None,
+               timed_repeats: int = 1) -> dict:
     """One engine, in this process: greedy generation on `prompts`, timed, with counters.
 
     `groups` (one label per prompt, e.g. the prompt's kind) adds `by_group`: each group is
     generated on its own, so vLLM's counters and tokens/s can be read per group.
+    `timed_repeats` > 1 times the whole generation that many times in the one engine
+    (`repeat_tokens_per_s`): a small target's pass over the prompts lasts seconds, so one
+    timing scatters by several percent while the engine's start costs a minute.
     Call it through `run_engine_isolated` unless this process runs nothing else with vLLM.
     """
     from vllm import LLM, SamplingParams
@@ -189,37 +217,24 @@ def run_engine(target_dir: str, draft_dir: str | None, num_speculative_tokens: i
         llm.generate(requests[: settings.warmup_prompts], greedy, use_tqdm=False)
     before = spec_decode_counters(llm.get_metrics()) if draft_dir else None
     labels = groups if groups is not None else ["all"] * len(prompts)
-    generated: list[list[int]] = [[] for _ in prompts]
-    by_group, generate_s = {}, 0.0
-    for group in sorted(set(labels)):
-        members = [i for i, label in enumerate(labels) if label == group]
-        group_before = spec_decode_counters(llm.get_metrics()) if draft_dir else None
-        t0 = time.perf_counter()
-        outputs = llm.generate([requests[i] for i in members], greedy, use_tqdm=False)
-        seconds = time.perf_counter() - t0
-        generate_s += seconds
-        for i, output in zip(members, outputs):
-            generated[i] = list(output.outputs[0].token_ids)
-        tokens = sum(len(generated[i]) for i in members)
-        by_group[group] = {"num_prompts": len(members), "generated_tokens": tokens, "generate_s": seconds,
-                           "tokens_per_s": tokens / seconds}
-        if draft_dir:
-            delta = counters_delta(group_before, spec_decode_counters(llm.get_metrics()))
-            # a group whose outputs all end at once verifies no draft: reported as such, not divided by zero
-            by_group[group]["spec_decode"] = summarize_spec_decode(delta) if delta["num_drafts"] > 0 else None
-    num_tokens = sum(len(g) for g in generated)
+    passes = [_timed_pass(llm, requests, labels, greedy, draft_dir is not None) for _ in range(max(1, timed_repeats))]
+    generated, by_group, _, _ = passes[0]
+    generate_s = sum(p[2] for p in passes)
     result = {
         "draft": draft_dir,
         "num_speculative_tokens": num_speculative_tokens if draft_dir else 0,
         "num_prompts": len(prompts),
         "prompt_tokens": sum(len(p) for p in prompts),
-        "generated_tokens": num_tokens,
-        "generate_s": generate_s,
-        "tokens_per_s": num_tokens / generate_s,
+        "generated_tokens": sum(len(g) for g in generated),  # one pass's
+        "generate_s": generate_s,  # every pass's
+        "tokens_per_s": sum(p[3] for p in passes) / generate_s,
         "engine_start_s": engine_start_s,
         "repeated_4gram_fraction": repeated_ngram_fraction(generated, 4),
         "generated_token_ids": generated,
     }
+    if timed_repeats > 1:
+        result["repeat_tokens_per_s"] = [p[3] / p[2] for p in passes]
+        result["outputs_equal_across_repeats"] = all(p[0] == generated for p in passes)
     if groups is not None:
         result["by_group"] = by_group
     if draft_dir:
@@ -320,7 +335,8 @@ def _wait_engine(proc: subprocess.Popen) -> int:
 
 def run_engine_isolated(target_dir, draft_dir, num_speculative_tokens, prompts,
                         settings: VllmSettings, log_path: str | os.PathLike | None = None,
-                        env: Mapping[str, str] | None = None, groups: list[str] | None = None) -> dict:
+                        env: Mapping[str, str] | None = None, groups: list[str] | None = None,
+                        timed_repeats: int = 1) -> dict:
     """`run_engine` in a fresh Python process (its own process group, dying with this one); vLLM's output goes to
     `log_path`. An engine that fails raises `EngineFailed` quoting vLLM's reason from that log."""
     package_parent = str(Path(__file__).resolve().parents[1])  # eagle3-train/, for a bare clone
@@ -333,6 +349,7 @@ def run_engine_isolated(target_dir, draft_dir, num_speculative_tokens, prompts,
             "prompts": prompts,
             "settings": asdict(settings),
             "groups": groups,
+            "timed_repeats": timed_repeats,
         }))
         child_env = dict(os.environ)
         child_env["PYTHONPATH"] = os.pathsep.join(

@@ -141,6 +141,9 @@ def test_screen_end_to_end_on_a_tiny_target(llama_target, tmp_path):
     speed = results["speed"]["1"]
     assert set(speed["by_draft"]) == set(measured) and speed["order"][0][0] == "baseline" and len(speed["order"][0]) == 5
     assert all(1.0 <= s["3"]["tau"][0] <= 4.0 and s["3"]["speedup_median"] > 0 for s in speed["by_draft"].values())
+    # three timed passes per engine by default (--screen-speed-repeats), the same tokens in each (greedy)
+    assert speed["repeats"] == 3 and all(len(s["3"]["repeat_tokens_per_s"][0]) == 3 and s["3"]["outputs_equal_across_repeats"]
+                                         == [True] and s["3"]["stderr_from"] == "repeats" for s in speed["by_draft"].values())
     assert "serving speed at 1x data" in result.stdout
     trained = {p: p.stat().st_mtime_ns for p in work.glob("screen-*/bench-run.json")}
     again = subprocess.run([*cmd[:2], "--screen-speed-only", "--screen-speed-rounds", "1", "--target", str(llama_target),

@@ -42,9 +42,26 @@ def test_the_summary_is_the_median_over_rounds_against_the_baselines_median_with
     block = {"rounds": 3, "num_prompts": 6, "baseline": base, "by_draft": {"ours": {"5": draft, "3": draft}}}
     lines = sp.format_speed({"1": block})
     assert lines[0].startswith("serving speed at 1x data") and "3 rounds" in lines[0]
-    assert lines[2].split()[:3] == ["baseline", "-", "110.0"]
+    assert lines[2].split()[:4] == ["baseline", "-", "110.0", "5.8"]  # se over the rounds: stdev 10 / sqrt 3
     assert [line.split()[:2] for line in lines[3:]] == [["ours", "3"], ["ours", "5"]]  # k in order
-    assert lines[3].split()[2:] == ["220.0", "200.0-260.0", "2.00", "2.500", "yes"]
+    assert lines[3].split()[2:] == ["220.0", "17.6", "200.0-260.0", "2.00", "2.500", "yes"]
+
+
+def test_one_round_takes_its_standard_error_from_the_engines_timed_repeats_and_flags_unequal_outputs():
+    """A single round's figure is one engine's: its se comes from that engine's timed passes (a lower bound, named
+    as such: stderr_from), and passes that generated other tokens make the row say NO."""
+    one = {**_round(0, 105.0, 2.5), "repeat_tokens_per_s": [100.0, 110.0, 105.0], "outputs_equal_across_repeats": True}
+    s = sp.summarize([one], 50.0)
+    assert s["stderr_from"] == "repeats" and s["stderr_tokens_per_s"] == pytest.approx(5.0 / 3 ** 0.5)
+    assert s["repeat_tokens_per_s"] == [[100.0, 110.0, 105.0]] and s["speedup_median"] == pytest.approx(2.1)
+    bare = sp.summarize([_round(0, 105.0, 2.5)], 50.0)  # one round, one pass: no se at all
+    assert bare["stderr_tokens_per_s"] is None
+    flipped = sp.summarize([{**one, "outputs_equal_across_repeats": False}], 50.0)
+    block = {"rounds": 1, "repeats": 3, "num_prompts": 6, "baseline": bare, "by_draft": {"ours": {"5": s}, "x": {"5": flipped}}}
+    lines = sp.format_speed({"1": block})
+    assert "1 rounds in rotated order x 3 timed passes" in lines[0] and "se over the repeats" in lines[0]
+    assert lines[2].split()[3] == "-" and lines[3].split()[3] == "2.9" and lines[3].split()[-1] == "yes"
+    assert lines[4].split()[-1] == "NO"
 
 
 def test_speed_only_without_a_screen_in_the_work_dir_is_refused_in_one_line(tmp_path):

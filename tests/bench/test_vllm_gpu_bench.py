@@ -110,6 +110,9 @@ def test_one_invocation_runs_stage_02_per_storage_writer_and_writeback_the_first
     assert [r["key"] for r in modes] == ["dtype", "dtype_writeback_off", "dtype_writeback_writer",
                                          "fp8", "fp8_writeback_off", "fp8_writeback_writer"]
     assert modes[2]["env"] == {evp.LANDING_WRITEBACK_ENV: "writer"} and modes[2]["writeback"] == "writer"
+    # h200_vllm_gpu.sh extract-width passes --stock-fp8 before the caller's flags: a later --no-stock-fp8 drops that run
+    parsed = evp.build_parser().parse_args(["--work", "w", "--storages", "dtype", "fp8", "--stock-fp8", "--no-stock-fp8"])
+    assert parsed.stock_fp8 is False and evp.build_parser().parse_args(["--stock-fp8"]).stock_fp8 is True
 
 
 def test_the_extraction_bound_is_the_slower_of_the_prefill_and_the_disks_durable_bytes():
