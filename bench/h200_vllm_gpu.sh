@@ -47,7 +47,8 @@
 #   bash bench/h200_vllm_gpu.sh screen-start [flags]   the same, detached; wait with acceptance-wait (with
 #                                                  --screen-speed-only [--screen-speed-rounds R]: only the speed phase
 #                                                  on the drafts this hold's screen measured; nothing trained)
-# Several detached jobs at once (each in /root/jobs/NAME, its $OUT; they share the GPU):
+# Several detached jobs at once (each in /root/jobs/NAME, its $OUT; they share the GPU). Every wait leaves at most 8
+# files in $OUT (what the device returns): past 8, all but the *.json results are packed into $OUT/extras.tgz.
 #   bash bench/h200_vllm_gpu.sh testbed                the GGUF parts + prompts -> the SmolLM2 folder, once per box
 #                                                  (before jobs start: they would assemble the same files at once)
 #   bash bench/h200_vllm_gpu.sh job-start NAME SUBCOMMAND [flags]   any subcommand below, detached
@@ -69,6 +70,7 @@ SITE=/root/site
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
 GGUF_SHA256=$(sed -n 's/^GGUF_SHA256 = "\([0-9a-f]*\)".*/\1/p' bench/testbed.py)  # the one pinned digest
 BG_OUT=/root/acceptance-out
+JOBS=${H200_JOBS_DIR:-/root/jobs}  # the detached jobs' folders (another only for the tests)
 TRAIN_OUT=/root/train-out
 TRAIN_WHEELS=(pydantic- pydantic_core- annotated_types- typing_extensions- typing_inspection- openai-3 httpx2- httpcore2-
               truststore- jiter- distro- sniffio- anyio- h11- idna-)
@@ -87,6 +89,16 @@ wait_for() {  # wait_for DIR SECONDS NAME: until DIR/rc exists (at most SECONDS)
   OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
   cp "$dir"/*.json "$dir"/*.png "$dir"/*.log "$dir"/*.txt "$dir"/*.tgz "$dir"/rc "$OUT"/ 2>/dev/null
   if [ -f "$dir/rc" ]; then echo "$name finished, rc $(cat "$dir/rc")"; else echo "$name still running after ${waited}s"; fi
+}
+fit_out() {  # the device brings back at most 8 files from $OUT (2026-12-05: a job-wait's 13 left the results behind):
+             # past 8, every file but the *.json results goes into one extras.tgz (same relative paths)
+  [ "$(find "$OUT" -type f | wc -l)" -le 8 ] && return 0
+  local scratch; scratch=$(mktemp -d)
+  (cd "$OUT" && find . -type f ! -name '*.json' > "$scratch/list" && tar czf "$scratch/extras.tgz" -T "$scratch/list" \
+    && xargs -d '\n' rm -f < "$scratch/list" && mv "$scratch/extras.tgz" extras.tgz && find . -mindepth 1 -type d -empty -delete)
+  echo "fit_out: $(wc -l < "$scratch/list") files packed into $OUT/extras.tgz (the device returns at most 8)"
+  rm -rf "$scratch"
+  [ "$(find "$OUT" -type f | wc -l)" -le 8 ] || echo "fit_out: still over 8 files in $OUT (too many results JSON)" >&2
 }
 testbed_inputs() {  # the GGUF reassembled from its parts (only when its sha256 matches) and the prompts, once per box
   mkdir -p /root/gguf
@@ -131,22 +143,23 @@ case "$cmd" in
     PYTHONPATH=$SITE python3 bench/testbed.py --gguf "/root/gguf/$GGUF_NAME" || exit 1 ;;
   job-start)
     name=${1:?job name}; shift
-    detach "/root/jobs/$name" bash "$0" "$@" ;;
+    detach "$JOBS/$name" bash "$0" "$@" ;;
   job-wait)
     limit=${1:?seconds}; shift
     waited=0
     while [ "$waited" -lt "$limit" ]; do
-      left=0; for name in "$@"; do [ -f "/root/jobs/$name/rc" ] || left=1; done
+      left=0; for name in "$@"; do [ -f "$JOBS/$name/rc" ] || left=1; done
       [ "$left" = 0 ] && break
       sleep 5; waited=$((waited + 5))
     done
     OUT=${OUT:-/tmp/out}
     for name in "$@"; do
-      mkdir -p "$OUT/$name" && cp -r /root/jobs/"$name"/. "$OUT/$name/" 2>/dev/null
-      if [ -f "/root/jobs/$name/rc" ]; then echo "$name finished, rc $(cat "/root/jobs/$name/rc")"
+      mkdir -p "$OUT/$name" && cp -r "$JOBS/$name"/. "$OUT/$name/" 2>/dev/null
+      if [ -f "$JOBS/$name/rc" ]; then echo "$name finished, rc $(cat "$JOBS/$name/rc")"
       else echo "$name still running after ${waited}s"; fi
-      tail -n 8 "/root/jobs/$name/driver.log" 2>/dev/null
-    done ;;
+      tail -n 8 "$JOBS/$name/driver.log" 2>/dev/null
+    done
+    fit_out ;;
   regenerate)
     name=${1:?regeneration name}; shift
     export PYTHONPATH=$SITE VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
@@ -176,7 +189,8 @@ case "$cmd" in
       curves-*-plain/metrics.jsonl vllm-curves.json host-memory.json screen-*/bench-run.json screen-*/checkpoints/metrics.jsonl \
       screen-*-plain/metrics.jsonl screen-*/checkpoints/*/val_metrics.json screen-*-plain/*/val_metrics.json \
       screen-timing.json screen-positions.json vllm-screen.json speed-screen.json 2>/dev/null)
-    tail -n 40 "$BG_OUT/bench.log" 2>/dev/null ;;
+    tail -n 40 "$BG_OUT/bench.log" 2>/dev/null
+    fit_out ;;
   prepare-train)  # here: speculators' imports that the image lacks, out of the vLLM bundle's parts
     rm -rf .dev/trainwhl && mkdir -p .dev/trainwhl
     patterns=(); for w in "${TRAIN_WHEELS[@]}"; do patterns+=("./$w*.whl"); done
@@ -192,7 +206,8 @@ case "$cmd" in
       python3 bench/train_throughput.py --results "$TRAIN_OUT" "$@" ;;
   train-wait)
     wait_for "$TRAIN_OUT" "${1:?seconds}" bench-train
-    tail -n 60 "$TRAIN_OUT/driver.log" 2>/dev/null ;;
+    tail -n 60 "$TRAIN_OUT/driver.log" 2>/dev/null
+    fit_out ;;
   run|acceptance|extract-vs-prefill|extract-width|curves|screen)
     export PYTHONPATH=$SITE VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
       VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1

@@ -37,7 +37,7 @@ from eagle3_pipeline.eval_report import (
     refuse_output_inside,
     write_plot,
 )
-from eagle3_pipeline.evaluate import VllmSettings, measure_acceptance
+from eagle3_pipeline.evaluate import VllmSettings, gpu_memory_args, measure_acceptance
 from eagle3_pipeline.export import DRAFT_FILES
 from eagle3_pipeline.files import (
     atomic_write_json,
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     if target.is_multimodal_wrapper:
         extra["language_model_only"] = True  # Kimi-K2.5: text only, no vision tower (as the serve command)
     if probe_gpus():
-        extra["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+        extra.update(gpu_memory_args(cfg.gpu_memory_utilization, cfg.kv_cache_memory_gib))
     settings = VllmSettings(max_tokens=cfg.max_tokens, max_model_len=cfg.max_model_len, dtype=cfg.dtype,
                             max_num_seqs=cfg.max_num_seqs, kv_cache_gib=cfg.cpu_kv_cache_gib, seed=cfg.seed,
                             enforce_eager=cfg.enforce_eager, warmup_prompts=1, temperature=cfg.temperature,

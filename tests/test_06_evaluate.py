@@ -336,6 +336,26 @@ def test_an_engine_failure_reads_as_vllms_own_reason_not_its_wrappers():
     assert engine_failure_reason("INFO started\nKilled\n") is None
 
 
+def test_vllms_memory_profiling_failure_on_a_shared_gpu_names_the_remedy_and_the_flag_fixes_the_kv_cache():
+    """The H200 hold of 2026-12-05: 06 started beside another job's engines and vLLM stopped in its memory profiling
+    (these lines are that log's); the one-line error now says what to do, and --kv-cache-memory-gib (02 and 06 alike)
+    gives vLLM a fixed KV cache, which it does not size by profiling."""
+    from eagle3_pipeline.config import EvaluateConfig
+    from eagle3_pipeline.evaluate import engine_failure_reason, failure_remedy, gpu_memory_args
+
+    log = ("(EngineCore pid=6938) AssertionError: Error in memory profiling. Initial free memory 115.98 GiB, current "
+           "free memory 118.51 GiB. This happens when other processes sharing the same container release GPU memory "
+           "while vLLM is profiling during initialization. To fix this, ensure consistent GPU memory allocation or "
+           "isolate vLLM in its own container.\nTraceback (most recent call last):\n    raise RuntimeError(\n"
+           "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}\n")
+    reason = engine_failure_reason(log)
+    assert reason.startswith("AssertionError: Error in memory profiling. Initial free memory 115.98 GiB")
+    assert "--kv-cache-memory-gib" in failure_remedy(reason) and failure_remedy("ValueError: other") is None
+    assert gpu_memory_args(0.15, None) == {"gpu_memory_utilization": 0.15}
+    assert gpu_memory_args(0.9, 4) == {"gpu_memory_utilization": 0.9, "kv_cache_memory_bytes": 4 * 2**30}
+    assert EvaluateConfig.model_fields["kv_cache_memory_gib"].default is None
+
+
 def _parent_of(pid: int) -> int | None:
     try:
         return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])

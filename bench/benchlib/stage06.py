@@ -58,6 +58,8 @@ def stage06_flags(settings: dict, gpu: bool) -> list[str]:
     extra = settings.get("extra_engine_args") or {}
     if gpu and "gpu_memory_utilization" in extra:
         flags += ["--gpu-memory-utilization", extra["gpu_memory_utilization"]]
+    if gpu and extra.get("kv_cache_memory_bytes"):  # the bench's fixed KV cache: no memory profiling beside other jobs
+        flags += ["--kv-cache-memory-gib", extra["kv_cache_memory_bytes"] / 2**30]
     if not gpu:
         flags += ["--cpu-kv-cache-gib", settings["kv_cache_gib"]]
     return [str(f) for f in flags]

@@ -243,6 +243,28 @@ def run_engine(target_dir: str, draft_dir: str | None, num_speculative_tokens: i
     return result
 
 
+def gpu_memory_args(gpu_memory_utilization: float, kv_cache_memory_gib: float | None) -> dict:
+    """vLLM's GPU memory settings (02 and 06): the fraction, and a fixed KV cache when given. With one, vLLM does not
+    size the cache by profiling free memory, which counts what other processes on a shared GPU take or free meanwhile
+    as its own (on the H200, 06 beside another job's engines stopped with "Error in memory profiling")."""
+    args: dict = {"gpu_memory_utilization": gpu_memory_utilization}
+    if kv_cache_memory_gib:
+        args["kv_cache_memory_bytes"] = int(kv_cache_memory_gib * 2**30)
+    return args
+
+
+# vLLM's reasons with a remedy the user can act on, by a phrase of the reason
+_REMEDIES = {
+    "Error in memory profiling": "another process changed the GPU's memory while vLLM measured it: run with the GPU "
+                                 "to this stage alone, or give a fixed KV cache (--kv-cache-memory-gib)",
+}
+
+
+def failure_remedy(reason: str | None) -> str | None:
+    """What to do about a failed engine's reason, where there is a known remedy."""
+    return next((remedy for phrase, remedy in _REMEDIES.items() if reason and phrase in reason), None)
+
+
 class EngineFailed(StageError, RuntimeError):
     """A vLLM engine exited with an error (it refused the model, the draft or a setting): one line quoting its reason
     and naming its log; exit code 1 (a RuntimeError still, for the bench scripts that catch one)."""
@@ -380,9 +402,10 @@ def run_engine_isolated(target_dir, draft_dir, num_speculative_tokens, prompts,
             reason = None
             if log_path and Path(log_path).is_file():
                 reason = engine_failure_reason(Path(log_path).read_text(errors="replace")[-200_000:])
+            remedy = failure_remedy(reason)
             raise EngineFailed(
                 f"vLLM's engine ({where}) exited {returncode}: {reason or 'no error line in its log'}; "
-                f"see {log_path or 'its log (no log_path given)'}"
+                + (f"{remedy}; " if remedy else "") + f"see {log_path or 'its log (no log_path given)'}"
             )
         return json.loads(result_path.read_text())
 

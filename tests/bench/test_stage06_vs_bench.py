@@ -57,7 +57,8 @@ def test_stage06_gets_the_bench_engine_settings():
                             extra_engine_args={"gpu_memory_utilization": 0.15, "kv_cache_memory_bytes": 4 * 2**30})
     gpu = s06.stage06_flags(asdict(settings), gpu=True)
     assert " ".join(gpu) == ("--max-tokens 128 --max-model-len 2048 --dtype bfloat16 --max-num-seqs 16 --seed 0 "
-                             "--temperature 0.0 --enforce-eager --no-baseline --gpu-memory-utilization 0.15")
+                             "--temperature 0.0 --enforce-eager --no-baseline --gpu-memory-utilization 0.15 "
+                             "--kv-cache-memory-gib 4.0")
     cpu = s06.stage06_flags(asdict(VllmSettings(enforce_eager=False, kv_cache_gib=3)), gpu=False)
     assert "--no-enforce-eager" in cpu and cpu[-2:] == ["--cpu-kv-cache-gib", "3"]
 

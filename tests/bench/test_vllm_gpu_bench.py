@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -127,3 +129,32 @@ def test_the_extraction_bound_is_the_slower_of_the_prefill_and_the_disks_durable
     slow_prefill = evp.bound_of(stage_02, {"tokens_per_s": 20_000})
     assert slow_prefill["bound"] == "prefill" and slow_prefill["ratio_to_bound"] == 1.5
     assert evp.bound_of({"device_tokens_per_s": 1.0}, {"tokens_per_s": 2.0}) == {}  # no disk measured: no bound
+
+
+def test_a_job_wait_leaves_at_most_eight_files_for_the_device_to_return_the_results_json_among_them(tmp_path):
+    """Fails before fit_out: the 2026-12-05 hold's job-wait left 13 files in $OUT, and the device (which returns at most
+    8) left the job's results JSON behind. Past 8 files, all but the *.json go into one extras.tgz."""
+    import tarfile
+
+    jobs, out = tmp_path / "jobs", tmp_path / "out"
+    job = jobs / "vs06"
+    (job / "sub").mkdir(parents=True)
+    (job / "gpu-acceptance-smollm2.json").write_text('{"tau": 1.6}')
+    for i in range(9):
+        (job / f"engine-{i}.log").write_text(f"log {i}\n")
+    (job / "sub" / "deep.txt").write_text("kept in the archive")
+    (job / "rc").write_text("0\n")
+    env = {**os.environ, "H200_JOBS_DIR": str(jobs), "OUT": str(out)}
+    result = subprocess.run(["bash", str(REPO / "bench" / "h200_vllm_gpu.sh"), "job-wait", "0", "vs06"], env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "vs06 finished, rc 0" in result.stdout and "11 files packed" in result.stdout
+    files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    assert files == ["extras.tgz", "vs06/gpu-acceptance-smollm2.json"]
+    with tarfile.open(out / "extras.tgz") as archive:
+        names = sorted(archive.getnames())
+    assert "./vs06/rc" in names and "./vs06/sub/deep.txt" in names and len(names) == 11
+    small = tmp_path / "small"  # at most 8 files: left as they are
+    subprocess.run(["bash", str(REPO / "bench" / "h200_vllm_gpu.sh"), "job-wait", "0", "none"],
+                   env={**env, "OUT": str(small)}, capture_output=True, text=True, timeout=60, check=True)
+    assert not (small / "extras.tgz").exists()

@@ -387,6 +387,9 @@ class EvaluateConfig(StageConfig):
                                                "(exit 6)", ge=0, le=1, identity=True)
     max_num_seqs: int = _field(16, "vLLM max_num_seqs (prompts decoded at once)", ge=1, identity=False)
     gpu_memory_utilization: float = _field(0.9, "vLLM gpu_memory_utilization (GPU only)", gt=0, le=1, identity=False)
+    kv_cache_memory_gib: Optional[float] = _field(
+        None, "GPU: the KV cache's size in GiB instead of vLLM's memory profiling (which counts other "
+        "processes' memory on a shared GPU as its own and can stop the engine)", gt=0, identity=False)
     enforce_eager: bool = _field(False, "no CUDA graphs / torch.compile in vLLM (the CPU profile sets it: compiling "
                                         "costs minutes on a few cores)", identity=False)
     cpu_kv_cache_gib: int = _field(1, "vLLM's CPU KV cache in GiB (CPU only: VLLM_CPU_KVCACHE_SPACE)", ge=1, identity=False)

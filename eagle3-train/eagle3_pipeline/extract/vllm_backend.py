@@ -50,6 +50,7 @@ from typing import Iterator
 
 from ..config.schema import SCRIPTS_DIR, ExtractConfig
 from ..errors import ConfigError, InputError, StageError
+from ..evaluate import gpu_memory_args
 from ..target import TargetInfo
 from .common import ExtractedSample
 
@@ -352,9 +353,7 @@ def engine_kwargs(cfg: ExtractConfig, target: TargetInfo, layer_ids: list[int], 
                                                cfg.writer_threads),
     }
     if not on_cpu:
-        kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization  # on CPU: VLLM_CPU_KVCACHE_SPACE
-        if cfg.kv_cache_memory_gib:
-            kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_memory_gib * 2**30)
+        kwargs.update(gpu_memory_args(cfg.gpu_memory_utilization, cfg.kv_cache_memory_gib))  # CPU: VLLM_CPU_KVCACHE_SPACE
     if cfg.attention_backend:
         kwargs["attention_backend"] = cfg.attention_backend
     elif on_cpu and target.is_mla and cfg.dtype == "float32":
