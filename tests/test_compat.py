@@ -26,6 +26,7 @@ _APPLY_AND_LOOK = textwrap.dedent("""
     import speculators.train.cli as cli
     import speculators.train.dataloader as dataloader
     import speculators.train.trainer as trainer
+    import speculators.train.checkpointer as ckpt
     from speculators.losses import fused
     from speculators.models import attention
     from speculators.models.eagle3 import Eagle3DraftModel
@@ -38,6 +39,7 @@ _APPLY_AND_LOOK = textwrap.dedent("""
         "fused_loss": shared_before and fused.loss_backward_kernel.configs is not fused.loss_forward_kernel.configs,
         "flex_forward_config": hasattr(attention.flex_attention, "wrapped"),
         "interrupt_progress": bool(getattr(trainer.Trainer, "_eagle3_progress", False)),
+        "resume_agreement": bool(getattr(ckpt.BaseCheckpointer._get_previous_epoch, "_eagle3_resume_agreement", False)),
         "samples_record": bool(getattr(trainer.Trainer, "_eagle3_samples_record", False)),
         "metrics_jsonl": hasattr(cli.setup_metric_logger, "wrapped"),
         "device_prefetch": bool(getattr(cli.create_train_val_loaders, "_device_prefetch", False)),
@@ -67,7 +69,7 @@ def test_apply_returns_the_name_of_every_change_it_made_and_no_other(tmp_path):
     # Gated by the machine: the CPU shim exactly without an accelerator, the GPU pieces only with CUDA.
     assert ("cpu_trainer" in report["applied"]) == (torch.accelerator.current_accelerator() is None)
     assert ("device_prefetch" in report["applied"]) == torch.cuda.is_available()
-    assert {"interrupt_progress", "samples_record", "metrics_jsonl", "sample_check", "finite_loss",
+    assert {"interrupt_progress", "resume_agreement", "samples_record", "metrics_jsonl", "sample_check", "finite_loss",
             "val_depth", "feature_noise"} <= set(report["applied"])
     assert "online_generation" not in report["applied"]  # files mode (no EAGLE3_HIDDEN_STATES): speculators untouched
 

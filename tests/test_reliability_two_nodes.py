@@ -340,3 +340,69 @@ def test_a_filesystem_without_flock_is_one_line_naming_the_lock_file(tmp_path, m
     assert line.startswith(f"{tmp_path / 'ckpt' / '.eagle3.lock'}: locking it failed (No locks available): ")
     assert "\n" not in line and "mount it with them" in line and error.value.exit_code == 74
     assert not files.held_lock_fds()
+
+
+RESUME_RANK = textwrap.dedent('''
+    """One rank of a 2-rank gloo group: which checkpoint speculators resumes from, seen from this rank's --output."""
+    import json, logging, os, sys, types
+    from pathlib import Path
+    import torch.distributed as dist
+    from speculators.train import checkpointer, trainer
+    from eagle3_pipeline.compat import resume_agreement
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    if sys.argv[2] == "agreed":
+        assert resume_agreement.apply()
+    dist.init_process_group("gloo")
+    path = Path(sys.argv[1])
+    ckpt = types.SimpleNamespace(path=path)
+    ckpt.previous_epoch = checkpointer.BaseCheckpointer._get_previous_epoch(ckpt)
+    state_of = lambda epoch: path / str(epoch) / "training_state.json"
+    owner = types.SimpleNamespace(checkpointer=ckpt, _training_state_path=state_of)
+    state = trainer.Trainer._load_training_state(owner)
+    print(json.dumps({"rank": dist.get_rank(), "epoch": ckpt.previous_epoch, "state": state}))
+    dist.destroy_process_group()
+''')
+
+
+def _checkpoints(root: Path, states: dict[int, dict]) -> Path:
+    """A --output as one node sees it: epoch folders, each with its training_state.json."""
+    for epoch, state in states.items():
+        (root / str(epoch)).mkdir(parents=True)
+        (root / str(epoch) / "training_state.json").write_text(json.dumps(state))
+    return root
+
+
+def _resume_ranks(tmp_path: Path, views: list[Path], mode: str) -> list[dict]:
+    port = free_port()
+    script = tmp_path / "resume_rank.py"
+    script.write_text(RESUME_RANK)
+    procs = [subprocess.Popen([sys.executable, str(script), str(view), mode], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "RANK": str(rank), "WORLD_SIZE": str(len(views)),
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+             for rank, view in enumerate(views)]
+    outs = [proc.communicate(timeout=120) for proc in procs]
+    for proc, (out, err) in zip(procs, outs):
+        assert proc.returncode == 0, err[-3000:]
+    return [{**json.loads(out.strip().splitlines()[-1]), "log": err} for out, err in outs]
+
+
+def test_every_rank_resumes_from_rank_0s_checkpoint_when_another_nodes_listing_is_older(tmp_path):
+    """Node 1 lists the shared --output from its filesystem's cache, as it was before node 0 moved `interrupted/`
+    into place as epoch 2 (resume.py): speculators alone would resume node 1's ranks from epoch 1, with other
+    optimizer state and another step count than rank 0 (a hang at the first collective they disagree on). With
+    compat/resume_agreement every rank takes rank 0's epoch and training state, and node 1's rank says what it saw."""
+    mid_epoch = {"epoch": 2, "local_step": 5, "global_step": 50}
+    node0 = _checkpoints(tmp_path / "node0-view", {0: {"epoch": 0, "local_step": 0, "global_step": 20},
+                                                   1: {"epoch": 1, "local_step": 0, "global_step": 40}, 2: mid_epoch})
+    node1 = _checkpoints(tmp_path / "node1-view", {0: {"epoch": 0, "local_step": 0, "global_step": 20},
+                                                   1: {"epoch": 1, "local_step": 0, "global_step": 40}})
+    alone = _resume_ranks(tmp_path, [node0, node1], "speculators")
+    assert [(r["epoch"], r["state"]["global_step"]) for r in alone] == [(2, 50), (1, 40)]  # the disagreement
+    agreed = _resume_ranks(tmp_path, [node0, node1], "agreed")
+    assert [(r["epoch"], r["state"]) for r in agreed] == [(2, mid_epoch), (2, mid_epoch)]
+    assert agreed[0]["log"].strip() == ""
+    assert f"rank 1 lists checkpoint 1 in {node1} where rank 0 lists 2" in agreed[1]["log"]
+    fresh = _resume_ranks(tmp_path, [tmp_path / "empty", node1], "agreed")  # rank 0 starts afresh: so does rank 1
+    assert [r["epoch"] for r in fresh] == [-1, -1] and "rank 0 lists none" in fresh[1]["log"]

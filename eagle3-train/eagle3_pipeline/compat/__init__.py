@@ -12,6 +12,8 @@ installed (stage 04 logs them and records them in its manifest, via metrics.json
                        (gate: sm90, or options given with --flex-forward-config; not `off`)
   interrupt_progress   Trainer.train_epoch / maybe_save_checkpoint record where a SIGTERM save
                        stopped, so it resumes (gate: speculators 0.9.0)
+  resume_agreement     every rank resumes from the checkpoint (epoch and training state) global rank 0 chose:
+                       another node can list a shared --output from its filesystem's cache (gate: speculators 0.9.0)
   samples_record       Trainer.train_epoch also appends, per rank and step, the train rows that step
                        trained on and how many the loader left out to <save>/logs/samples/rank-<R>.jsonl
                        (stage 04's manifest `trained` counts them; gate: speculators 0.9.0)
@@ -44,8 +46,9 @@ from pathlib import Path
 # Local imports: each fix imports torch/speculators/vLLM inside its functions (its gate checks speculators'
 # version first; vLLM's workers import hidden_states_connector light); apply() imports the fixes.
 
-FIXES = ("cpu_trainer", "fused_loss", "flex_forward_config", "interrupt_progress", "samples_record", "metrics_jsonl",
-         "device_prefetch", "sample_check", "finite_loss", "val_depth", "feature_noise", "online_generation")
+FIXES = ("cpu_trainer", "fused_loss", "flex_forward_config", "interrupt_progress", "resume_agreement", "samples_record",
+         "metrics_jsonl", "device_prefetch", "sample_check", "finite_loss", "val_depth", "feature_noise",
+         "online_generation")
 
 
 def apply(metrics_path: str | Path) -> list[str]:
@@ -64,6 +67,7 @@ def apply(metrics_path: str | Path) -> list[str]:
         interrupt_progress,
         metrics_jsonl,
         online_generation,
+        resume_agreement,
         sample_check,
         samples_record,
         val_depth,
@@ -74,6 +78,7 @@ def apply(metrics_path: str | Path) -> list[str]:
         "fused_loss": fused_loss.apply,
         "flex_forward_config": flex_forward_config.apply,
         "interrupt_progress": interrupt_progress.apply,
+        "resume_agreement": resume_agreement.apply,
         "samples_record": samples_record.apply,
         "metrics_jsonl": lambda: metrics_jsonl.apply(metrics_path),
         "device_prefetch": device_prefetch.apply,
