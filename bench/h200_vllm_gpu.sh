@@ -28,9 +28,10 @@
 #                                                  prefill alone, stage 02 bf16 + fp8 (+ fp8 through the stock connector)
 #                                                  and the disk's write rate, -> $OUT/h200-extraction-kimi-width.json;
 #                                                  needs the KEEP=moe bundle (three parts). Flags replace its own:
-#                                                  `--storages dtype fp8 --writeback on off writer --engine-side`:
-#                                                  the files' writeback A/B (issue 45), each run with its ratio_to_bound
-#                                                  and disk timeline (> 10 min: -start)
+#                                                  `--storages dtype fp8 --writeback on off writer --engine-side
+#                                                  --no-stock-fp8`: the files' writeback A/B (issue 45), each run with its
+#                                                  ratio_to_bound and disk timeline, without the stock-connector fp8 run
+#                                                  (> 10 min: -start)
 #   bash bench/h200_vllm_gpu.sh extract-width-start [flags]   the same, detached; wait with acceptance-wait
 #   bash bench/h200_vllm_gpu.sh acceptance-start [flags]   the same, detached (setsid: it outlives the call and
 #                                                  runs while the box is held), results in /root/acceptance-out;
