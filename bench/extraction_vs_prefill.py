@@ -28,7 +28,7 @@ bytes back during a long run anyway).
   writers   with --writers and/or --writeback: (b) once per storage x connector writer (EAGLE3_CONNECTOR_WRITER:
             safetensors' save_file or raw, the same bytes in one writev) x writeback of the files
             (EAGLE3_LANDING_WRITEBACK on/off/writer: started at landing, left to the kernel, or started by the connector's
-            writer as it finishes a file), in that order, each from scratch with its own (d) and `ratio_to_bound`;
+            writer as it finishes a file: the default), in that order, each from scratch with its own (d) and `ratio_to_bound`;
             the first keeps the storage's name, the others are `<storage>_writer_<w>_writeback_<mode>` in `storages`,
             all listed in `writer_writeback_ab`; with --engine-side, (c) once per writer too
   timeline  with --disk-write, per (b): the disk's own writes sampled while stage 02 runs (/proc/diskstats,
@@ -65,7 +65,8 @@ from pathlib import Path
 from benchlib import logged
 from benchlib.disk_timeline import DiskTimeline, split_line, split_window
 from benchlib.logged import float_after, log
-from eagle3_pipeline.disk_writes import LANDING_WRITEBACK_ENV, WRITEBACK_MODES, dirty_limits, measure_write_bandwidth
+from eagle3_pipeline.disk_writes import (DEFAULT_WRITEBACK_MODE, LANDING_WRITEBACK_ENV, WRITEBACK_MODES, dirty_limits,
+                                        measure_write_bandwidth)
 from eagle3_pipeline.extract.vllm_backend import CONNECTOR_ENV, CONNECTOR_WRITERS, WRITER_ENV
 from eagle3_pipeline.manifest import parse_manifest
 
@@ -222,10 +223,10 @@ def stage_02_runs(storages: list[str], writers: list[str] | None, writebacks: li
             key = storage if number == 0 else storage + suffix
             env = {name: value for name, value in ((WRITER_ENV, writer), (LANDING_WRITEBACK_ENV, writeback)) if value}
             runs.append({"key": key, "variant": key.replace("_", "-"), "storage": storage, "env": env,
-                         "writer": writer or "safetensors", "writeback": writeback or "on"})
+                         "writer": writer or "safetensors", "writeback": writeback or DEFAULT_WRITEBACK_MODE})
         if storage == "fp8" and stock_fp8:  # before quantizing on the device: the stock connector's bf16 files
             runs.append({"key": "fp8_host_quantized", "variant": "fp8-stock", "storage": "fp8",
-                         "env": {CONNECTOR_ENV: "stock"}, "writer": "stock", "writeback": "on"})
+                         "env": {CONNECTOR_ENV: "stock"}, "writer": "stock", "writeback": DEFAULT_WRITEBACK_MODE})
     return runs
 
 
@@ -466,9 +467,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"stage 02 (and (c)) once per connector writer ({WRITER_ENV}): safetensors' save_file (the "
                              "default) or raw (the same bytes in one writev from the tensors' memory)")
     parser.add_argument("--writeback", nargs="+", choices=WRITEBACK_MODES,
-                        help=f"stage 02 once per setting of the files' early writeback ({LANDING_WRITEBACK_ENV}: on = "
-                             "stage 02 starts it as it lands a file, the default; writer = our connector's writer "
-                             "thread right after writing it; off = the kernel's pace), for each --writers")
+                        help=f"stage 02 once per setting of the files' early writeback ({LANDING_WRITEBACK_ENV}: writer = "
+                             "our connector's writer thread right after writing it, the default; on = stage 02 as it "
+                             "lands a file; off = the kernel's pace), for each --writers")
     parser.add_argument("--timeout", type=float, default=900, help="per engine process (s)")
     parser.add_argument("--prefill-child", nargs=2, metavar=("REQUEST", "RESULT"), help=argparse.SUPPRESS)
     return parser

@@ -404,6 +404,40 @@ def test_landing_from_the_header_refuses_what_a_read_back_refuses(kimi_vllm_run,
     assert not hs_file(tmp_path / "hs", index).exists()
 
 
+@pytest.mark.parametrize("mode, ours_started, stock_started", [
+    (None, False, True), ("writer", False, True), ("on", True, True), ("off", False, False)])
+def test_landing_starts_writeback_only_for_files_our_writer_did_not_start(mode, ours_started, stock_started,
+                                                                       kimi_vllm_run, tmp_path, monkeypatch):
+    """EAGLE3_LANDING_WRITEBACK: by default (`writer`) our connector's writer thread has started its file's writeback,
+    so landing leaves it; a file vLLM's stock connector wrote (no slot checks: read back) has none, so landing starts
+    it; `on` starts it on every landed file, `off` on none (bench/README.md: the A/B that chose the default)."""
+    import shutil
+
+    from eagle3_pipeline.disk_writes import LANDING_WRITEBACK_ENV, writeback_mode
+    from eagle3_pipeline.extract import common
+
+    run = kimi_vllm_run
+    index, ids = run["rows"][0]
+    src = hs_file(run["hs_dir"], index)  # our connector's file, its slot checks in the header
+    if mode is None:
+        monkeypatch.delenv(LANDING_WRITEBACK_ENV, raising=False)
+    else:
+        monkeypatch.setenv(LANDING_WRITEBACK_ENV, mode)
+    writeback_mode.cache_clear()
+    started = []
+    monkeypatch.setattr(common, "start_writeback", lambda path: started.append(Path(path)))
+    try:
+        for name, staged in (("ours", Path(shutil.copy(src, tmp_path / "ours.safetensors"))),
+                             ("stock", _copy_with(src, tmp_path / "stock.safetensors"))):
+            hows = []
+            final = land_sample(ExtractedSample(index=index, staged_file=staged), tmp_path / name, ids, 4,
+                                run["target"].hidden_size, torch.float32, hows)
+            assert hows == (["header"] if name == "ours" else ["read_back"])
+            assert (final in started) == (ours_started if name == "ours" else stock_started), (mode, name)
+    finally:
+        writeback_mode.cache_clear()  # later tests read their own environment
+
+
 @pytest.fixture(scope="module")
 def kimi_vllm_fp8_run(kimi_vllm_run, tmp_path_factory):
     """Stage 02 --storage fp8 on the same prepared rows: our connector quantizes in the engine, before the copy."""

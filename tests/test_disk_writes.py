@@ -36,15 +36,18 @@ def test_start_writeback_keeps_the_file_as_it_is(tmp_path):
     assert path.read_bytes() == b"x" * 100_000
 
 
-def test_landing_writeback_is_on_unless_the_env_says_off_or_writer(monkeypatch):
-    for value, landing, writer in ((None, True, False), ("on", True, False), ("off", False, False),
-                                   ("writer", False, True)):
+def test_by_default_the_writer_starts_writeback_and_landing_only_where_it_did_not(monkeypatch):
+    """`writer` (the default, chosen by the A/B in bench/README.md): our connector's writer starts each file's
+    writeback, landing starts it only for a file another writer wrote; `on`: landing, every file; `off`: nobody."""
+    for value, landing_ours, landing_other, writer in ((None, False, True, True), ("writer", False, True, True),
+                                                       ("on", True, True, False), ("off", False, False, False)):
         writeback_mode.cache_clear()
         if value is None:
             monkeypatch.delenv(LANDING_WRITEBACK_ENV, raising=False)
         else:
             monkeypatch.setenv(LANDING_WRITEBACK_ENV, value)
-        assert (landing_writeback(), writer_writeback()) == (landing, writer)
+        assert (landing_writeback(written_by_our_writer=True), landing_writeback(written_by_our_writer=False),
+                writer_writeback()) == (landing_ours, landing_other, writer), value
     writeback_mode.cache_clear()
     monkeypatch.setenv(LANDING_WRITEBACK_ENV, "no")
     with pytest.raises(ConfigError, match=f"{LANDING_WRITEBACK_ENV}='no': expected one of on, off, writer"):

@@ -133,7 +133,7 @@ def test_the_disk_bound_is_priced_at_stage_02s_measured_fraction_of_it(kimi_conf
     assert plan.extract_rate("fp8") == (pytest.approx(prefill), "prefill")
     extraction = next(line for line in format_plan(plan).splitlines() if line.strip().startswith("extraction:"))
     assert f"bf16 {measured['bf16']:.3f}, fp8 {measured['fp8']:.3f}" in extraction
-    assert "bench/results/h200-extraction-kimi-width.json, ratio_to_bound" in extraction
+    assert "bench/results/h200-extraction-kimi-width-writeback-ab.json, ratio_to_bound" in extraction
     # the same plan at the bound itself: the prefill governs both
     at_bound = make_plan(str(kimi_config), "b300-8x", str(tmp_path / "w"), rows=100_000, tokens_per_row=2048,
                          extract_tokens_per_s=prefill, disk_write_gb_s=2.0, extract_disk_fraction=1.0)

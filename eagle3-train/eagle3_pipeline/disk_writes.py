@@ -6,9 +6,9 @@ not by the forward pass (bench/README.md "Stage 02 at Kimi-K2.5's width"). Two t
   sync_file_range(SYNC_FILE_RANGE_WRITE): asynchronous, returns at once unless the disk's queue is full). Without it
   the kernel waits for its background threshold (10% of RAM by default: tens of GB on a GPU box) and a run's tail
   is one long flush; with it the disk is busy from the first file and the final flush (`sync_filesystem`)
-  has little left. Elsewhere (not Linux) it does nothing. Stage 02 starts it per landed file unless
-  EAGLE3_LANDING_WRITEBACK says `off` or `writer` (`writeback_mode`: the bench's A/B, `extraction_vs_prefill.py
-  --writeback on off writer`).
+  has little left. Elsewhere (not Linux) it does nothing. By default our connector's writer threads start it as
+  each file is written, stage 02's landing for files no writer of ours wrote (EAGLE3_LANDING_WRITEBACK, `writeback_mode`:
+  `writer`; the bench's A/B, `extraction_vs_prefill.py --writeback on off writer`, chose it: bench/README.md).
 - `write_safetensors(tensors, path, metadata)`: `safetensors.torch.save_file`'s file, byte for byte, written by one
   `os.writev` of the header and each tensor's own memory (the connector's writer with EAGLE3_CONNECTOR_WRITER=raw).
 - `measure_write_bandwidth(directory, sizes, threads, writeback)`: the disk's rate for files of those sizes, written
@@ -49,25 +49,29 @@ _SYNC_FILE_RANGE = _sync_file_range()
 LANDING_WRITEBACK_ENV = "EAGLE3_LANDING_WRITEBACK"
 
 
-# Who starts a stage 02 file's writeback (EAGLE3_LANDING_WRITEBACK): `on` stage 02 when it lands the file (the
-# default), `writer` our connector's writer thread right after writing it (earlier by the wait for the landing; other
-# backends' files then go at the kernel's pace), `off` nobody (the kernel's pace). The A/B: bench/extraction_vs_prefill.py
-# `--writeback on off writer`.
+# Who starts a stage 02 file's writeback (EAGLE3_LANDING_WRITEBACK): `writer` (the default) our connector's writer
+# thread right after writing it (earlier by the wait for the landing, and off the landing loop: sync_file_range blocks
+# while the disk's queue is full), stage 02's landing for a file our writer did not write (vLLM's stock connector);
+# `on` stage 02 when it lands every file; `off` nobody (the kernel's pace). Chosen by the same-run A/B at Kimi-K2.5's
+# width (bench/README.md "Stage 02 at Kimi-K2.5's width", bench/extraction_vs_prefill.py `--writeback on off writer`).
 WRITEBACK_MODES = ("on", "off", "writer")
+DEFAULT_WRITEBACK_MODE = "writer"
 
 
 @functools.cache
 def writeback_mode() -> str:
-    """EAGLE3_LANDING_WRITEBACK (default `on`), checked; read once per process."""
-    value = os.environ.get(LANDING_WRITEBACK_ENV, "on")
+    """EAGLE3_LANDING_WRITEBACK (default `writer`), checked; read once per process."""
+    value = os.environ.get(LANDING_WRITEBACK_ENV, DEFAULT_WRITEBACK_MODE)
     if value not in WRITEBACK_MODES:
         raise ConfigError(f"{LANDING_WRITEBACK_ENV}={value!r}: expected one of {', '.join(WRITEBACK_MODES)}")
     return value
 
 
-def landing_writeback() -> bool:
-    """Whether stage 02 starts each landed file's writeback (`start_writeback`) as it lands it."""
-    return writeback_mode() == "on"
+def landing_writeback(written_by_our_writer: bool = False) -> bool:
+    """Whether stage 02 starts a landed file's writeback (`start_writeback`) as it lands it: always with `on`; with
+    `writer` only where our connector's writer did not (`written_by_our_writer`: it already has); never with `off`."""
+    mode = writeback_mode()
+    return mode == "on" or (mode == "writer" and not written_by_our_writer)
 
 
 def writer_writeback() -> bool:

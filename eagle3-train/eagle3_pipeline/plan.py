@@ -354,10 +354,11 @@ def check_plan_lines(target_dir: str, data: str | Path, profile: str | None, *, 
 CURVES_RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results" / "h200-acceptance-curves-smollm2.json"
 
 
-# Stage 02 at Kimi-K2.5's width on one H200 (bench/extraction_vs_prefill.py --targets kimi-width --disk-write): its
-# `ratio_to_bound` per storage is the fraction of the disk's write rate stage 02 reached where the disk governed.
-EXTRACTION_RESULTS = CURVES_RESULTS.parent / "h200-extraction-kimi-width.json"
-BENCH_STORAGES = {"bf16": "dtype", "fp8": "fp8"}  # the plan's formats -> the bench's storages
+# Stage 02 at Kimi-K2.5's width on one H200 (bench/extraction_vs_prefill.py --targets kimi-width --disk-write), the
+# run that chose stage 02's default writeback (`--writeback on off writer`): `ratio_to_bound` of the default's runs is
+# the fraction of the disk's write rate stage 02 reached where the disk governed.
+EXTRACTION_RESULTS = CURVES_RESULTS.parent / "h200-extraction-kimi-width-writeback-ab.json"
+BENCH_STORAGES = {"bf16": "dtype_writeback_writer", "fp8": "fp8_writeback_writer"}  # the plan's formats -> its runs
 
 
 def _shown(path: Path) -> Path:
@@ -480,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
                         "the prefill and these writes")
     parser.add_argument("--extract-disk-fraction", type=fraction, help="the fraction of --disk-write-gb-s that stage "
                         "02 reaches where the disk governs, both formats (default: the ratio_to_bound per format measured "
-                        "at Kimi-K2.5's width, bench/results/h200-extraction-kimi-width.json)")
+                        "at Kimi-K2.5's width, bench/results/h200-extraction-kimi-width-writeback-ab.json)")
     parser.add_argument("--slice-rows", type=int, help="the slice size to plan (run_all.sh --slice-rows; default: the "
                         "largest whose states fit the free disk)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")

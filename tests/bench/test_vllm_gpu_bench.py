@@ -99,6 +99,7 @@ def test_one_invocation_runs_stage_02_per_storage_writer_and_writeback_the_first
     plain = evp.stage_02_runs(["dtype", "fp8"], None, None, stock_fp8=True)  # no new flags: the runs as before
     assert [(r["key"], r["variant"], r["env"]) for r in plain] == [
         ("dtype", "dtype", {}), ("fp8", "fp8", {}), ("fp8_host_quantized", "fp8-stock", {evp.CONNECTOR_ENV: "stock"})]
+    assert {r["writeback"] for r in plain} == {"writer"}  # unset: stage 02's default, recorded as such
     runs = evp.stage_02_runs(["dtype"], ["safetensors", "raw"], ["on", "off"], stock_fp8=True)
     assert [r["key"] for r in runs] == ["dtype", "dtype_writer_safetensors_writeback_off", "dtype_writer_raw_writeback_on",
                                         "dtype_writer_raw_writeback_off"]

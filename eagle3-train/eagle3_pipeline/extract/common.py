@@ -308,11 +308,11 @@ def land_sample(sample: ExtractedSample, hs_dir: Path, expected_ids: list[int], 
     if sample.staged_file is not None and land_checked_file(sample.staged_file, expected_ids, num_slots, hidden_size,
                                                             dtype):
         hows.append(LANDED_FROM_HEADER)  # our connector's file, fp8 quantized on the device too
-        return _land_staged(sample.staged_file, final)
+        return _land_staged(sample.staged_file, final, written_by_our_writer=True)
     if sample.staged_file is not None and dtype != FP8:  # the stock connector's file: read back in full
         validate_file(sample.staged_file, expected_ids, num_slots, hidden_size, dtype)
         hows.append(LANDED_READ_BACK)
-        return _land_staged(sample.staged_file, final)
+        return _land_staged(sample.staged_file, final, written_by_our_writer=False)
     hows.append(LANDED_TENSORS if sample.staged_file is None else LANDED_QUANTIZED_HERE)
     if sample.staged_file is not None:  # fp8 from the stock connector: its bf16 file checked, then quantized here
         validate_file(sample.staged_file, expected_ids, num_slots, hidden_size)
@@ -329,10 +329,10 @@ def land_sample(sample: ExtractedSample, hs_dir: Path, expected_ids: list[int], 
     return final
 
 
-def _land_staged(staged: Path, final: Path) -> Path:
+def _land_staged(staged: Path, final: Path, written_by_our_writer: bool) -> Path:
     _rename_into_place(staged, final)
     remove_path(staged.with_name(staged.name + ".lock"))
-    if landing_writeback():
+    if landing_writeback(written_by_our_writer):
         start_writeback(final)  # the disk starts on it now, not at the kernel's threshold (disk_writes.py)
     return final
 
