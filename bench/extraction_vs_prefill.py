@@ -65,8 +65,13 @@ from pathlib import Path
 from benchlib import logged
 from benchlib.disk_timeline import DiskTimeline, split_line, split_window
 from benchlib.logged import float_after, log
-from eagle3_pipeline.disk_writes import (DEFAULT_WRITEBACK_MODE, LANDING_WRITEBACK_ENV, WRITEBACK_MODES, dirty_limits,
-                                        measure_write_bandwidth)
+from eagle3_pipeline.disk_writes import (
+    DEFAULT_WRITEBACK_MODE,
+    LANDING_WRITEBACK_ENV,
+    WRITEBACK_MODES,
+    dirty_limits,
+    measure_write_bandwidth,
+)
 from eagle3_pipeline.extract.vllm_backend import CONNECTOR_ENV, CONNECTOR_WRITERS, WRITER_ENV
 from eagle3_pipeline.manifest import parse_manifest
 
