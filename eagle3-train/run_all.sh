@@ -51,12 +51,14 @@
 # killed driver still runs) is refused, exit 75. Every stage runs in its own process group,
 # recorded in WORK/logs/current_stage.
 #
-# Several nodes (stage 04; WORK on a filesystem every node mounts): run 01-03 (and 02) here, then on
-# EVERY node the same command with its own --node-rank, node 0's address in --rdzv-endpoint:
-#   eagle3-train/run_all.sh --profile h200-8x --target T --data D --work W --from 04 \
+# Several nodes (stage 04; WORK on a filesystem every node mounts): on EVERY node the same command with its own
+# --node-rank, node 0's address in --rdzv-endpoint:
+#   eagle3-train/run_all.sh --profile h200-8x --target T --data D --work W \
 #       --args-04 "--nnodes 2 --node-rank 0 --rdzv-endpoint 10.0.0.1:29500"        (node 0, then node 1: --node-rank 1)
-# Node 0 holds global rank 0 (checkpoints, metrics, manifest) and runs 05. A node that dies stops the others
-# within ~30 s with one line naming it; the same commands on every node resume from the last checkpoint.
+# Node 0 runs 01-03, then 04 holding global rank 0 (checkpoints, metrics, manifest), then 05 (and 06). A node with
+# --node-rank R > 0 runs only its part of 04 (start it once node 0 has finished 01-03, else it stops saying so), with
+# its own driver lock and logs (WORK/logs/run_all.nodeR.log, 04_train.nodeR.log), so two drivers share one WORK.
+# A node that dies stops the others within ~30 s with one line naming it; the same commands resume every node.
 # DeepSpeed instead: --args-04 "--launcher deepspeed --hostfile H --nnodes 2", started once on node 0.
 set -euo pipefail
 trap '' HUP PIPE  # an SSH drop must not stop the run; a closed terminal must not kill the driver
@@ -93,6 +95,12 @@ while [[ $# -gt 0 ]]; do
     *) echo "run_all.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
+# A node of a multi-node stage 04 other than node 0 (--args-04 "... --node-rank R"): it runs 04 alone, beside node 0's
+# driver on the same WORK, so its lock, driver log, stage log and current-stage file carry its rank.
+node_rank=0
+[[ " ${extra[04]} " =~ [[:space:]]--node-rank[=[:space:]]+([0-9]+)[[:space:]] ]] && node_rank=$((10#${BASH_REMATCH[1]}))
+node_suffix=""; (( node_rank == 0 )) || node_suffix=".node$node_rank"
+[[ -z "$node_suffix" || -z "$slice_rows" || $mode == plan ]] || { echo "run_all.sh: --slice-rows runs on one node (its 02 runs between slices): --node-rank $node_rank is refused" >&2; exit 2; }
 required=(work)
 case $mode in status) ;; plan) required+=(profile target) ;; *) required+=(profile target data) ;; esac
 for opt in "${required[@]}"; do
@@ -171,7 +179,7 @@ if [[ $mode == print ]]; then
 fi
 
 mkdir -p "$work/logs"
-driver_log="$work/logs/run_all.log"
+driver_log="$work/logs/run_all$node_suffix.log"
 say() {  # to the driver log, and to the terminal while there is one
   local line; line="[$(date '+%F %T')] $*"
   printf '%s\n' "$line" >> "$driver_log"
@@ -186,9 +194,9 @@ die() {  # die CODE MESSAGE
 
 # One driver per work directory. The lock (fd 9) is inherited by each stage, so it stays held
 # while a stage started by a killed driver is still running.
-exec 9>>"$work/logs/.run_all.lock"
+exec 9>>"$work/logs/.run_all$node_suffix.lock"
 if ! flock -w 2 9; then  # a short grace: processes killed a moment ago may still be exiting
-  running=$(cat "$work/logs/current_stage" 2>/dev/null || true)
+  running=$(cat "$work/logs/current_stage$node_suffix" 2>/dev/null || true)
   die 75 "another run_all or a stage it started is still running in $work (stage, process group: ${running:-?}); wait for it (run_all.sh --status --work $work) or stop it (kill -TERM -- -PGID), then rerun"
 fi
 
@@ -210,7 +218,7 @@ on_stop() {  # Ctrl-C / kill -TERM: stop the running stage (TERM, then KILL on a
 trap on_stop INT TERM
 
 run_stage() {  # run_stage NN: the stage in its own process group, its output appended to its log
-  local n="$1" log="$work/logs/${1}_${name[$1]}.log" start=$SECONDS rc=0 offset viewer
+  local n="$1" log="$work/logs/${1}_${name[$1]}$node_suffix.log" start=$SECONDS rc=0 offset viewer
   stage_command "$n"
   printf '\n==== %s  run_all attempt: %s\n' "$(date '+%F %T')" "${cmd[*]}" >> "$log"
   say "== $n ${name[$n]} -> ${out[$n]} (log: $log)"
@@ -218,7 +226,7 @@ run_stage() {  # run_stage NN: the stage in its own process group, its output ap
   attempt_at[$n]=$offset
   setsid "${cmd[@]}" >> "$log" 2>&1 < /dev/null &
   child=$!
-  echo "$n $child" > "$work/logs/current_stage"
+  echo "$n $child" > "$work/logs/current_stage$node_suffix"
   tail -c "+$((offset + 1))" -s 0.2 -f --pid="$child" "$log" 2>/dev/null &  # show it while it runs
   viewer=$!
   wait "$child" || rc=$?
@@ -323,6 +331,16 @@ if command -v nvidia-smi > /dev/null; then
 fi
 [[ -z "$slice_rows" ]] || nums=()  # the sliced run's own order
 [[ -z "$slice_rows" ]] || run_sliced
+if [[ -n "$node_suffix" ]]; then  # node R > 0: its part of 04 only; global rank 0 (node 0) writes 04's manifest
+  for n in 01 02 03; do
+    finished "${out[$n]}" || die 3 "node $node_rank runs only stage 04 and stage $n ${name[$n]} is not finished in $work: node 0 runs 01-03; start this node once they are finished"
+  done
+  unfinished_ok=1
+  run_stage 04
+  rm -f "$work/logs/current_stage$node_suffix"
+  say "run_all: node $node_rank finished its part of 04; node 0 writes its manifest, then runs 05${evaluate:+ and 06}"
+  exit 0
+fi
 for n in "${nums[@]}"; do
   if [[ -n "$from" && "$n" < "$from" ]]; then
     finished "${out[$n]}" || die 3 "--from $from: stage $n ${name[$n]} is not finished; rerun without --from"

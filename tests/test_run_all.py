@@ -256,6 +256,44 @@ def test_restart_while_a_killed_drivers_stage_still_runs_is_refused_then_continu
     assert [line.split()[0] for line in calls(work) if line.split()[1] == "done"] == STAGES
 
 
+@pytest.mark.reliability
+def test_two_nodes_run_the_same_command_on_one_work_dir(tmp_path, stub):
+    """Multi-node training as set up in practice: WORK on a filesystem both nodes mount, the same run_all.sh command on
+    each with its own --node-rank. Before: node 1's driver took the one driver lock of WORK (refused, exit 75, where
+    the filesystem's flock spans nodes), else wrote node 0's current_stage and 04 log and went on to run 05 itself."""
+    work = tmp_path / "w"
+    node = "--nnodes 2 --node-rank {} --rdzv-endpoint 127.0.0.1:29500"
+    early = driver(work, stub, "--args-04", node.format(1))  # node 1 first: node 0 has not prepared anything yet
+    assert early.returncode == 3 and started(work) == []
+    assert early.stderr.strip().splitlines()[-1] == (
+        f"run_all.sh: node 1 runs only stage 04 and stage 01 prepare is not finished in {work}: node 0 runs 01-03; "
+        "start this node once they are finished")
+    go = tmp_path / "let-node-0s-04-finish"
+    node0 = driver(work, stub, "--args-04", node.format(0), env={"FAKE_04": f"until:{go}"}, wait=False)
+    try:
+        wait_for(lambda: "04" in started(work), what="node 0's stage 04")
+        node1 = driver(work, stub, "--args-04", node.format(1))  # beside node 0's driver, on the same WORK
+        assert node1.returncode == 0, node1.stdout + node1.stderr
+        assert "node 1 finished its part of 04; node 0 writes its manifest, then runs 05" in node1.stdout
+        assert current_stage(work)[0] == "04" and node0.poll() is None  # node 0's own record, untouched
+        go.touch()
+        assert node0.wait(timeout=60) == 0
+    finally:
+        if node0.poll() is None:
+            os.killpg(node0.pid, signal.SIGKILL)
+    runs = [line.split()[0] for line in calls(work) if line.split()[1] == "start" and "--print-config" not in line]
+    assert runs == ["01", "02", "03", "04", "04", "05"]  # node 1 ran 04 alone; 05 ran once, on node 0
+    assert sum("--node-rank 1" in line for line in calls(work) if line.startswith("04 start")) == 1
+    logs = work / "logs"
+    assert "--node-rank 1" in (logs / "04_train.node1.log").read_text()
+    assert "--node-rank 1" not in (logs / "04_train.log").read_text()
+    assert "node 1 finished its part of 04" in (logs / "run_all.node1.log").read_text()
+    assert "node 1" not in (logs / "run_all.log").read_text()
+    assert not (logs / "current_stage.node1").exists()
+    sliced = driver(work, stub, "--args-04", node.format(1), "--slice-rows", "8")
+    assert sliced.returncode == 2 and "--slice-rows runs on one node" in sliced.stderr
+
+
 def test_from_reruns_finished_stages_and_print_config_asks_every_stage(tmp_path, stub):
     work = tmp_path / "w"
     assert driver(work, stub).returncode == 0
