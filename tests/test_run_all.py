@@ -21,7 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, SAMPLES
+from eagle3_pipeline.compat.samples_record import read_records
+
+from conftest import REPO, SAMPLES, free_port
 
 RUN_ALL = REPO / "eagle3-train" / "run_all.sh"
 STAGES = ["01", "02", "03", "04", "05"]
@@ -402,6 +404,42 @@ def test_driver_restarts_after_sigkill_mid_training_on_the_miniature(tmp_path, k
     assert max(steps) + 1 == len(set(steps))  # every step of the 3 epochs logged, none lost
     assert (work / "checkpoints" / "plots" / "loss.png").stat().st_size > 10_000
     assert "best checkpoint" in (work / "checkpoints" / "summary.txt").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.reliability
+def test_two_nodes_run_the_real_pipeline_from_one_command_each_on_one_work_dir(tmp_path, kimi_target):
+    """The same run_all.sh command on two nodes (here two drivers on one machine, gloo, one rank each) and one WORK:
+    node 0 runs 01-03 and holds global rank 0; node 1, started once they are finished, trains beside it in its own
+    logs; node 0 writes 04's manifest and exports. Each node's rank trained its own share of every epoch."""
+    work, port = tmp_path / "run", free_port()
+
+    def command(rank: int) -> list:
+        return ["bash", str(RUN_ALL), "--profile", "cpu-mini", "--target", str(kimi_target),
+                "--data", str(SAMPLES / "conversations.jsonl"), "--work", str(work), "--python", sys.executable,
+                "--args-04", f"--epochs 1 --logger= --nnodes 2 --node-rank {rank} --rdzv-endpoint 127.0.0.1:{port}"]
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    node0 = subprocess.Popen(command(0), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
+                             start_new_session=True)
+    try:
+        wait_for(lambda: _manifest(work / "vocab").get("complete") or node0.poll() is not None, timeout=420,
+                 what="node 0's stages 01-03")
+        assert node0.poll() is None, node0.communicate()[0][-3000:]
+        node1 = subprocess.run(command(1), capture_output=True, text=True, env=env, cwd=REPO, timeout=420)
+        out0 = node0.communicate(timeout=420)[0]
+    finally:
+        if node0.poll() is None:
+            os.killpg(node0.pid, signal.SIGKILL)
+    assert node1.returncode == 0, node1.stdout[-3000:] + node1.stderr[-2000:]
+    assert node0.returncode == 0, out0[-4000:]
+    assert "node 1 finished its part of 04" in node1.stdout
+    assert _manifest(work / "checkpoints").get("complete") and _manifest(work / "draft").get("complete")
+    assert sorted({record["rank"] for record in read_records(work / "checkpoints")}) == [0, 1]  # one rank per node
+    logs = work / "logs"
+    assert "node 1/2 done" in (logs / "04_train.node1.log").read_text()
+    assert "--node-rank 1" not in (logs / "04_train.log").read_text()
+    assert not (logs / "05_export.node1.log").exists() and (logs / "05_export.log").exists()
 
 
 def test_data_parallel_extraction_starts_one_rank_per_share_of_the_gpus(tmp_path, stub):
