@@ -25,6 +25,7 @@ from eagle3_pipeline.extract.common import (
 )
 from eagle3_pipeline.extract.run import (
     all_rows_landed,
+    every_ranks_rows_landed,
     fail_rows,
     lock_extraction,
     make_backend,
@@ -160,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         raise fail_rows(bad, hs_dir, "re-validation")
 
     # 5. Contract last, once every rank's rows are in (with --world-size > 1 the last rank to finish writes it).
-    if not all_rows_landed(hs_dir, plan.all_indices):
-        log.info("rank %d/%d done; the manifest is written when every rank's rows exist (rerun any rank then)",
+    if not every_ranks_rows_landed(hs_dir, plan.all_indices, cfg.world_size):
+        log.info("rank %d/%d done; the rank that finishes last writes the manifest (if none did: rerun any rank)",
                  cfg.rank, cfg.world_size)
         return 0
     (hs_dir / "redo.json").unlink(missing_ok=True)  # every row listed there has been redone

@@ -17,10 +17,14 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 from test_reliability_bad_input import refused, snapshot, stage_module, succeeded
+
+from eagle3_pipeline.extract import run as extract_run
 
 from conftest import SAMPLES
 
@@ -335,6 +339,45 @@ def test_ranks_of_one_extraction_share_the_directory_but_not_a_rank(capsys, logs
     code, error = refused(capsys, *args("extract", work, kimi_target, "--world-size", "2", "--rank", "1"))
     assert code == 75 and ".eagle3.rank1-of-2.lock" in error
     assert "nothing to do" in ran(capsys, logs, *args("extract", work, kimi_target, "--world-size", "2", "--rank", "0"))
+
+
+def test_two_ranks_into_one_folder_the_last_writes_the_manifest_from_a_listing_that_lags(capsys, logs, work,
+                                                                                        kimi_target, kimi_run,
+                                                                                        monkeypatch, tmp_path):
+    """`02 --world-size 2 --rank R` on two nodes, one --data. Node 0's filesystem client may list node 1's newest
+    files only up to a minute late (NFS's cached listing): here rank 1 finishes first, and its files reach rank 0's
+    listing 5 s after rank 0's own rows are in. Before, rank 0 looked once, saw rows missing, left the manifest to a
+    rank still running, and none was: no manifest. Now it looks again; the files are those of a one-rank run."""
+    hs = work["hs"]
+    shutil.rmtree(hs)
+    monkeypatch.setattr(extract_run, "LISTING_GRACE_S", 0.0)
+    assert "rank 1/2 done" in ran(capsys, logs, *args("extract", work, kimi_target, "--world-size", "2", "--rank", "1"))
+    assert not manifest(hs)["complete"]
+    rank1 = sorted(hs.glob("hs_*.safetensors"))
+    late = tmp_path / "not-listed-yet"
+    late.mkdir()
+    for path in rank1:
+        path.rename(late / path.name)
+    expected = sorted(p.name for p in (kimi_run["data"] / "hidden_states").glob("hs_*.safetensors"))
+    rank0 = [name for name in expected if name not in {p.name for p in rank1}]
+
+    def list_rank1_once_rank0_landed():
+        while not all((hs / name).is_file() for name in rank0):
+            time.sleep(0.05)
+        time.sleep(5)  # the listing's lag (NFS: up to a minute)
+        for path in late.iterdir():
+            path.rename(hs / path.name)
+
+    monkeypatch.setattr(extract_run, "LISTING_GRACE_S", 120.0)
+    monkeypatch.setattr(extract_run, "LISTING_POLL_S", 0.1)
+    lister = threading.Thread(target=list_rank1_once_rank0_landed, daemon=True)
+    lister.start()
+    out = ran(capsys, logs, *args("extract", work, kimi_target, "--world-size", "2", "--rank", "0"))
+    lister.join(5)
+    assert "rank 0/2 done" not in out and manifest(hs)["complete"] and manifest(hs)["counts"]["rows"] == len(expected)
+    assert sorted(p.name for p in hs.glob("hs_*.safetensors")) == expected
+    for name in expected:  # the HF extraction is batch-invariant: what one rank would have written
+        assert (hs / name).read_bytes() == (kimi_run["data"] / "hidden_states" / name).read_bytes(), name
 
 
 @pytest.mark.slow

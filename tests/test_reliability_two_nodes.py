@@ -19,6 +19,7 @@ import fcntl
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -406,3 +407,35 @@ def test_every_rank_resumes_from_rank_0s_checkpoint_when_another_nodes_listing_i
     assert f"rank 1 lists checkpoint 1 in {node1} where rank 0 lists 2" in agreed[1]["log"]
     fresh = _resume_ranks(tmp_path, [tmp_path / "empty", node1], "agreed")  # rank 0 starts afresh: so does rank 1
     assert [r["epoch"] for r in fresh] == [-1, -1] and "rank 0 lists none" in fresh[1]["log"]
+
+
+# --- stage 02: ranks on two nodes extracting into one folder -----------------------------------------------------
+
+def test_each_engine_stages_in_a_new_folder_and_only_this_hosts_dead_engines_folders_go(tmp_path):
+    """Ranks on two nodes share the staging folder (default --data/hidden_states/.staging), and containers give their
+    processes the same pids. Before, an engine took `vllm-<pid>`, deleting it if there: the live folder of another
+    node's engine with that pid, its in-flight files lost. Now each engine makes a new folder named by pid and host,
+    and a rerun removes only the folders of this host's engines that are gone."""
+    from eagle3_pipeline.extract.run import remove_dead_engines_staging
+    from eagle3_pipeline.extract.vllm_backend import engine_staging_owner, new_engine_staging_dir
+
+    staging = tmp_path / ".staging"
+    other_node_live = staging / f"vllm-{os.getpid()}@other-node.k2x9"  # another node's engine, this same pid
+    other_node_live.mkdir(parents=True)
+    (other_node_live / "row-3.safetensors").write_bytes(b"in flight")
+    mine, again = new_engine_staging_dir(staging), new_engine_staging_dir(staging)
+    assert mine != again and mine.is_dir() and again.is_dir()
+    assert engine_staging_owner(mine) == (os.getpid(), socket.gethostname())
+    assert (other_node_live / "row-3.safetensors").read_bytes() == b"in flight"
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # its pid is free now
+    killed_here = staging / f"vllm-{gone.pid}@{socket.gethostname()}.a1b2"
+    killed_elsewhere = staging / f"vllm-{gone.pid}@other-node.a1b2"
+    for folder in (killed_here, killed_elsewhere):
+        folder.mkdir()
+        (folder / "row-1.safetensors").write_bytes(b"never landed")
+    (staging / "vllm-notes.txt").write_text("not an engine's")
+    assert remove_dead_engines_staging(staging) == [killed_here]
+    assert sorted(p.name for p in staging.iterdir()) == sorted(
+        [other_node_live.name, mine.name, again.name, killed_elsewhere.name, "vllm-notes.txt"])

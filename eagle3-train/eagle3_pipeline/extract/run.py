@@ -7,6 +7,7 @@ import logging
 import os
 import random
 import shutil
+import socket
 import time
 from collections import Counter
 from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -27,7 +28,7 @@ from ..stage import lock_output
 from ..target import TargetInfo
 from .common import BadHiddenStates, ExtractionBackend, land_sample, partition_indices, validate_file
 from .hf import HfBackend
-from .vllm_backend import VllmBackend
+from .vllm_backend import VllmBackend, engine_staging_owner
 
 log = logging.getLogger("eagle3")
 
@@ -180,6 +181,28 @@ def all_rows_landed(hs_dir: Path, indices: list[int]) -> bool:
     return all(hs_file(hs_dir, i).is_file() for i in indices)
 
 
+# NFS clients cache a directory's listing and its absent names until its attributes are read again (acdirmax, 60 s
+# by default), so a file another node landed a moment ago can look missing here for that long.
+LISTING_GRACE_S = 75.0
+LISTING_POLL_S = 5.0
+
+
+def every_ranks_rows_landed(hs_dir: Path, indices: list[int], world_size: int) -> bool:
+    """Whether every row's file is in hs_dir once this rank's are. With --world-size > 1 the rank that finds them all
+    writes the manifest; ranks on two nodes that finish within a minute of each other could each miss the other's
+    newest files (the listing above) and leave no manifest, so one that sees rows missing looks again, from a fresh
+    listing, for LISTING_GRACE_S before it leaves the manifest to a rank still running."""
+    deadline = time.monotonic() + (LISTING_GRACE_S if world_size > 1 else 0.0)
+    names = [hs_file(hs_dir, i).name for i in indices]
+    while True:
+        listed = set(os.listdir(hs_dir))
+        if all(name in listed for name in names):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(LISTING_POLL_S)
+
+
 def fail_rows(bad: dict[int, str], hs_dir: Path, what: str) -> StageError:
     path = write_redo_list(hs_dir, bad)
     first = next(iter(sorted(bad.items())))
@@ -212,22 +235,23 @@ def make_backend(cfg: ExtractConfig, target, layer_ids, hs_dir: Path, max_model_
 
     staging = staging_dir(cfg, hs_dir)
     staging.mkdir(parents=True, exist_ok=True)
-    if cfg.world_size == 1 and not cfg.endpoint:
+    if not cfg.endpoint:
         remove_dead_engines_staging(staging)
     return VllmBackend(cfg, target, layer_ids, staging, max_model_len)
 
 
 def remove_dead_engines_staging(staging: Path) -> list[Path]:
-    """`vllm-<pid>/` folders an in-process engine killed with -9 left behind (every request's states, never
-    landed): removed when that pid is gone. Only with one rank (this process holds the directory's exclusive
-    lock; ranks on other nodes could share a staging folder whose pids mean nothing here)."""
+    """The staging folders of this host's in-process engines killed with -9 (every request's states, never
+    landed): removed once that pid is gone here. Another host's folders are left alone: ranks on other nodes
+    share the staging directory, and their pids mean nothing on this one."""
     removed = []
-    for folder in staging.glob("vllm-*"):
-        pid = folder.name.removeprefix("vllm-")
-        if not (folder.is_dir() and pid.isdigit()) or int(pid) == os.getpid():
+    host = socket.gethostname()
+    for folder in staging.iterdir():
+        owner = engine_staging_owner(folder)
+        if owner is None or owner[1] != host or owner[0] == os.getpid() or not folder.is_dir():
             continue
         try:
-            os.kill(int(pid), 0)
+            os.kill(owner[0], 0)
             continue  # alive: another extraction's engine on this machine
         except ProcessLookupError:
             pass

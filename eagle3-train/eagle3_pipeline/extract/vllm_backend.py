@@ -37,7 +37,9 @@ import logging
 import os
 import re
 import shutil
+import socket
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -453,6 +455,27 @@ def longest_first(rows: list[tuple[int, list[int]]]) -> list[tuple[int, list[int
     return sorted(rows, key=lambda row: (-len(row[1]), row[0]))
 
 
+ENGINE_STAGING_PREFIX = "vllm-"
+
+
+def new_engine_staging_dir(staging: Path) -> Path:
+    """This engine's own new folder under the staging directory, `vllm-<pid>@<host>.<random>`: files of a killed
+    run never mix with this one's, and no other process's folder is ever reused or removed. Ranks on two nodes
+    share a staging directory on one filesystem, and their processes may have the same pid (containers start
+    from the same pids): a folder named by the pid alone was another node's live one (before, it was deleted)."""
+    staging.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f"{ENGINE_STAGING_PREFIX}{os.getpid()}@{socket.gethostname()}.", dir=staging))
+
+
+def engine_staging_owner(folder: Path) -> tuple[int, str] | None:
+    """(pid, host) of the engine that made `folder` (`new_engine_staging_dir`); None for anything else."""
+    pid, at, rest = folder.name.removeprefix(ENGINE_STAGING_PREFIX).partition("@")
+    host, dot, _ = rest.rpartition(".")
+    if not (folder.name.startswith(ENGINE_STAGING_PREFIX) and pid.isdigit() and at and dot and host):
+        return None
+    return int(pid), host
+
+
 class VllmBackend:
     """ExtractionBackend over vLLM: in-process `vllm.LLM`, or `--endpoint` over HTTP.
 
@@ -479,11 +502,7 @@ class VllmBackend:
             self._model_id = self._check_server()
             self.staging_dir = None  # the server's, reported per file
         else:
-            # One subdirectory per run: files of a killed run never mix with this one's.
-            self.staging_dir = Path(staging_dir) / f"vllm-{os.getpid()}"
-            if self.staging_dir.exists():
-                shutil.rmtree(self.staging_dir)
-            self.staging_dir.mkdir(parents=True)
+            self.staging_dir = new_engine_staging_dir(Path(staging_dir))
             self._llm = self._start_engine()
 
     # in-process ---------------------------------------------------------------------------
