@@ -20,6 +20,8 @@
 #                                  epochs > 1 re-extract every slice. --plan prints N for the free disk.
 #                                  kill/rerun resumes at the right slice and step (eagle3_pipeline/slices.py);
 #                                  a WORK whose 04 trained otherwise (unsliced, another N, epochs or input) is refused
+#           --node-wait S          a node (below) waiting for a stage another node runs gives up after S seconds in
+#                                  which nothing in WORK/logs or that stage's output changed (default 1800)
 #           --status               show each stage's state and log (a missing log says so), then exit; a stage
 #                                  is `stale` when a file it wrote changed or its input is not finished (says which)
 #           --print-config         print every stage's resolved config (value # source), then exit
@@ -51,21 +53,24 @@
 # killed driver still runs) is refused, exit 75. Every stage runs in its own process group,
 # recorded in WORK/logs/current_stage.
 #
-# Several nodes (stage 04; WORK on a filesystem every node mounts): on EVERY node the same command with its own
-# --node-rank, node 0's address in --rdzv-endpoint:
-#   eagle3-train/run_all.sh --profile h200-8x --target T --data D --work W \
-#       --args-04 "--nnodes 2 --node-rank 0 --rdzv-endpoint 10.0.0.1:29500"        (node 0, then node 1: --node-rank 1)
-# Node 0 runs 01-03, then 04 holding global rank 0 (checkpoints, metrics, manifest), then 05 (and 06). A node with
-# --node-rank R > 0 runs only its part of 04 (start it once node 0 has finished 01-03, else it stops saying so), with
-# its own driver lock and logs (WORK/logs/run_all.nodeR.log, 04_train.nodeR.log), so two drivers share one WORK.
-# A node that dies stops the others within ~30 s with one line naming it; the same commands resume every node.
+# Several nodes (WORK on a filesystem every node mounts): on EVERY node the same command, started in any order, with
+# its own --node-rank and node 0's address in --rdzv-endpoint; with --args-02 "--world-size N --rank R" too, each
+# node also extracts its share of the rows (one rank per node, e.g. TP 8 on each 8-GPU node):
+#   eagle3-train/run_all.sh --profile h200-8x --target T --data D --work W --args-02 "--world-size 2 --rank 0" \
+#       --args-04 "--nnodes 2 --node-rank 0 --rdzv-endpoint 10.0.0.1:29500"   (node 1: --rank 1, --node-rank 1)
+# Node 0 runs 01, its 02 rank, waits for the other ranks, then 03, 04 holding global rank 0 (checkpoints, metrics,
+# manifest), 05 (and 06). Another node waits for node 0's 01, runs its 02 rank, waits for 02's other ranks and 03,
+# then runs its part of 04, with its own driver lock and logs (WORK/logs/run_all.nodeR.log, 02_extract.nodeR.log,
+# 04_train.nodeR.log), so the drivers share one WORK. A wait lasts while node 0's or another node's logs or the awaited
+# output change; --node-wait seconds without a change end it (exit 3, naming the stage). A node that dies in 04 stops
+# the others within ~30 s with one line naming it; the same commands resume every node.
 # DeepSpeed instead: --args-04 "--launcher deepspeed --hostfile H --nnodes 2", started once on node 0.
 set -euo pipefail
 trap '' HUP PIPE  # an SSH drop must not stop the run; a closed terminal must not kill the driver
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 python="${PYTHON:-python3}"
-profile="" target="" data="" work="" from="" trust="" mode=run rows="" tokens_per_row="" slice_rows=""
+profile="" target="" data="" work="" from="" trust="" mode=run rows="" tokens_per_row="" slice_rows="" node_wait=1800
 evaluate="" eval_prompts=""
 plan_rates=()  # --plan's rate flags, passed to eagle3_pipeline.plan as given
 declare -A extra=([01]="" [02]="" [03]="" [04]="" [05]="" [06]="")
@@ -85,7 +90,7 @@ while [[ $# -gt 0 ]]; do
     --status) mode=status; shift ;;
     --print-config) mode=print; shift ;;
     --plan) mode=plan; shift ;;
-    --rows|--tokens-per-row|--slice-rows)
+    --rows|--tokens-per-row|--slice-rows|--node-wait)
       [[ $# -ge 2 ]] || { echo "run_all.sh: $1 needs a value (see --help)" >&2; exit 2; }
       v="${1#--}"; declare "${v//-/_}=$2"; shift 2 ;;
     --decode-tokens-per-s|--extract-tokens-per-s|--train-tokens-per-s|--disk-read-gb-s|--disk-write-gb-s|--extract-disk-fraction|--answer-tokens-per-row|--free-disk-gb)
@@ -95,11 +100,17 @@ while [[ $# -gt 0 ]]; do
     *) echo "run_all.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
-# A node of a multi-node stage 04 other than node 0 (--args-04 "... --node-rank R"): it runs 04 alone, beside node 0's
-# driver on the same WORK, so its lock, driver log, stage log and current-stage file carry its rank.
-node_rank=0
+# A node other than node 0: of a multi-node stage 04 (--args-04 "... --node-rank R"), or running a stage 02 rank
+# R > 0 alone (--args-02 "... --rank R"). It runs only those, beside node 0's driver on the same WORK, so its lock,
+# driver log, stage logs and current-stage file carry its rank.
+node_rank=0 extract_rank=""
 [[ " ${extra[04]} " =~ [[:space:]]--node-rank[=[:space:]]+([0-9]+)[[:space:]] ]] && node_rank=$((10#${BASH_REMATCH[1]}))
-node_suffix=""; (( node_rank == 0 )) || node_suffix=".node$node_rank"
+[[ " ${extra[02]} " =~ [[:space:]]--rank[=[:space:]]+([0-9]+)[[:space:]] ]] && extract_rank=$((10#${BASH_REMATCH[1]}))
+node_suffix=""
+if (( node_rank > 0 )); then node_suffix=".node$node_rank"
+elif (( ${extract_rank:-0} > 0 )); then node_suffix=".rank$extract_rank"; fi
+[[ "$node_wait" =~ ^[0-9]+$ ]] || { echo "run_all.sh: --node-wait takes seconds" >&2; exit 2; }
+[[ -z "$extract_rank" || -z "$slice_rows" || $mode == plan ]] || { echo "run_all.sh: --slice-rows runs on one node (its 02 runs between slices): --args-02 --rank is refused" >&2; exit 2; }
 [[ -z "$node_suffix" || -z "$slice_rows" || $mode == plan ]] || { echo "run_all.sh: --slice-rows runs on one node (its 02 runs between slices): --node-rank $node_rank is refused" >&2; exit 2; }
 required=(work)
 case $mode in status) ;; plan) required+=(profile target) ;; *) required+=(profile target data) ;; esac
@@ -245,6 +256,24 @@ run_stage() {  # run_stage NN: the stage in its own process group, its output ap
   say "== $n ${name[$n]}: done in $((SECONDS - start)) s"
 }
 
+activity() {  # what changes while another node works: WORK/logs (but this driver's log) and the awaited output
+  { stat -c '%n %s %Y' "$work/logs"/* "$1" 2>/dev/null || true; } | { grep -vF "$driver_log " || true; } | cksum
+}
+
+await_stage() {  # await_stage NN WHO: wait until WHO (another node, or 02's other ranks) finishes stage NN; give up after
+  # --node-wait seconds in which nothing in WORK/logs or its output changed
+  local n="$1" who="$2" seen=$SECONDS last="" now
+  finished "${out[$n]}" && return 0
+  say "== $n ${name[$n]}: waiting for $who to finish it (${out[$n]}/manifest.json); gives up after $node_wait s without a change in $work/logs or ${out[$n]} (--node-wait)"
+  while ! finished "${out[$n]}"; do
+    now=$(activity "${out[$n]}")
+    [[ "$now" == "$last" ]] || { last=$now; seen=$SECONDS; }
+    (( SECONDS - seen < node_wait )) || die 3 "gave up waiting for $who to finish $n ${name[$n]}: nothing in $work/logs or ${out[$n]} changed for $node_wait s (--node-wait); start or fix $who, then rerun the same command"
+    sleep 2 & wait $! || true  # a signal runs on_stop at once
+  done
+  say "== $n ${name[$n]}: finished by $who"
+}
+
 extract_ranks() {  # stage 02's resolved world_size and tensor_parallel_size (the profile's), or "1 0" when
   # --args-02 runs one rank itself (--rank) or the config cannot be printed
   local text ws tp
@@ -331,20 +360,30 @@ if command -v nvidia-smi > /dev/null; then
 fi
 [[ -z "$slice_rows" ]] || nums=()  # the sliced run's own order
 [[ -z "$slice_rows" ]] || run_sliced
-if [[ -n "$node_suffix" ]]; then  # node R > 0: its part of 04 only; global rank 0 (node 0) writes 04's manifest
-  for n in 01 02 03; do
-    finished "${out[$n]}" || die 3 "node $node_rank runs only stage 04 and stage $n ${name[$n]} is not finished in $work: node 0 runs 01-03; start this node once they are finished"
-  done
-  unfinished_ok=1
-  run_stage 04
+if [[ -n "$node_suffix" ]]; then  # a node other than node 0: its 02 rank and its part of 04 only
+  unfinished_ok=1  # the other ranks' rows complete 02; global rank 0 (node 0) writes 04's manifest
+  await_stage 01 "node 0"
+  [[ -z "$extract_rank" ]] || run_stage 02
+  if (( node_rank > 0 )); then
+    if [[ -n "$extract_rank" ]]; then await_stage 02 "02's other ranks"; else await_stage 02 "node 0"; fi
+    await_stage 03 "node 0"
+    run_stage 04
+  fi
   rm -f "$work/logs/current_stage$node_suffix"
-  say "run_all: node $node_rank finished its part of 04; node 0 writes its manifest, then runs 05${evaluate:+ and 06}"
+  if (( node_rank > 0 )); then
+    say "run_all: node $node_rank finished its part of 04; node 0 writes its manifest, then runs 05${evaluate:+ and 06}"
+  else
+    say "run_all: stage 02 rank $extract_rank finished; the rank that finishes last writes 02's manifest"
+  fi
   exit 0
 fi
 for n in "${nums[@]}"; do
   if [[ -n "$from" && "$n" < "$from" ]]; then
     finished "${out[$n]}" || die 3 "--from $from: stage $n ${name[$n]} is not finished; rerun without --from"
     say "== $n ${name[$n]}: not run (--from $from)"
+  elif [[ $n == 02 && -n "$extract_rank" ]]; then  # rank 0 of an extraction whose other ranks run on other nodes
+    unfinished_ok=1; run_stage 02; unfinished_ok=""
+    await_stage 02 "02's other ranks (another node's run_all.sh --args-02 \"... --rank R\")"
   elif [[ $n == 02 ]] && read -r ws tp < <(extract_ranks) && (( ws > 1 )) && ! finished "${out[02]}"; then
     run_ranks "$ws" "$tp"  # the profile's data-parallel extraction (extract.world_size)
   else

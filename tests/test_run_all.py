@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -85,7 +86,11 @@ STUB = textwrap.dedent(r'''
     Path(out).mkdir(parents=True, exist_ok=True)
     if num == "05":
         (Path(out) / "serve_command.txt").write_text(f"vllm serve stub --speculative-config {{out}}\n")
-    manifest = {{"stage": num, "complete": mode != "incomplete"}}
+    complete = mode != "incomplete"
+    if num == "02" and flag("--world-size") is not None:  # as a real 02 rank: the one that finds every rank's rows writes it
+        (Path(out) / f"rank-{{flag('--rank')}}.done").touch()
+        complete = all((Path(out) / f"rank-{{r}}.done").exists() for r in range(int(flag("--world-size"))))
+    manifest = {{"stage": num, "complete": complete}}
     (Path(out) / "manifest.json").write_text(json.dumps(manifest, indent=2))
     note("done")
 ''').lstrip()
@@ -265,11 +270,11 @@ def test_two_nodes_run_the_same_command_on_one_work_dir(tmp_path, stub):
     the filesystem's flock spans nodes), else wrote node 0's current_stage and 04 log and went on to run 05 itself."""
     work = tmp_path / "w"
     node = "--nnodes 2 --node-rank {} --rdzv-endpoint 127.0.0.1:29500"
-    early = driver(work, stub, "--args-04", node.format(1))  # node 1 first: node 0 has not prepared anything yet
+    early = driver(work, stub, "--args-04", node.format(1), "--node-wait", "1")  # node 1 alone: node 0 never starts
     assert early.returncode == 3 and started(work) == []
     assert early.stderr.strip().splitlines()[-1] == (
-        f"run_all.sh: node 1 runs only stage 04 and stage 01 prepare is not finished in {work}: node 0 runs 01-03; "
-        "start this node once they are finished")
+        f"run_all.sh: gave up waiting for node 0 to finish 01 prepare: nothing in {work}/logs or {work}/data changed "
+        "for 1 s (--node-wait); start or fix node 0, then rerun the same command")
     go = tmp_path / "let-node-0s-04-finish"
     node0 = driver(work, stub, "--args-04", node.format(0), env={"FAKE_04": f"until:{go}"}, wait=False)
     try:
@@ -294,6 +299,50 @@ def test_two_nodes_run_the_same_command_on_one_work_dir(tmp_path, stub):
     assert not (logs / "current_stage.node1").exists()
     sliced = driver(work, stub, "--args-04", node.format(1), "--slice-rows", "8")
     assert sliced.returncode == 2 and "--slice-rows runs on one node" in sliced.stderr
+
+
+@pytest.mark.reliability
+def test_two_nodes_each_extract_their_rank_then_train_from_one_command_each_in_any_order(tmp_path, stub):
+    """Two nodes, one WORK, each extracting its share (--args-02 "--world-size 2 --rank R", TP 8 on each node), then
+    training. Node 1 is started first: it waits for node 0's 01, runs its 02 rank, waits for 02 and 03, runs its part
+    of 04; node 0 runs 01, its rank, waits for rank 1's rows, then 03-05. Before, node 1 refused to start until node
+    0's 01-03 were finished (which needed node 1's rows: node 0 stopped after its rank, exit 3)."""
+    work = tmp_path / "w"
+    args = lambda r: ["--args-02", f"--world-size 2 --rank {r}",  # noqa: E731
+                      "--args-04", f"--nnodes 2 --node-rank {r} --rdzv-endpoint 127.0.0.1:29500"]
+    alone = driver(work, stub, *args(0), "--node-wait", "1")  # node 0 alone: rank 1's rows never come
+    assert alone.returncode == 3 and started(work) == ["01", "02"]
+    assert "gave up waiting for 02's other ranks" in alone.stderr.strip().splitlines()[-1]
+    (work.parent / "calls.txt").unlink()
+    shutil.rmtree(work)
+
+    go = tmp_path / "let-rank-1-finish"
+    node1 = driver(work, stub, *args(1), env={"FAKE_02": f"until:{go}"}, wait=False)
+    node0 = None
+    try:
+        wait_for(lambda: (work / "logs" / "run_all.node1.log").is_file() and "waiting for node 0 to finish it" in
+                 (work / "logs" / "run_all.node1.log").read_text(), what="node 1 waiting for node 0's 01")
+        assert started(work) == []
+        node0 = driver(work, stub, *args(0), wait=False)
+        log0 = work / "logs" / "run_all.log"
+        wait_for(lambda: log0.is_file() and "waiting for 02's other ranks" in log0.read_text(), timeout=60,
+                 what="node 0 waiting for rank 1's rows")
+        wait_for(lambda: "02 start" in " ".join(line for line in calls(work) if "--rank 1" in line), timeout=30,
+                 what="node 1's rank once node 0's 01 is finished")
+        assert node0.poll() is None and "--rank 1" in (work / "logs" / "02_extract.node1.log").read_text()
+        go.touch()
+        assert node1.wait(timeout=60) == 0 and node0.wait(timeout=60) == 0
+    finally:
+        for process in (node0, node1):
+            if process is not None and process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+    runs = [" ".join(line.split()[:1] + [f for f in ("--rank 0", "--rank 1", "--node-rank 1") if f in line])
+            for line in calls(work) if line.split()[1] == "start" and "--print-config" not in line]
+    assert runs[:3] == ["01", "02 --rank 1", "02 --rank 0"] or runs[:3] == ["01", "02 --rank 0", "02 --rank 1"]
+    assert sorted(runs[3:]) == ["03", "04", "04 --node-rank 1", "05"]  # (the stub's 04 does not wait for the other)
+    assert runs.index("03") < runs.index("04 --node-rank 1")  # node 1 trained once node 0's 03 was finished
+    out1 = node1.stdout.read()
+    assert "node 1 finished its part of 04" in out1 and "01 prepare: waiting for node 0 to finish it" in out1
 
 
 def test_from_reruns_finished_stages_and_print_config_asks_every_stage(tmp_path, stub):
@@ -409,34 +458,40 @@ def test_driver_restarts_after_sigkill_mid_training_on_the_miniature(tmp_path, k
 @pytest.mark.slow
 @pytest.mark.reliability
 def test_two_nodes_run_the_real_pipeline_from_one_command_each_on_one_work_dir(tmp_path, kimi_target):
-    """The same run_all.sh command on two nodes (here two drivers on one machine, gloo, one rank each) and one WORK:
-    node 0 runs 01-03 and holds global rank 0; node 1, started once they are finished, trains beside it in its own
-    logs; node 0 writes 04's manifest and exports. Each node's rank trained its own share of every epoch."""
+    """The same run_all.sh command on two nodes (here two drivers on one machine, gloo, one rank each) and one WORK,
+    started together, node 1 first: node 0 runs 01; each node extracts its rank's rows (--args-02 "--world-size 2
+    --rank R"); node 0 runs 03 and holds global rank 0; node 1 trains beside it in its own logs; node 0 writes 04's
+    manifest and exports. Each node's rank extracted half the rows and trained its own share of every epoch."""
     work, port = tmp_path / "run", free_port()
 
     def command(rank: int) -> list:
         return ["bash", str(RUN_ALL), "--profile", "cpu-mini", "--target", str(kimi_target),
                 "--data", str(SAMPLES / "conversations.jsonl"), "--work", str(work), "--python", sys.executable,
+                "--args-02", f"--world-size 2 --rank {rank}",
                 "--args-04", f"--epochs 1 --logger= --nnodes 2 --node-rank {rank} --rdzv-endpoint 127.0.0.1:{port}"]
 
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    node0 = subprocess.Popen(command(0), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
-                             start_new_session=True)
+    nodes = []
     try:
-        wait_for(lambda: _manifest(work / "vocab").get("complete") or node0.poll() is not None, timeout=420,
-                 what="node 0's stages 01-03")
-        assert node0.poll() is None, node0.communicate()[0][-3000:]
-        node1 = subprocess.run(command(1), capture_output=True, text=True, env=env, cwd=REPO, timeout=420)
-        out0 = node0.communicate(timeout=420)[0]
+        for rank in (1, 0):
+            nodes.append(subprocess.Popen(command(rank), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                          env=env, cwd=REPO, start_new_session=True))
+        out1, out0 = (node.communicate(timeout=600)[0] for node in nodes)
     finally:
-        if node0.poll() is None:
-            os.killpg(node0.pid, signal.SIGKILL)
-    assert node1.returncode == 0, node1.stdout[-3000:] + node1.stderr[-2000:]
-    assert node0.returncode == 0, out0[-4000:]
-    assert "node 1 finished its part of 04" in node1.stdout
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+    assert nodes[0].returncode == 0, out1[-3000:]
+    assert nodes[1].returncode == 0, out0[-4000:]
+    assert "node 1 finished its part of 04" in out1
+    extracted = _manifest(work / "data" / "hidden_states")
+    assert extracted.get("complete") and extracted["counts"]["rows"] == _manifest(work / "data")["counts"]["rows"]
+    logs = work / "logs"
+    shares = [int(re.search(r"extracting (\d+) row\(s\)", (logs / name).read_text()).group(1))
+              for name in ("02_extract.log", "02_extract.node1.log")]
+    assert sum(shares) == extracted["counts"]["rows"] and min(shares) > 0  # each node extracted its own rows
     assert _manifest(work / "checkpoints").get("complete") and _manifest(work / "draft").get("complete")
     assert sorted({record["rank"] for record in read_records(work / "checkpoints")}) == [0, 1]  # one rank per node
-    logs = work / "logs"
     assert "node 1/2 done" in (logs / "04_train.node1.log").read_text()
     assert "--node-rank 1" not in (logs / "04_train.log").read_text()
     assert not (logs / "05_export.node1.log").exists() and (logs / "05_export.log").exists()
