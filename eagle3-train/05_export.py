@@ -114,7 +114,7 @@ def refuse_foreign_output(out_dir: Path) -> None:
 
 
 def remove_stale_exports(out_dir: Path) -> None:
-    """Temp copies a killed export left beside out_dir (`.NAME.tmp-PID`, `.NAME.old.tmp-PID`)."""
+    """Temp copies a killed export left beside out_dir (`.NAME.tmp-PID@HOST`, `.NAME.old.tmp-PID@HOST`)."""
     if not out_dir.parent.is_dir():
         return
     for prefix in (f".{out_dir.name}{TEMP_MARKER}", f".{out_dir.name}.old{TEMP_MARKER}"):

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from eagle3_pipeline.files import writer_tag
+
 from conftest import REPO, SAMPLES, SCRIPTS, STAGE_SCRIPTS
 
 pytestmark = pytest.mark.reliability
@@ -642,7 +644,7 @@ def test_export_into_a_directory_it_cannot_rename_is_one_line_and_keeps_it(capsy
     immutable(draft)
     code, error = refused(capsys, "export", "--checkpoints", work["checkpoints"], "--vocab", work["vocab"], "--output",
                           draft, "--tensor-parallel-size", "2", "--overwrite")  # another identity: replace it
-    assert code == 74 and error == (f"{draft}: moving the old one aside (renaming it to .draft.old.tmp-{os.getpid()}) "
+    assert code == 74 and error == (f"{draft}: moving the old one aside (renaming it to .draft.old.tmp-{writer_tag()}) "
                                     f"failed (Operation not permitted); fix the path (permissions, mount, free space) "
                                     f"or choose another one, then rerun"), error
     assert snapshot(draft) == before  # and no staging copy left beside it
@@ -705,7 +707,7 @@ def test_an_output_file_that_cannot_be_replaced_is_one_line_naming_it_and_the_op
         (work["hs"] / "hs_3.safetensors").unlink()
     immutable(out / "manifest.json")
     code, error = refused(capsys, *_stage_args(stage, ref, work, kimi_target, out), *extra)
-    operation = ("renaming the new one (.manifest.json.tmp-{}) into place".format(os.getpid()) if stage == "extract"
+    operation = ("renaming the new one (.manifest.json.tmp-{}) into place".format(writer_tag()) if stage == "extract"
                  else "deleting it")
     assert code == 74 and error == (f"{out / 'manifest.json'}: {operation} failed (Operation not permitted); fix the "
                                     f"path (permissions, mount, free space) or choose another one, then rerun"), error

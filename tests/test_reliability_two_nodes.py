@@ -19,7 +19,6 @@ import fcntl
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -418,6 +417,7 @@ def test_each_engine_stages_in_a_new_folder_and_only_this_hosts_dead_engines_fol
     and a rerun removes only the folders of this host's engines that are gone."""
     from eagle3_pipeline.extract.run import remove_dead_engines_staging
     from eagle3_pipeline.extract.vllm_backend import engine_staging_owner, new_engine_staging_dir
+    from eagle3_pipeline.files import writer_host
 
     staging = tmp_path / ".staging"
     other_node_live = staging / f"vllm-{os.getpid()}@other-node.k2x9"  # another node's engine, this same pid
@@ -425,12 +425,12 @@ def test_each_engine_stages_in_a_new_folder_and_only_this_hosts_dead_engines_fol
     (other_node_live / "row-3.safetensors").write_bytes(b"in flight")
     mine, again = new_engine_staging_dir(staging), new_engine_staging_dir(staging)
     assert mine != again and mine.is_dir() and again.is_dir()
-    assert engine_staging_owner(mine) == (os.getpid(), socket.gethostname())
+    assert engine_staging_owner(mine) == (os.getpid(), writer_host())
     assert (other_node_live / "row-3.safetensors").read_bytes() == b"in flight"
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()  # its pid is free now
-    killed_here = staging / f"vllm-{gone.pid}@{socket.gethostname()}.a1b2"
+    killed_here = staging / f"vllm-{gone.pid}@{writer_host()}.a1b2"
     killed_elsewhere = staging / f"vllm-{gone.pid}@other-node.a1b2"
     for folder in (killed_here, killed_elsewhere):
         folder.mkdir()
@@ -439,3 +439,30 @@ def test_each_engine_stages_in_a_new_folder_and_only_this_hosts_dead_engines_fol
     assert remove_dead_engines_staging(staging) == [killed_here]
     assert sorted(p.name for p in staging.iterdir()) == sorted(
         [other_node_live.name, mine.name, again.name, killed_elsewhere.name, "vllm-notes.txt"])
+
+
+def test_two_nodes_writing_one_file_with_the_same_pid_each_keep_their_own_temp(tmp_path, monkeypatch):
+    """Stage 02's ranks on two nodes both write --data/hidden_states/manifest.json, and containers give their
+    processes the same pids. Before, the temp was `.manifest.json.tmp-PID`: one file for both writers; the second
+    deleted the first's temp as it began, and the first then failed renaming it into place (exit 74). Now it is
+    `.manifest.json.tmp-PID@HOST`: two writers in flight at once each land whole bytes (the last rename wins)."""
+    import socket
+
+    from eagle3_pipeline.files import atomic_path, final_name_of, parse_writer_tag, temp_path_for
+
+    final = tmp_path / "manifest.json"
+
+    def on(host: str) -> None:
+        monkeypatch.setattr(socket, "gethostname", lambda: host)
+
+    on("node-0.cluster.local")
+    with atomic_path(final) as first:
+        first.write_text('{"by": "node 0"}')
+        on("node-1.cluster.local")
+        with atomic_path(final) as second:
+            second.write_text('{"by": "node 1"}')
+        assert final.read_text() == '{"by": "node 1"}' and first.read_text() == '{"by": "node 0"}'
+    assert final.read_text() == '{"by": "node 0"}' and sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json"]
+    assert (first.name, second.name) == (f".manifest.json.tmp-{os.getpid()}@node-0", f".manifest.json.tmp-{os.getpid()}@node-1")
+    assert final_name_of(first) == "manifest.json" and parse_writer_tag(first.name.split(".tmp-")[1]) == (os.getpid(), "node-0")
+    assert temp_path_for(final) == second

@@ -1,7 +1,7 @@
 """Safe file writes and small file helpers shared by every stage.
 
 Every output a stage writes goes through here: it is written to a hidden temp file
-beside its final name (`.NAME.tmp-PID`) and renamed into place with `os.replace`, so a
+beside its final name (`.NAME.tmp-PID@HOST`) and renamed into place with `os.replace`, so a
 killed run leaves either the old file, the new file, or a temp file that no reader
 trusts (readers only ever look at final names) and that the next run deletes, only
 while it holds the directory's lock (`hold_lock`: no writer of that temp is alive then).
@@ -15,7 +15,9 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
+import socket
 import struct
 from pathlib import Path
 from typing import Any, Iterator
@@ -29,10 +31,28 @@ from .errors import PathError, StageError
 TEMP_MARKER = ".tmp-"
 
 
+def writer_host() -> str:
+    """This host's name in file names: its first label, in [A-Za-z0-9-], at most 32 characters."""
+    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname().split(".")[0])[:32] or "host"
+
+
+def writer_tag() -> str:
+    """This process among every node writing a shared folder: `PID@HOST`. Nodes write one folder on a shared
+    filesystem, and containers give their processes the same pids: a temp named by the pid alone was one file for
+    two writers (stage 02's ranks on two nodes both write its manifest)."""
+    return f"{os.getpid()}@{writer_host()}"
+
+
+def parse_writer_tag(tag: str) -> tuple[int, str] | None:
+    """`PID@HOST` -> (pid, host); None for anything else."""
+    pid, at, host = tag.partition("@")
+    return (int(pid), host) if pid.isdigit() and at and re.fullmatch(r"[A-Za-z0-9-]+", host) else None
+
+
 def temp_path_for(final: Path) -> Path:
-    """Hidden sibling of `final`; hidden so globs like `hs_*.safetensors` never see it."""
+    """Hidden sibling of `final`, this writer's own; hidden so globs like `hs_*.safetensors` never see it."""
     final = Path(final)
-    return final.with_name(f".{final.name}{TEMP_MARKER}{os.getpid()}")
+    return final.with_name(f".{final.name}{TEMP_MARKER}{writer_tag()}")
 
 
 def is_temp_path(path: Path) -> bool:
@@ -129,7 +149,7 @@ def atomic_path(final: Path) -> Iterator[Path]:
         if final.is_dir() and not final.is_symlink():
             # os.replace cannot replace a non-empty directory: move the old one
             # aside first so the swap is still a pair of renames, never a copy.
-            old = final.with_name(f".{final.name}.old{TEMP_MARKER}{os.getpid()}")
+            old = final.with_name(f".{final.name}.old{TEMP_MARKER}{writer_tag()}")
             with path_operation(f"moving the old one aside (renaming it to {old.name})", final):
                 os.replace(final, old)
             try:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from .checkpoints import INTERRUPTED, STATE_NAME, incomplete, incomplete_reason, latest_progress, own_outputs, read_state
 from .compat.gate import speculators_supported
-from .files import TEMP_MARKER, remove_path
+from .files import TEMP_MARKER, remove_path, writer_tag
 
 # Local imports: speculators: imported where its trainer is patched (heavy; resume planning needs none).
 
@@ -80,7 +80,7 @@ def _adopt_interrupted(out_dir: Path, interrupted: Path) -> str:
     final = out_dir / str(epoch)
     # A pair of renames (the older folder of this epoch is a sub-epoch save): a kill in between
     # leaves a hidden temp that the next run deletes, and `interrupted/` still in place.
-    aside = out_dir / f".{final.name}.old{TEMP_MARKER}{os.getpid()}"
+    aside = out_dir / f".{final.name}.old{TEMP_MARKER}{writer_tag()}"
     if final.exists():
         os.replace(final, aside)
     os.replace(interrupted, final)

@@ -7,7 +7,6 @@ import logging
 import os
 import random
 import shutil
-import socket
 import time
 from collections import Counter
 from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -21,7 +20,7 @@ from tqdm import tqdm
 from ..config.schema import ExtractConfig
 from ..disk_writes import landing_writeback, sync_filesystem
 from ..errors import StageError
-from ..files import atomic_write_json
+from ..files import atomic_write_json, writer_host
 from ..hidden_states import DTYPES, StateFormat, dtype_name, hs_file
 from ..preflight import preflight_extract
 from ..stage import lock_output
@@ -245,7 +244,7 @@ def remove_dead_engines_staging(staging: Path) -> list[Path]:
     landed): removed once that pid is gone here. Another host's folders are left alone: ranks on other nodes
     share the staging directory, and their pids mean nothing on this one."""
     removed = []
-    host = socket.gethostname()
+    host = writer_host()
     for folder in staging.iterdir():
         owner = engine_staging_owner(folder)
         if owner is None or owner[1] != host or owner[0] == os.getpid() or not folder.is_dir():

@@ -37,7 +37,6 @@ import logging
 import os
 import re
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -53,6 +52,7 @@ from typing import Iterator
 from ..config.schema import SCRIPTS_DIR, ExtractConfig
 from ..errors import ConfigError, InputError, StageError
 from ..evaluate import gpu_memory_args
+from ..files import parse_writer_tag, writer_tag
 from ..target import TargetInfo
 from .common import ExtractedSample
 
@@ -459,21 +459,19 @@ ENGINE_STAGING_PREFIX = "vllm-"
 
 
 def new_engine_staging_dir(staging: Path) -> Path:
-    """This engine's own new folder under the staging directory, `vllm-<pid>@<host>.<random>`: files of a killed
-    run never mix with this one's, and no other process's folder is ever reused or removed. Ranks on two nodes
-    share a staging directory on one filesystem, and their processes may have the same pid (containers start
+    """This engine's own new folder under the staging directory, `vllm-PID@HOST.<random>` (files.writer_tag): files of
+    a killed run never mix with this one's, and no other process's folder is ever reused or removed. Ranks on two
+    nodes share a staging directory on one filesystem, and their processes may have the same pid (containers start
     from the same pids): a folder named by the pid alone was another node's live one (before, it was deleted)."""
     staging.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f"{ENGINE_STAGING_PREFIX}{os.getpid()}@{socket.gethostname()}.", dir=staging))
+    return Path(tempfile.mkdtemp(prefix=f"{ENGINE_STAGING_PREFIX}{writer_tag()}.", dir=staging))
 
 
 def engine_staging_owner(folder: Path) -> tuple[int, str] | None:
     """(pid, host) of the engine that made `folder` (`new_engine_staging_dir`); None for anything else."""
-    pid, at, rest = folder.name.removeprefix(ENGINE_STAGING_PREFIX).partition("@")
-    host, dot, _ = rest.rpartition(".")
-    if not (folder.name.startswith(ENGINE_STAGING_PREFIX) and pid.isdigit() and at and dot and host):
+    if not folder.name.startswith(ENGINE_STAGING_PREFIX):
         return None
-    return int(pid), host
+    return parse_writer_tag(folder.name.removeprefix(ENGINE_STAGING_PREFIX).partition(".")[0])
 
 
 class VllmBackend:
