@@ -170,7 +170,9 @@ class ExtractConfig(StageConfig):
     rows: Optional[str] = _field(None, "extract only these rows, START:END ranges (end exclusive, e.g. 0:1000,90000:100000): "
                                        "one slice of a sliced run (run_all.sh --slice-rows); first deletes this stage's "
                                        "files of the rows outside them (their manifest is kept in hidden_states/slices/)", identity=False)
-    world_size: int = _field(1, "number of extraction replicas/nodes sharing the rows", ge=1, identity=False)
+    world_size: int = _field(1, "number of extraction replicas sharing the rows (one per node: each node's own --rank, "
+                                "one --data on a shared filesystem; the last to finish writes the manifest)", ge=1,
+                             identity=False)
     rank: int = _field(0, "this replica's index in [0, world-size)", ge=0, identity=False)
     retries: int = _field(2, "re-extract a row whose file fails validation this many times before giving up", ge=0, identity=False)
     validate_only: bool = _field(False, flag="--validate", help="only validate existing files and list the rows to redo (a rerun redoes them)", identity=False)
