@@ -428,18 +428,14 @@ def test_a_killed_evaluation_takes_its_engine_with_it(llama_run, tmp_path):
 
 
 @pytest.mark.vllm
-def test_a_finished_report_cut_short_is_measured_again(llama_run, llama_eval, tmp_path):
-    """Before: every rerun ended in a JSONDecodeError traceback. report.json is 06's own output: it measures again."""
+def test_check_on_a_finished_report_cut_short_says_it_is_measured_again(llama_run, llama_eval, tmp_path):
+    """Before: every rerun ended in a JSONDecodeError traceback. report.json is 06's own output: --check says the
+    measurement can run (the run itself measuring again: tests/test_reliability_sweep_06.py)."""
     out = tmp_path / "eval"
     shutil.copytree(llama_eval, out)
     cut_short(out / "report.json")
     checked = evaluate(llama_run["draft"], out, *LLAMA_EVAL_FLAGS, "--check")
     assert "Traceback" not in checked.stderr and "tau in vLLM can run here" in checked.stdout
-    result = evaluate(llama_run["draft"], out, *LLAMA_EVAL_FLAGS)
-    assert "report.json, which this stage wrote, is cut short or changed since; measuring again" in result.stderr
-    report = json.loads((out / "report.json").read_text())
-    assert report["verdict"]["passed"] and json.loads((out / "manifest.json").read_text())["complete"]
-    assert (out / "report.txt").read_text() == format_report(report) + "\n"
 
 
 # --- the verdict -------------------------------------------------------------------------------------
