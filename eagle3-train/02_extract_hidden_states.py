@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             for index in bad:  # a rerun redoes exactly these
                 hs_file(hs_dir, index).unlink(missing_ok=True)
             manifest_path(hs_dir).unlink(missing_ok=True)
-            raise fail_rows(bad, hs_dir, "validation")
+            raise fail_rows(bad, hs_dir, "validation", cfg.world_size, cfg.rank)
         log.info("validated %d file(s): all good", len(mine))
         return 0
     remedy = f"move {hs_dir} away (or rerun 01 into a new --output) to extract again"
@@ -153,19 +153,20 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             backend.close()
         if failures:
-            raise fail_rows(failures, hs_dir, "extraction")
+            raise fail_rows(failures, hs_dir, "extraction", cfg.world_size, cfg.rank)
     bad = validate_sample_of_files(plan, hs_dir, cfg.validate_sample, seed=cfg.rank)
     if bad:
         for index in bad:
             hs_file(hs_dir, index).unlink(missing_ok=True)
-        raise fail_rows(bad, hs_dir, "re-validation")
+        raise fail_rows(bad, hs_dir, "re-validation", cfg.world_size, cfg.rank)
 
     # 5. Contract last, once every rank's rows are in (with --world-size > 1 the last rank to finish writes it).
     if not every_ranks_rows_landed(hs_dir, plan.all_indices, cfg.world_size):
         log.info("rank %d/%d done; the rank that finishes last writes the manifest (if none did: rerun any rank)",
                  cfg.rank, cfg.world_size)
         return 0
-    (hs_dir / "redo.json").unlink(missing_ok=True)  # every row listed there has been redone
+    for listed in hs_dir.glob("redo*.json"):  # every row listed there (by any rank) has been redone
+        listed.unlink(missing_ok=True)
     fingerprints = write_fingerprints(hs_dir, plan.all_indices)  # what a rerun compares with the disk
     covered = len(plan.all_indices)
     tokens = sum(len(rows[i]) for i in plan.all_indices)

@@ -170,8 +170,13 @@ def validate_sample_of_files(plan: ExtractPlan, hs_dir: Path, count: int, seed: 
     return bad
 
 
-def write_redo_list(hs_dir: Path, bad: dict[int, str]) -> Path:
-    path = hs_dir / "redo.json"
+def redo_list_path(hs_dir: Path, world_size: int = 1, rank: int = 0) -> Path:
+    """The rows a rerun redoes; one list per rank (ranks on two nodes fail rows at once)."""
+    return hs_dir / ("redo.json" if world_size == 1 else f"redo.rank{rank}-of-{world_size}.json")
+
+
+def write_redo_list(hs_dir: Path, bad: dict[int, str], world_size: int = 1, rank: int = 0) -> Path:
+    path = redo_list_path(hs_dir, world_size, rank)
     atomic_write_json(path, {"rows": sorted(bad), "reasons": {str(k): v for k, v in sorted(bad.items())}})
     return path
 
@@ -202,8 +207,8 @@ def every_ranks_rows_landed(hs_dir: Path, indices: list[int], world_size: int) -
         time.sleep(LISTING_POLL_S)
 
 
-def fail_rows(bad: dict[int, str], hs_dir: Path, what: str) -> StageError:
-    path = write_redo_list(hs_dir, bad)
+def fail_rows(bad: dict[int, str], hs_dir: Path, what: str, world_size: int = 1, rank: int = 0) -> StageError:
+    path = write_redo_list(hs_dir, bad, world_size, rank)
     first = next(iter(sorted(bad.items())))
     return StageError(f"{what}: {len(bad)} row(s) bad (listed in {path}), first: row {first[0]}: {first[1]}; rerun to redo them")
 
