@@ -25,7 +25,15 @@ from eagle3_pipeline.export import (
     verify_draft_dir,
     write_draft_dir,
 )
-from eagle3_pipeline.files import TEMP_MARKER, atomic_path, atomic_write_text, check_writable_dir, remove_path, sha256_file
+from eagle3_pipeline.files import (
+    TEMP_MARKER,
+    atomic_path,
+    atomic_write_text,
+    check_writable_dir,
+    parse_writer_tag,
+    remove_path,
+    sha256_file,
+)
 from eagle3_pipeline.manifest import ExportManifest, TrainManifest, parse_manifest
 from eagle3_pipeline.preflight import preflight_export
 from eagle3_pipeline.stage import config_fingerprint, finished, lock_output, log, stage_identity, stage_main
@@ -119,7 +127,7 @@ def remove_stale_exports(out_dir: Path) -> None:
         return
     for prefix in (f".{out_dir.name}{TEMP_MARKER}", f".{out_dir.name}.old{TEMP_MARKER}"):
         for stale in out_dir.parent.glob(prefix + "*"):
-            if stale.name[len(prefix):].isdigit():
+            if parse_writer_tag(stale.name[len(prefix):]) is not None:
                 log.info("removing %s, left by an export that was killed", stale)
                 remove_path(stale)
 
