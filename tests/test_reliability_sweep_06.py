@@ -56,11 +56,14 @@ def cut_short(rel: str) -> Callable[[Path], None]:
 
 # --- the cases' own evidence ------------------------------------------------------------------------------
 
-def measured_again(result, work: Path, made: Path) -> None:
-    assert "vllm: draft-k3: tau" in result.stderr, result.stderr[-3000:]  # an engine ran: the record is remade
-    report = json.loads((work / "eval" / "report.json").read_text())
-    assert (work / "eval" / "report.txt").read_text() == format_report(report) + "\n"
-    assert json.loads((work / "eval" / "manifest.json").read_text())["complete"]
+def measured_again(why: str) -> Callable:
+    def evidence(result, work: Path, made: Path) -> None:
+        assert why in result.stderr, result.stderr[-3000:]  # the log says why it measures again
+        assert "vllm: draft-k3: tau" in result.stderr, result.stderr[-3000:]  # an engine ran: the record is remade
+        report = json.loads((work / "eval" / "report.json").read_text())
+        assert (work / "eval" / "report.txt").read_text() == format_report(report) + "\n"
+        assert json.loads((work / "eval" / "manifest.json").read_text())["complete"]
+    return evidence
 
 
 def redrawn(name: str) -> Callable:
@@ -86,8 +89,10 @@ REDRAWN = {f"{name} {how}": Case(change(f"eval/{name}"), "redone", redoes=("eval
 CASES = {
     "nothing changed": Case(None, "no-op"),
     # 06's own outputs: the record measured again, its views redrawn from it, its manifest refused (move it away)
-    "report.json cut short": Case(cut_short("eval/report.json"), "redone", redoes=("eval",), evidence=measured_again),
-    "report.json deleted": Case(delete("eval/report.json"), "redone", redoes=("eval",), evidence=measured_again),
+    "report.json cut short": Case(cut_short("eval/report.json"), "redone", redoes=("eval",), evidence=measured_again(
+        "report.json, which this stage wrote, is cut short or changed since; measuring again")),
+    "report.json deleted": Case(delete("eval/report.json"), "redone", redoes=("eval",), evidence=measured_again(
+        "report.json missing (this stage wrote it); redoing it")),
     **REDRAWN,
     "manifest.json cut short": Case(cut_short("eval/manifest.json"), "refused",
                                     names=("{work}/eval/manifest.json: unreadable manifest", "move {work}/eval away")),
