@@ -37,6 +37,9 @@
 #                                                  runs while the box is held), results in /root/acceptance-out;
 #                                                  other work (e.g. `run`) can share the GPU meanwhile
 #   bash bench/h200_vllm_gpu.sh acceptance-wait SECONDS   wait for it (at most SECONDS), copy what it has to $OUT
+#                                                  (every waiting subcommand leaves $OUT/partial.tgz each minute
+#                                                  meanwhile: what a call cut at the session's last device second
+#                                                  brings back; unpack it, then its records.tgz)
 #   bash bench/h200_vllm_gpu.sh curves [flags]     bench/acceptance.py --device cuda --curves (learning curves, issue 27):
 #                                                  merges into bench/results/h200-acceptance-curves-smollm2.json when
 #                                                  the working tree has it (one data size per device hold)
@@ -70,9 +73,10 @@ STASH=/root/stash
 SITE=/root/site
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
 GGUF_SHA256=$(sed -n 's/^GGUF_SHA256 = "\([0-9a-f]*\)".*/\1/p' bench/testbed.py)  # the one pinned digest
-BG_OUT=/root/acceptance-out
+BG_OUT=${H200_BG_OUT:-/root/acceptance-out}  # the detached bench's folder (another only for the tests)
 JOBS=${H200_JOBS_DIR:-/root/jobs}  # the detached jobs' folders (another only for the tests)
-TRAIN_OUT=/root/train-out
+TRAIN_OUT=${H200_TRAIN_OUT:-/root/train-out}
+SNAPSHOT_S=${H200_SNAPSHOT_S:-60}  # a wait leaves $OUT/partial.tgz this often (see wait_until)
 TRAIN_WHEELS=(pydantic- pydantic_core- annotated_types- typing_extensions- typing_inspection- openai-3 httpx2- httpcore2-
               truststore- jiter- distro- sniffio- anyio- h11- idna-)
 
@@ -84,12 +88,48 @@ detach() {  # detach DIR COMMAND...: run COMMAND in its own session (it outlives
   echo "detached (pid $!), results in $dir"
 }
 
-wait_for() {  # wait_for DIR SECONDS NAME: until DIR/rc exists (at most SECONDS), then copy DIR's files to $OUT
-  local dir=$1 limit=$2 name=$3 waited=0
-  while [ ! -f "$dir/rc" ] && [ "$waited" -lt "$limit" ]; do sleep 5; waited=$((waited + 5)); done
+wait_until() {  # wait_until SECONDS COLLECT FILE...: until every FILE exists (at most SECONDS); sets WAITED.
+  # A call killed before it returns (the session's device time ran out: the device cuts a command at what is left,
+  # and brings back what $OUT holds then) would bring back nothing of a bench that ran for many minutes; so every
+  # SNAPSHOT_S seconds COLLECT (a function that copies what the wait returns into $OUT) runs into a scratch folder,
+  # packed as $OUT/partial.tgz (one file, replaced by a rename). A wait that returns removes it: its files are final.
+  local limit=$1 collect=$2 waited=0 since=0 missing f scratch; shift 2
   OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-  cp "$dir"/*.json "$dir"/*.png "$dir"/*.log "$dir"/*.txt "$dir"/*.tgz "$dir"/rc "$OUT"/ 2>/dev/null
-  if [ -f "$dir/rc" ]; then echo "$name finished, rc $(cat "$dir/rc")"; else echo "$name still running after ${waited}s"; fi
+  while [ "$waited" -lt "$limit" ]; do
+    missing=0; for f in "$@"; do [ -f "$f" ] || missing=1; done
+    [ "$missing" = 0 ] && break
+    sleep 5; waited=$((waited + 5)); since=$((since + 5))
+    if [ "$since" -ge "$SNAPSHOT_S" ]; then
+      since=0; scratch=$(mktemp -d)
+      (OUT=$scratch/out; mkdir -p "$OUT"; "$collect" > /dev/null 2>&1)
+      tar czf "$OUT/partial.tgz.tmp" -C "$scratch/out" . 2>/dev/null && mv "$OUT/partial.tgz.tmp" "$OUT/partial.tgz"
+      rm -rf "$scratch"
+    fi
+  done
+  rm -f "$OUT/partial.tgz" "$OUT/partial.tgz.tmp"
+  WAITED=$waited
+}
+copy_dir_files() {  # copy_dir_files DIR: a detached bench's results, logs and rc -> $OUT
+  cp "$1"/*.json "$1"/*.png "$1"/*.log "$1"/*.txt "$1"/*.tgz "$1"/rc "$OUT"/ 2>/dev/null
+}
+say_finished() {  # say_finished DIR NAME
+  if [ -f "$1/rc" ]; then echo "$2 finished, rc $(cat "$1/rc")"; else echo "$2 still running after ${WAITED}s"; fi
+}
+collect_bench() {  # what acceptance-wait returns: the bench's folder and the records of every bench work dir
+  copy_dir_files "$BG_OUT"
+  (cd work/bench-acceptance-gpu 2>/dev/null && tar czf "$OUT/records.tgz" logs */bench-run.json vllm-k*.json 2>/dev/null)
+  (cd work/extraction-kimi-width 2>/dev/null && tar czf "$OUT/extraction-records.tgz" logs results.json 2>/dev/null)
+  (cd work/bench-curves-gpu 2>/dev/null && tar czf "$OUT/curves-records.tgz" logs */bench-run.json */checkpoints/metrics.jsonl \
+    curves-*-plain/metrics.jsonl vllm-curves.json host-memory.json screen-*/bench-run.json screen-*/checkpoints/metrics.jsonl \
+    screen-*-plain/metrics.jsonl screen-*/checkpoints/*/val_metrics.json screen-*-plain/*/val_metrics.json \
+    screen-timing.json screen-positions.json vllm-screen.json speed-screen.json 2>/dev/null)
+  return 0
+}
+collect_train() { copy_dir_files "$TRAIN_OUT"; }
+collect_jobs() {  # what job-wait returns: each named job's folder as $OUT/NAME/
+  local name
+  for name in "${JOB_NAMES[@]}"; do mkdir -p "$OUT/$name" && cp -r "$JOBS/$name"/. "$OUT/$name/" 2>/dev/null; done
+  return 0
 }
 fit_out() {  # the device brings back at most 8 files from $OUT (2026-12-05: a job-wait's 13 left the results behind):
              # past 8, every file but the *.json results goes into one extras.tgz (same relative paths)
@@ -147,17 +187,11 @@ case "$cmd" in
     detach "$JOBS/$name" bash "$0" "$@" ;;
   job-wait)
     limit=${1:?seconds}; shift
-    waited=0
-    while [ "$waited" -lt "$limit" ]; do
-      left=0; for name in "$@"; do [ -f "$JOBS/$name/rc" ] || left=1; done
-      [ "$left" = 0 ] && break
-      sleep 5; waited=$((waited + 5))
-    done
-    OUT=${OUT:-/tmp/out}
+    JOB_NAMES=("$@"); rcs=(); for name in "$@"; do rcs+=("$JOBS/$name/rc"); done
+    wait_until "$limit" collect_jobs "${rcs[@]}"
+    collect_jobs
     for name in "$@"; do
-      mkdir -p "$OUT/$name" && cp -r "$JOBS/$name"/. "$OUT/$name/" 2>/dev/null
-      if [ -f "$JOBS/$name/rc" ]; then echo "$name finished, rc $(cat "$JOBS/$name/rc")"
-      else echo "$name still running after ${waited}s"; fi
+      say_finished "$JOBS/$name" "$name"
       tail -n 8 "$JOBS/$name/driver.log" 2>/dev/null
     done
     fit_out ;;
@@ -183,13 +217,9 @@ case "$cmd" in
   extract-width-start)
     detach "$BG_OUT" bash "$0" extract-width "$@" ;;
   acceptance-wait|curves-wait)
-    wait_for "$BG_OUT" "${1:?seconds}" bench-acceptance
-    (cd work/bench-acceptance-gpu 2>/dev/null && tar czf "$OUT/records.tgz" logs */bench-run.json vllm-k*.json 2>/dev/null)
-    (cd work/extraction-kimi-width 2>/dev/null && tar czf "$OUT/extraction-records.tgz" logs results.json 2>/dev/null)
-    (cd work/bench-curves-gpu 2>/dev/null && tar czf "$OUT/curves-records.tgz" logs */bench-run.json */checkpoints/metrics.jsonl \
-      curves-*-plain/metrics.jsonl vllm-curves.json host-memory.json screen-*/bench-run.json screen-*/checkpoints/metrics.jsonl \
-      screen-*-plain/metrics.jsonl screen-*/checkpoints/*/val_metrics.json screen-*-plain/*/val_metrics.json \
-      screen-timing.json screen-positions.json vllm-screen.json speed-screen.json 2>/dev/null)
+    wait_until "${1:?seconds}" collect_bench "$BG_OUT/rc"
+    collect_bench
+    say_finished "$BG_OUT" bench-acceptance
     tail -n 40 "$BG_OUT/bench.log" 2>/dev/null
     fit_out ;;
   prepare-train)  # here: speculators' imports that the image lacks, out of the vLLM bundle's parts
@@ -206,7 +236,9 @@ case "$cmd" in
     detach "$TRAIN_OUT" env PYTHONPATH=$SITE PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false \
       python3 bench/train_throughput.py --results "$TRAIN_OUT" "$@" ;;
   train-wait)
-    wait_for "$TRAIN_OUT" "${1:?seconds}" bench-train
+    wait_until "${1:?seconds}" collect_train "$TRAIN_OUT/rc"
+    collect_train
+    say_finished "$TRAIN_OUT" bench-train
     tail -n 60 "$TRAIN_OUT/driver.log" 2>/dev/null
     fit_out ;;
   run|acceptance|extract-vs-prefill|extract-width|curves|screen)

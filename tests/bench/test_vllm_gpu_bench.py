@@ -159,3 +159,44 @@ def test_a_job_wait_leaves_at_most_eight_files_for_the_device_to_return_the_resu
     subprocess.run(["bash", str(REPO / "bench" / "h200_vllm_gpu.sh"), "job-wait", "0", "none"],
                    env={**env, "OUT": str(small)}, capture_output=True, text=True, timeout=60, check=True)
     assert not (small / "extras.tgz").exists()
+
+
+def test_a_wait_the_device_cuts_short_still_brings_back_what_the_bench_has_so_far(tmp_path):
+    """Fails before the snapshots: a wait copied into $OUT only when it returned, so a call cut at the session's last
+    device second (the device kills it and brings back what $OUT holds then) brought back nothing of a bench that had
+    run for many minutes. Now every H200_SNAPSHOT_S seconds $OUT holds partial.tgz; a wait that returns removes it."""
+    import signal
+    import tarfile
+    import time
+
+    bg, out = tmp_path / "acceptance-out", tmp_path / "out"
+    bg.mkdir()
+    (bg / "bench.log").write_text("training ours\n")
+    records = tmp_path / "work" / "bench-acceptance-gpu"
+    (records / "logs").mkdir(parents=True)
+    (records / "logs" / "04-ours.log").write_text("epoch 3\n")
+    (records / "vllm-k5.json").write_text('{"ours": {"tau": 2.5}}')
+    env = {**os.environ, "H200_BG_OUT": str(bg), "H200_SNAPSHOT_S": "5", "OUT": str(out)}
+    script = str(REPO / "bench" / "h200_vllm_gpu.sh")
+    wait = subprocess.Popen(["bash", script, "acceptance-wait", "600"], env=env, cwd=tmp_path, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not (out / "partial.tgz").is_file() and time.monotonic() < deadline and wait.poll() is None:
+            time.sleep(0.5)
+        assert (out / "partial.tgz").is_file(), "no snapshot within 60 s"
+    finally:
+        os.killpg(wait.pid, signal.SIGKILL)  # as the device cuts the call: no trap, no clean-up
+        wait.wait()
+    with tarfile.open(out / "partial.tgz") as archive:
+        names = set(archive.getnames())
+        assert {"./bench.log", "./records.tgz"} <= names
+        with tarfile.open(fileobj=archive.extractfile("./records.tgz")) as inner:
+            assert {"vllm-k5.json", "logs/04-ours.log"} <= set(inner.getnames())
+
+    (bg / "gpu-acceptance-smollm2.json").write_text('{"tau": 2.5}')
+    (bg / "rc").write_text("0\n")
+    done = subprocess.run(["bash", script, "acceptance-wait", "600"], env=env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0 and "bench-acceptance finished, rc 0" in done.stdout, done.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["bench.log", "gpu-acceptance-smollm2.json", "rc", "records.tgz"]
