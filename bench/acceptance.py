@@ -88,7 +88,7 @@ from benchlib.acceptance import (
     read_val_metrics,
 )
 from benchlib.curves import HostMemory, process_tree_rss
-from eagle3_pipeline.compat import val_depth
+from eagle3_pipeline.compat import stall_watch, val_depth
 from eagle3_pipeline.files import atomic_write_text
 from eagle3_pipeline.manifest import parse_manifest
 
@@ -111,6 +111,10 @@ CPU_04_FLAGS = ["--attn-impl", "sdpa", "--loss-impl", "eager", "--num-workers", 
 # engines share the GPU, and vLLM's memory profiling would count the others' memory as its own.
 GPU_02_FLAGS = ["--backend", "vllm", "--enforce-eager", "--gpu-memory-utilization", "0.15", "--kv-cache-memory-gib", "4"]
 MEMORY_SAMPLE_S = 1.0  # how often a job's process tree's resident memory is sampled (run())
+# A training that stops making progress ends itself after this long (compat/stall_watch.py: its stacks in its
+# log, exit 75), so a hung recipe is reported FAILED and the rest are measured; stage 04's own default (30 min)
+# outlasts a device hold. One hung at its first validation on an H100 for 20 min (bench/README, results index).
+BENCH_STALL_MINUTES = 10
 
 # One-change variants of ours. `train`: extra 04 flags; `draft_vocab`: 03's size (None = the target's
 # whole vocabulary); `data`: "offpolicy" answers or a data-size factor; `epochs_factor`.
@@ -184,7 +188,8 @@ def run(cmd: list, log_path: Path, what: str, env: dict | None = None, memory: H
     and `kind`, its process tree's peak resident memory is sampled and recorded under `kind`."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1",
                 "PYTHONPATH": os.pathsep.join(filter(None, [str(SCRIPTS), str(BENCH), os.environ.get("PYTHONPATH")])),
-                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(TORCH_THREADS)), **(env or {})}
+                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(TORCH_THREADS)),
+                stall_watch.ENV: str(BENCH_STALL_MINUTES * 60), **(env or {})}  # plain's; 04 sets its own from the flag
     cmd = [str(c) for c in cmd]
     start = time.perf_counter()
     with open(log_path, "ab") as handle:
@@ -331,6 +336,7 @@ class Bench:
                                     self.logs / f"{name}-03.log", f"03 vocab {name}")
         times["04_train"] = run(stage("04_train.py", "--target", self.target, "--data", data, "--vocab", vocab,
                                       "--output", out / "checkpoints", "--epochs", epochs, "--logger", "",
+                                      "--stall-minutes", BENCH_STALL_MINUTES,
                                       *(CPU_04_FLAGS if self.cpu else []), *draft_args, *extra, *recipe.get("train", [])),
                                 self.logs / f"{name}-04.log", f"04 train {name} ({epochs} epochs)",
                                 memory=self.memory, kind="training")
@@ -359,7 +365,8 @@ class Bench:
         argv = ["--verifier-name-or-path", self.target, "--data-path", data, "--save-path", out, "--epochs", epochs,
                 "--train-data-ratio", repr(prepared.train_data_ratio), "--logger", "",
                 *(CPU_TRAIN_FLAGS if self.cpu else []), *self.forced_by_states(data), *map(str, extra)]
-        # speculators' own CLI through the pipeline's entry point, which adds only the gated CPU trainer fix.
+        # speculators' own CLI through the pipeline's entry point, which adds only fixes that change no learning
+        # (the gated CPU trainer, the records, the stall guard): stage 04's settings are not in its environment.
         seconds = run([sys.executable, "-m", "eagle3_pipeline.train_entry", *argv], self.logs / f"{name}.log",
                       f"plain speculators train {name} ({epochs} epochs)", env=env, memory=self.memory, kind="training")
         best = out / "checkpoint_best"

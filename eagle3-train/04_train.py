@@ -17,9 +17,10 @@ import time
 from pathlib import Path
 
 from eagle3_pipeline import checkpoints, nodes, online, slices
+from eagle3_pipeline.compat import stall_watch
 from eagle3_pipeline.config import TrainConfig, load_draft_config, resolve_stage_config
 from eagle3_pipeline.contract import input_record, write_manifest
-from eagle3_pipeline.errors import Interrupted, StageError
+from eagle3_pipeline.errors import Interrupted, StageError, Stalled
 from eagle3_pipeline.files import check_writable_dir, held_lock_fds, remove_stale_temps
 from eagle3_pipeline.hidden_states import StateFormat
 from eagle3_pipeline.manifest import MANIFEST_NAME, CheckpointRef, TrainManifest
@@ -217,8 +218,9 @@ def train(cfg: TrainConfig, sources, here: nodes.Presence | None) -> int:
         if returncode != 0 and (problem := stopped_on(out_dir)):  # a rank stopped on a bad sample or loss
             raise bad_sample_error(problem, out_dir)
         if returncode != 0:  # which rank or node stopped first, and where the rerun resumes
-            raise StageError(stopped_line(out_dir, nproc=cfg.nproc, nnodes=cfg.nnodes, node_rank=cfg.node_rank,
-                                          since=launched_at, returncode=returncode))
+            line = stopped_line(out_dir, nproc=cfg.nproc, nnodes=cfg.nnodes, node_rank=cfg.node_rank,
+                                since=launched_at, returncode=returncode)
+            raise (Stalled if stall_watch.TAG in line else StageError)(line)  # a stall exits 75 on one rank too
     if cfg.dry_run:
         log.info("dry run: initialised draft written to %s", out_dir)
         return 0

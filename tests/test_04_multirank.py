@@ -27,6 +27,7 @@ import pytest
 
 from eagle3_pipeline.checkpoints import complete as complete_checkpoints
 from eagle3_pipeline.compat.samples_record import read_records, samples_per_epoch
+from eagle3_pipeline.errors import Stalled
 from eagle3_pipeline.metrics import read_metrics
 from eagle3_pipeline.ranks import RANKS_DIRNAME, stopped_line, write_exit
 
@@ -273,6 +274,21 @@ def test_two_nodes_train_together_and_a_lost_node_is_one_line_on_node_0(uniform,
     last = (tmp_path / "lost0.log").read_text().strip().splitlines()[-1]
     assert last.startswith("error: training stopped: node 1 of 2 stopped answering: rank(s) 1 ended without an exit record")
     assert last.endswith("rerun the same command on every node to resume from the start (no checkpoint was saved yet)")
+
+
+@pytest.mark.slow
+def test_a_rank_with_no_progress_for_stall_minutes_stops_the_run_in_one_line_and_exit_75(uniform, tmp_path):
+    # a limit every real step outlasts (6 ms, polled every 50 ms): the watch fires in the first step, for real
+    result = run_stage("train", *train_args(uniform, tmp_path / "stalled", "--nproc", "2", "--total-seq-len",
+                                            str(ROW_TOKENS), "--stall-minutes", "0.0001", epochs=1), check=False)
+    assert result.returncode == Stalled.exit_code, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert re.match(r"error: training stopped: rank [01] \(node 0\) failed: stalled: no training step or validation "
+                    r"batch for \d+ s \(limit 0 s; \D+ epoch 1(, \d+ done)?\)", last), last
+    assert last.count("rerun the same command") == 1 and "); rerun the same command to resume from " in last
+    # the stalled rank's own line, its threads' stacks and its child processes, above
+    assert re.search(r"^\[rank [01]\] stalled: no training step", result.stderr, re.M)
+    assert "Thread 0x" in result.stderr and re.search(r"^  (child \d+: state|no child processes)", result.stderr, re.M)
 
 
 # --- the pieces, without launching ranks -----------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from eagle3_pipeline import compat
-from eagle3_pipeline.compat import device_prefetch, flex_forward_config, fused_loss, metrics_jsonl
+from eagle3_pipeline.compat import device_prefetch, flex_forward_config, fused_loss, metrics_jsonl, stall_watch
 from eagle3_pipeline.metrics import COMPAT_KEY, METRICS_FILE, MetricsJsonlHandler, compat_applied, read_metrics
 
 # ---------------------------------------------------------------- the registry
@@ -49,6 +50,7 @@ _APPLY_AND_LOOK = textwrap.dedent("""
         "feature_noise": bool(getattr(Eagle3DraftModel.forward, "_eagle3_feature_noise", False))
                          and bool(getattr(Eagle3DraftModel.get_trainer_kwargs, "_eagle3_feature_noise", False)),
         "online_generation": dataloader.ArrowDataset.__name__ == "OnlineArrowDataset",
+        "stall_watch": bool(getattr(trainer.Trainer.run_training, "_stall_watch", False)),
     }
     print(json.dumps({"applied": applied, "visible": visible}))
 """)
@@ -58,7 +60,8 @@ def test_apply_returns_the_name_of_every_change_it_made_and_no_other(tmp_path):
     # stage 04's sample-check settings (training.export_compat_settings), as every training process gets them
     checks = json.dumps({"slots": 4, "hidden": 64, "dtype": "float32", "storage": "dtype", "on_bad": "stop"})
     env = {**os.environ, "EAGLE3_SAMPLE_CHECK": checks, "EAGLE3_VAL_TTT_STEPS": "5",  # validation deeper than training
-           "EAGLE3_NOISE_STD": "0.05"}  # stage 04 --noise-std 0.05
+           "EAGLE3_NOISE_STD": "0.05",  # stage 04 --noise-std 0.05
+           "EAGLE3_STALL_S": "1800"}  # stage 04 --stall-minutes 30
     env.pop("EAGLE3_INPUT_CHECKS", None)
     result = subprocess.run([sys.executable, "-c", _APPLY_AND_LOOK, str(tmp_path / METRICS_FILE)],
                             capture_output=True, text=True, timeout=300, env=env)
@@ -70,7 +73,7 @@ def test_apply_returns_the_name_of_every_change_it_made_and_no_other(tmp_path):
     assert ("cpu_trainer" in report["applied"]) == (torch.accelerator.current_accelerator() is None)
     assert ("device_prefetch" in report["applied"]) == torch.cuda.is_available()
     assert {"interrupt_progress", "resume_agreement", "samples_record", "metrics_jsonl", "sample_check", "finite_loss",
-            "val_depth", "feature_noise"} <= set(report["applied"])
+            "val_depth", "feature_noise", "stall_watch"} <= set(report["applied"])
     assert "online_generation" not in report["applied"]  # files mode (no EAGLE3_HIDDEN_STATES): speculators untouched
 
 
@@ -101,6 +104,64 @@ def test_04_records_the_fixes_its_training_process_applied(kimi_run):
     assert manifest["compat_applied"] == recorded
     assert {"cpu_trainer", "interrupt_progress", "metrics_jsonl", "sample_check", "finite_loss"} <= set(recorded)
     assert [r for r in read_metrics(kimi_run["checkpoints"] / METRICS_FILE) if COMPAT_KEY in r]
+
+
+def test_04_records_the_longest_wait_its_stall_watch_saw(kimi_run):
+    # the default --stall-minutes 30: the watch ran through the whole run and never fired
+    records = [r[stall_watch.RECORD_KEY] for r in read_metrics(kimi_run["checkpoints"] / METRICS_FILE)
+               if stall_watch.RECORD_KEY in r]
+    assert len(records) == 1 and records[0]["limit_s"] == 1800.0
+    assert 0 < records[0]["longest_wait_s"] < 1800 and records[0]["where"].startswith(("training", "validation", "saving"))
+
+
+# A training process whose validation never gets its next batch, under a 1 s limit: the watch's own stop
+# (the one stage 04 installs), with a child process standing in for a loader worker.
+_STUCK = textwrap.dedent("""
+    import subprocess, sys, threading, time
+    from pathlib import Path
+    from eagle3_pipeline.compat import stall_watch
+
+    worker = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    print(worker.pid, flush=True)
+    watch = stall_watch.StallWatch(1.0, stall_watch.stop_process(Path(sys.argv[1])))
+    watch.mark("training epoch 1")
+    watch.arm()
+    for _ in range(30):  # 1.5 s of steps 50 ms apart: progress, no stall
+        time.sleep(0.05)
+        watch.mark()
+
+    def stuck_in_validation():
+        watch.mark("validation epoch 1")
+        watch.mark()
+        threading.Event().wait()  # the batch that never comes
+
+    stuck_in_validation()
+""")
+
+
+def test_a_training_process_with_no_progress_for_the_limit_says_where_and_stops_resumably(tmp_path):
+    from eagle3_pipeline.errors import Stalled
+    from eagle3_pipeline.ranks import read_exits
+
+    result = subprocess.run([sys.executable, "-c", _STUCK, str(tmp_path)], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "RANK": "3"})
+    assert result.returncode == Stalled.exit_code == 75, result.stderr[-3000:]
+    worker = result.stdout.split()[0]
+    lines = result.stderr.splitlines()
+    assert re.match(r"\[rank 3\] stalled: no training step or validation batch for \d+ s \(limit 1 s; "
+                    r"validation epoch 1, 1 done\);", lines[0]), lines[0]
+    assert lines[0] and "resume from the last checkpoint" in lines[0]
+    assert "stuck_in_validation" in result.stderr  # the main thread's stack, where it waits
+    assert any(line.startswith(f"  child {worker}: state ") for line in lines)  # the "loader worker"
+    record = read_exits(tmp_path)[3]
+    assert record["status"] == "error" and record["error"].startswith("stalled: no training step")
+
+
+def test_the_watch_is_off_without_a_limit(monkeypatch):
+    monkeypatch.delenv(stall_watch.ENV, raising=False)
+    assert stall_watch.apply() is False
+    monkeypatch.setenv(stall_watch.ENV, "0")  # 04 --stall-minutes 0
+    assert stall_watch.apply() is False
 
 
 def test_device_prefetch_is_not_installed_without_cuda():

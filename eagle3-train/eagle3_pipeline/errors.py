@@ -39,6 +39,13 @@ class Interrupted(StageError):
     exit_code = 130
 
 
+class Stalled(StageError):
+    """Stage 04: no training step or validation batch for --stall-minutes (compat/stall_watch.py ends the
+    process with this code, its stacks in the log); rerunning resumes from the last checkpoint."""
+
+    exit_code = 75  # sysexits.h EX_TEMPFAIL
+
+
 class DraftRejected(StageError):
     """Stage 06: the draft's acceptance in vLLM is ~1 (verdict.py); the message is the verdict line."""
 

@@ -96,7 +96,7 @@ def stopped_line(save_path: str | Path, *, nproc: int, nnodes: int, node_rank: i
                  f"out-of-memory killer, or never started); the other ranks stopped with them")
     else:
         failed = [exits[r] for r in sorted(exits) if exits[r]["status"] == "error"]
-        first = failed[0] if failed else None
+        first = min(failed, key=lambda r: r.get("time", 0)) if failed else None  # the cause; the others followed it
         cause = (f"rank {first['rank']} (node {first['node']}) failed: {first['error']}" if first else
                  f"the training processes exited with code {returncode}")
     progress = latest_progress(save_path)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from . import checkpoints, compat, online, resume
 from .checkpoints import latest_progress
-from .compat import feature_noise, flex_forward_config, val_depth
+from .compat import feature_noise, flex_forward_config, stall_watch, val_depth
 from .compat import sample_check as checks
 from .compat.flex_forward_config import traced_calls_summary
 from .compat.sample_check import read_records, stop_line
@@ -290,6 +290,10 @@ def export_compat_settings(cfg: TrainConfig, sample_check: dict | None = None, d
         os.environ[feature_noise.ENV] = repr(cfg.noise_std)
     else:
         os.environ.pop(feature_noise.ENV, None)
+    if cfg.stall_minutes > 0:  # compat/stall_watch.py; 0 installs nothing
+        os.environ[stall_watch.ENV] = repr(cfg.stall_minutes * 60)
+    else:
+        os.environ.pop(stall_watch.ENV, None)
     if sample_check is None:
         os.environ.pop(checks.ENV, None)
     else:

@@ -33,6 +33,9 @@ installed (stage 04 logs them and records them in its manifest, via metrics.json
   online_generation    on-demand generation from a vLLM server (04 --hidden-states online/hybrid):
                        a dead endpoint stops training at that batch with one line; hybrid keeps each
                        generated sample (gate: online/hybrid mode; speculators 0.9.0, else it raises)
+  stall_watch          no training step or validation batch for 04 --stall-minutes: one line, every
+                       thread's stack and the loader workers' states, exit 75 (resumable); logs the
+                       run's longest wait (gate: a limit > 0; speculators 0.9.0, else it raises)
 
 Not applied here: `hidden_states_connector`, a vLLM KV connector class that vLLM's workers
 load by module path (every vLLM engine the pipeline starts). This package's import stays light for them.
@@ -48,7 +51,7 @@ from pathlib import Path
 
 FIXES = ("cpu_trainer", "fused_loss", "flex_forward_config", "interrupt_progress", "resume_agreement", "samples_record",
          "metrics_jsonl", "device_prefetch", "sample_check", "finite_loss", "val_depth", "feature_noise",
-         "online_generation")
+         "online_generation", "stall_watch")
 
 
 def apply(metrics_path: str | Path) -> list[str]:
@@ -70,6 +73,7 @@ def apply(metrics_path: str | Path) -> list[str]:
         resume_agreement,
         sample_check,
         samples_record,
+        stall_watch,
         val_depth,
     )
 
@@ -87,5 +91,6 @@ def apply(metrics_path: str | Path) -> list[str]:
         "val_depth": val_depth.apply,
         "feature_noise": feature_noise.apply,
         "online_generation": online_generation.apply,
+        "stall_watch": lambda: stall_watch.apply(metrics_path),
     }
     return [name for name in FIXES if gates[name]()]

@@ -258,6 +258,12 @@ class TrainConfig(StageConfig):
     max_bad_fraction: float = _field(0.01, "with --on-bad-sample skip: stop if more than this fraction of the samples "
                                            "are left out (or all of them); a file redone since it was left out (02) counts no more", ge=0, le=1, identity=False)
     vllm_request_timeout: float = _field(120.0, "online/hybrid: seconds per vLLM request (speculators --request-timeout)", gt=0, identity=False)
+    # not identity: a guard, not a learning setting (compat/stall_watch.py)
+    stall_minutes: float = _field(30.0, "stop a training process (exit 75, resumable) when no training step or "
+                                        "validation batch came for this long, after writing every thread's stack and "
+                                        "the loader workers' states to the log (a hung rank or loader otherwise idles "
+                                        "the GPUs silently); the log's 'stall watch' line gives a run's longest wait; "
+                                        "0 = off", ge=0, identity=False)
     draft_config: str = _field(str(DEFAULT_DRAFT_CONFIG), "draft architecture file (layers, TTT steps, window, the norm "
                                                           "before fc: fc_norm per aux state by default, or norm_before_fc)",
                                identity=False)
