@@ -89,6 +89,7 @@ from benchlib.acceptance import (
 )
 from benchlib.curves import HostMemory, process_tree_rss
 from eagle3_pipeline.compat import stall_watch, val_depth
+from eagle3_pipeline.errors import Stalled
 from eagle3_pipeline.files import atomic_write_text
 from eagle3_pipeline.manifest import parse_manifest
 
@@ -115,6 +116,7 @@ MEMORY_SAMPLE_S = 1.0  # how often a job's process tree's resident memory is sam
 # log, exit 75), so a hung recipe is reported FAILED and the rest are measured; stage 04's own default (30 min)
 # outlasts a device hold. One hung at its first validation on an H100 for 20 min (bench/README, results index).
 BENCH_STALL_MINUTES = 10
+STALL_RESUMES = 1  # a stalled training is rerun (it resumes from its last checkpoint) this many times, then FAILED
 
 # One-change variants of ours. `train`: extra 04 flags; `draft_vocab`: 03's size (None = the target's
 # whole vocabulary); `data`: "offpolicy" answers or a data-size factor; `epochs_factor`.
@@ -184,7 +186,8 @@ def log(message: str) -> None:
 
 def run(cmd: list, log_path: Path, what: str, env: dict | None = None, memory: HostMemory | None = None,
         kind: str | None = None) -> float:
-    """Run a command with output to log_path; returns its wall seconds; raises on failure. With `memory`
+    """Run a command with output to log_path; returns its wall seconds; raises on failure (a stall, exit 75, is
+    rerun STALL_RESUMES times first: a training resumes from its last checkpoint). With `memory`
     and `kind`, its process tree's peak resident memory is sampled and recorded under `kind`."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1",
                 "PYTHONPATH": os.pathsep.join(filter(None, [str(SCRIPTS), str(BENCH), os.environ.get("PYTHONPATH")])),
@@ -192,19 +195,23 @@ def run(cmd: list, log_path: Path, what: str, env: dict | None = None, memory: H
                 stall_watch.ENV: str(BENCH_STALL_MINUTES * 60), **(env or {})}  # plain's; 04 sets its own from the flag
     cmd = [str(c) for c in cmd]
     start = time.perf_counter()
-    with open(log_path, "ab") as handle:
-        handle.write(("$ " + shlex.join(cmd) + "\n").encode())
-        handle.flush()
-        proc = subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, env=full_env, cwd=REPO)
-        peak = 0
-        while proc.poll() is None:
-            if memory is not None and kind:
-                peak = max(peak, process_tree_rss(proc.pid))
-            try:
-                proc.wait(timeout=MEMORY_SAMPLE_S)
-            except subprocess.TimeoutExpired:
-                pass
-        result = proc
+    peak = 0
+    for attempt in range(1 + STALL_RESUMES):
+        with open(log_path, "ab") as handle:
+            handle.write(("$ " + shlex.join(cmd) + "\n").encode())
+            handle.flush()
+            proc = subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, env=full_env, cwd=REPO)
+            while proc.poll() is None:
+                if memory is not None and kind:
+                    peak = max(peak, process_tree_rss(proc.pid))
+                try:
+                    proc.wait(timeout=MEMORY_SAMPLE_S)
+                except subprocess.TimeoutExpired:
+                    pass
+            result = proc
+        if result.returncode != Stalled.exit_code or attempt == STALL_RESUMES:
+            break
+        log(f"  {what}: stalled (exit {Stalled.exit_code}, its stacks in {log_path}); the same command resumes it")
     seconds = time.perf_counter() - start
     if memory is not None and kind and peak:
         memory.record(kind, peak)

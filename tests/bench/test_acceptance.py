@@ -291,3 +291,22 @@ def test_tasks_run_after_what_they_need_within_the_slot_limit():
     assert isinstance(out["bad-data"], ValueError)
     assert isinstance(out["needs-bad"], RuntimeError) and "bad-data failed" in str(out["needs-bad"])
     assert "needs-bad" not in order
+
+
+# --- the harness's commands ------------------------------------------------------------------
+
+
+def test_a_command_that_stalls_is_rerun_once_and_a_second_stall_fails_it(tmp_path):
+    import acceptance
+
+    from eagle3_pipeline.errors import Stalled
+
+    # exits 75 (a training's stall watch) until its marker file holds `stalls` lines, then 0
+    script = ("import pathlib, sys; m = pathlib.Path(sys.argv[1]); n = len(m.read_text().splitlines()) if m.exists() "
+              "else 0; m.write_text('x\\n' * (n + 1)); sys.exit(75 if n < int(sys.argv[2]) else 0)")
+    marker, log = tmp_path / "once", tmp_path / "once.log"
+    acceptance.run([sys.executable, "-c", script, marker, 1], log, "stalls once")
+    assert len(marker.read_text().splitlines()) == 2 and log.read_text().count("$ ") == 2
+    with pytest.raises(SystemExit, match=f"stalls twice failed \\(exit {Stalled.exit_code}\\)"):
+        acceptance.run([sys.executable, "-c", script, tmp_path / "twice", 2], tmp_path / "twice.log", "stalls twice")
+    assert len((tmp_path / "twice").read_text().splitlines()) == 1 + acceptance.STALL_RESUMES
