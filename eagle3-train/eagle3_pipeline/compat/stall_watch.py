@@ -143,7 +143,6 @@ WATCH: StallWatch | None = None
 def apply(metrics_path: str | Path | None = None) -> bool:
     """Install the watch when EAGLE3_STALL_S holds a limit > 0; returns whether it installed (idempotent).
     `metrics_path`: where rank 0 records the run's longest wait."""
-    global WATCH
     limit = float(os.environ.get(ENV) or 0)
     if limit <= 0:
         return False
