@@ -593,8 +593,7 @@ def run_curves(args, bench: Bench, target: dict, started: float, load_start) -> 
         log(line)
     invocation = {"date": date,
                   "command": shlex.join([sys.executable, *sys.argv]), "commit": git_commit(),
-                  "data_sizes": args.curve_data, "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                  "device": args.device, "load_average_start": load_start, "load_average_end": os.getloadavg()},
+                  "data_sizes": args.curve_data, "machine": machine_record(args.device, load_start),
                   "wall_s": {"train": t_train, "vllm": t_vllm, "total": time.perf_counter() - started}}
     setup = {"train_conversations_1x": args.train_conversations, "epochs": {str(f): e for f, e in epochs_by_size.items()},
              "marks": args.curve_marks or "every epoch", "ks_measured": args.ks, "storage": args.curve_storage,
@@ -988,8 +987,7 @@ def run_screen(args, bench: Bench, target: dict, started: float, load_start) -> 
             f"{on_curves['points']} checkpoints")
     invocation = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                   "command": shlex.join([sys.executable, *sys.argv]), "commit": git_commit(), "data_sizes": args.screen_data,
-                  "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "device": args.device,
-                              "load_average_start": load_start, "load_average_end": os.getloadavg()},
+                  "machine": machine_record(args.device, load_start),
                   "wall_s": {"train": t_train, "timing": t_timing, "vllm": t_vllm, "speed": t_speed,
                              "total": time.perf_counter() - started},
                   "setup": {"train_conversations_1x": args.train_conversations, "epochs": args.screen_epochs,
@@ -1088,8 +1086,7 @@ def run_screen_speed_only(args, bench: Bench, started: float, load_start) -> int
     results.setdefault("invocations", []).append({
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "speed_only": True,
         "command": shlex.join([sys.executable, *sys.argv]), "commit": git_commit(), "data_sizes": args.screen_data,
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "device": args.device,
-                    "load_average_start": load_start, "load_average_end": os.getloadavg()},
+        "machine": machine_record(args.device, load_start),
         "wall_s": {"speed": time.perf_counter() - started},
         "setup": {"speed_rounds": args.screen_speed_rounds, "speed_repeats": args.screen_speed_repeats, "speed_ks": args.ks,
                   "vllm_settings": settings.__dict__}})
@@ -1310,6 +1307,23 @@ def curves_report(path: Path, kimi_path: Path | None = None, output: Path | None
     png = lc.write_png(results["curves"], max(ks), target.with_suffix(".png"), f"{target.name} (k={max(ks)})")
     log(f"drew {png}" if png else "no matplotlib: no PNG")
     return 0
+
+
+def gpu_names() -> list[str] | None:
+    """The GPUs' names from nvidia-smi (not torch: the bench's own process never holds a CUDA context); None without."""
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True,
+                             timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return [line.strip() for line in smi.stdout.splitlines() if line.strip()] if smi.returncode == 0 else None
+
+
+def machine_record(device: str, load_start) -> dict:
+    """Where a results file's figures come from: a card's name says which GPU gave them (H100 or H200 are lent)."""
+    return {"platform": platform.platform(), "cpus": os.cpu_count(), "device": device,
+            "gpus": gpu_names() if device == "cuda" else None,
+            "load_average_start": load_start, "load_average_end": os.getloadavg()}
 
 
 def git_commit() -> str | None:
@@ -1583,8 +1597,7 @@ def main() -> int:
         "benchmark": "acceptance-smollm2",
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "command": shlex.join([sys.executable, *sys.argv]),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "device": args.device,
-                    "load_average_start": load_start, "load_average_end": os.getloadavg()},
+        "machine": machine_record(args.device, load_start),
         "target": target,
         "data": data_summary,
         "setup": {"train_conversations": args.train_conversations, "epochs": args.epochs, "ks": args.ks, "jobs": args.jobs,
