@@ -19,15 +19,13 @@ from eagle3_pipeline.chat_rows import ChatTokenizer, build_rows, refuse_too_many
 from eagle3_pipeline.config import PrepareConfig, resolve_stage_config
 from eagle3_pipeline.contract import write_manifest
 from eagle3_pipeline.conversations import read_records
-from eagle3_pipeline.errors import InputError
 from eagle3_pipeline.files import check_writable_dir, remove_stale_temps
 from eagle3_pipeline.manifest import PrepareCounts, PrepareManifest
 from eagle3_pipeline.preflight import hidden_states_estimate_line, preflight_prepare
 from eagle3_pipeline.prepared import (
     REJECTED_NAME,
-    order_rows,
     prepared_outputs,
-    split_conversations,
+    split_rows,
     train_data_ratio,
     write_prepared,
 )
@@ -76,17 +74,12 @@ def main(argv: list[str] | None = None) -> int:
                           progress=lambda it: tqdm(it, desc="check" if cfg.check else "prepare", unit="row",
                                                    total=cfg.max_samples))
     if cfg.check:
-        return report_check(prepared, cfg)
-    refuse_too_many_bad(prepared, cfg.max_bad_fraction, cfg.data)
-    rows = prepared.rows
-    if not rows:
-        raise InputError(f"{cfg.data}: no rows left from {prepared.conversations} conversation(s) "
-                         f"({prepared.dropped_too_long} longer than --max-seq-len {cfg.max_seq_len})")
-    train_convs, val_convs = split_conversations(prepared.conversations, cfg.val_ratio, cfg.seed)
-    rows, num_train = order_rows(rows, train_convs, val_convs)
-    if num_train == 0 or num_train == len(rows):
-        raise InputError(f"{cfg.data}: {prepared.conversations} conversation(s) cannot be split into train and val "
-                         f"(--val-ratio {cfg.val_ratio}); give at least 2 conversations")
+        report_check(prepared, cfg)
+    else:
+        refuse_too_many_bad(prepared, cfg.max_bad_fraction, cfg.data)
+    rows, num_train = split_rows(prepared, cfg.val_ratio, cfg.seed, cfg.data, cfg.max_seq_len)  # --check refuses too
+    if cfg.check:
+        return 0
 
     # 4. Outputs (dataset + token_freq.pt, renamed into place).
     remove_stale_temps(out_dir)

@@ -15,7 +15,14 @@ import shlex
 from pathlib import Path
 
 from eagle3_pipeline.config import ExtractConfig, resolve_stage_config
-from eagle3_pipeline.contract import input_record, manifest_path, read_manifest, require_equal, write_manifest
+from eagle3_pipeline.contract import (
+    input_record,
+    manifest_path,
+    read_manifest,
+    require_equal,
+    require_written_files,
+    write_manifest,
+)
 from eagle3_pipeline.errors import ConfigError, StageError
 from eagle3_pipeline.extract.common import (
     changed_files,
@@ -39,7 +46,7 @@ from eagle3_pipeline.files import DiskFull, check_writable_dir, fingerprints_pro
 from eagle3_pipeline.hidden_states import HS_DIRNAME, StateFormat, hs_file, hs_files, row_of
 from eagle3_pipeline.manifest import ExtractCounts, ExtractManifest
 from eagle3_pipeline.plan import check_plan_lines
-from eagle3_pipeline.prepared import load_rows
+from eagle3_pipeline.prepared import load_rows, prepared_outputs
 from eagle3_pipeline.sizing import human_bytes
 from eagle3_pipeline.slices import parse_rows, release
 from eagle3_pipeline.stage import config_fingerprint, finished, log, read_own_manifest, stage_identity, stage_main
@@ -57,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # 2. Contract: stage 01's manifest must come from this target and tokenizer.
     prepared = read_manifest(data_dir, "prepare", "--data")
+    require_written_files(prepared, prepared_outputs(data_dir))  # the rows this stage feeds the target
     hint = "rerun 01_prepare_dataset.py for this target, or pass the --target it was prepared for"
     require_equal("target config", target.config_sha256, prepared.target["config_sha256"], prepared, hint)
     require_equal("tokenizer", target.tokenizer_sha256, prepared.target["tokenizer_sha256"], prepared, hint)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from eagle3_pipeline.config import VocabConfig, load_draft_config, resolve_stage_config
-from eagle3_pipeline.contract import input_record, read_manifest, write_manifest
+from eagle3_pipeline.contract import input_record, read_manifest, require_written_files, write_manifest
 from eagle3_pipeline.files import atomic_numpy_save, atomic_write_json, check_writable_dir, remove_stale_temps
 from eagle3_pipeline.manifest import VocabCoverage, VocabManifest
 from eagle3_pipeline.preflight import preflight_vocab
@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # 2. Contract: stage 01's manifest gives the target vocab and the train/val boundary.
     prepared = read_manifest(data_dir, "prepare", "--data")
+    require_written_files(prepared, [TOKEN_FREQ_NAME])  # the counts the vocabulary is built from
     target_vocab = prepared.target["vocab_size"]
     draft_vocab, source = resolve_draft_vocab_size(cfg.draft_vocab_size, draft_config.draft_vocab_size, target_vocab)
     inputs = {"prepare": input_record(prepared)}

@@ -199,7 +199,7 @@ def train(cfg: TrainConfig, sources, here: nodes.Presence | None) -> int:
     sample_spec = {"slots": len(layer_ids), "hidden": target.hidden_size, "samples": prepared.counts.rows,
                    "dtype": stored.dtype if stored and not stored.is_fp8 else None,
                    "storage": stored.storage if stored else "any"}
-    export_compat_settings(cfg, sample_spec, draft)
+    export_compat_settings(cfg, sample_spec, draft, identity)
     if trained_already:
         log.info("run position %d already trained; %s", position, "writing the run's report and manifest"
                  if position == plan.positions - 1 else "recording it in the manifest")

@@ -14,7 +14,14 @@ from pathlib import Path
 import numpy as np
 
 from eagle3_pipeline.config import DraftConfig, ExportConfig, resolve_stage_config
-from eagle3_pipeline.contract import input_record, manifest_path, read_manifest, read_recorded_input, write_manifest
+from eagle3_pipeline.contract import (
+    input_record,
+    manifest_path,
+    read_manifest,
+    read_recorded_input,
+    require_written_files,
+    write_manifest,
+)
 from eagle3_pipeline.errors import ConfigError
 from eagle3_pipeline.export import (
     DRAFT_FILES,
@@ -52,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     if not cfg.check:
         lock_output(ckpt_dir, exclusive=False)
     checkpoint = choose_checkpoint(ckpt_dir, cfg.checkpoint, trained.best_checkpoint.name)
+    require_written_files(trained, [f"{checkpoint.name}/{name}" for name in ("config.json", "model.safetensors")])
     model_sha256 = sha256_file(checkpoint / "model.safetensors")
     target = trained.target
     num_tokens = cfg.num_speculative_tokens or DraftConfig(**trained.draft_config).num_speculative_tokens
@@ -69,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         log.info("%s: already exported from this checkpoint; nothing to do", out_dir)
         print(serve_command(target["path"], out_dir, num_tokens, cfg.tensor_parallel_size, target["is_multimodal_wrapper"]))
         return 0
+    refuse_unwritten_entries(out_dir)
     vocab_dir = trained_vocab_dir(trained, cfg.vocab)
     for line in preflight_export(checkpoint, out_dir):
         log.info("preflight %s", line)
@@ -105,7 +114,9 @@ def lock_file_for(out_dir: Path) -> Path:
 def trained_vocab_dir(trained: TrainManifest, flag: str | None) -> Path:
     """Stage 03's output that stage 04 trained with: --vocab, else the (resolved) path 04 recorded,
     checked by content either way (a moved work directory needs --vocab, never a guess from the cwd)."""
-    return read_recorded_input(trained, "vocab", flag, "--vocab", relation="trained with").directory
+    vocab = read_recorded_input(trained, "vocab", flag, "--vocab", relation="trained with")
+    require_written_files(vocab, [D2T_NAME])
+    return vocab.directory
 
 
 def refuse_foreign_output(out_dir: Path) -> None:
@@ -119,6 +130,20 @@ def refuse_foreign_output(out_dir: Path) -> None:
     if stage != "export":
         raise ConfigError(f"{out_dir}: exists and is not an export made by 05_export.py (it would be replaced "
                           f"as a whole); choose another --output")
+
+
+def refuse_unwritten_entries(out_dir: Path) -> None:
+    """Redoing an export replaces out_dir as a whole: what a user put in it (notes, bench results) would go with
+    it, so an entry the export's manifest does not list (`output_files`) is refused, named."""
+    manifest = manifest_path(out_dir)
+    recorded = parse_manifest(manifest).output_files if manifest.is_file() else None
+    if recorded is None:  # nothing there, or no record of what was written to tell a user's file by
+        return
+    extra = sorted(p.name for p in out_dir.iterdir() if p.name not in recorded and p.name != manifest.name)
+    if extra:
+        raise ConfigError(f"{out_dir / extra[0]}: not written by 05_export.py ({len(extra)} such entr"
+                          f"{'y' if len(extra) == 1 else 'ies'}), and redoing the export replaces {out_dir} as a "
+                          f"whole; move them out or choose another --output")
 
 
 def remove_stale_exports(out_dir: Path) -> None:

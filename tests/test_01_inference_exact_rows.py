@@ -127,14 +127,61 @@ def test_kimi_rows_match_the_hand_built_tokens_of_a_tool_chain(kimi):
         assert trained(row) == tok(generated, add_special_tokens=False)["input_ids"]
 
 
-def test_a_tool_call_whose_name_the_template_never_renders_is_refused_naming_turn_and_field(kimi):
-    record = {"messages": [{"role": "user", "content": "Tokyo?"},
-                           {"role": "assistant", "content": "", "tool_calls": [
-                               {"id": "call_8f2", "function": {"name": "get_weather", "arguments": {"city": "Tokyo"}}}]}]}
-    with pytest.raises(InputError) as exc:
-        rows_for_record(kimi, record, 0, "turn", 1024, "data.jsonl:7")
-    assert str(exc.value).startswith("data.jsonl:7: turn 1 field tool_calls[0].function.name: the chat template drops it")
-    assert "\n" not in str(exc.value)
+def test_openai_call_ids_become_kimis_functions_name_index_ids_in_the_call_and_its_result(kimi):
+    """Kimi writes `functions.NAME:INDEX` where other models' data says `call_...` (OpenAI's form): such ids are
+    renamed (INDEX counts the conversation's calls) and the results answering them follow, token for token."""
+    def chain(first: str, second: str) -> dict:
+        return {"messages": [
+            {"role": "user", "content": "Tokyo, then Paris?"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": first, "function": {"name": "get_weather", "arguments": {"city": "Tokyo"}}}]},
+            {"role": "tool", "tool_call_id": first, "content": "sunny"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": second, "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+            {"role": "tool", "tool_call_id": second, "content": "rain"},
+            {"role": "assistant", "content": "Tokyo sunny, Paris rain."}]}
+    openai = rows_for_record(kimi, chain("call_8f2", "call_a91"), 0, "turn", 1024, "x")
+    kimis = rows_for_record(kimi, chain("functions.get_weather:0", "functions.get_weather:1"), 0, "turn", 1024, "x")
+    assert [r.input_ids for r in openai] == [r.input_ids for r in kimis]
+    assert [r.loss_mask for r in openai] == [r.loss_mask for r in kimis]
+    assert "## Return of functions.get_weather:1\nrain" in kimi.decode(openai[-1].input_ids)
+
+
+def test_calls_given_ids_and_calls_without_are_numbered_across_the_conversation_and_results_answer_in_order(kimi):
+    record = {"messages": [
+        {"role": "user", "content": "Paris, Rome, Oslo?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "functions.get_weather:0", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+            {"function": {"name": "get_weather", "arguments": {"city": "Rome"}}}]},
+        {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "20"}, {"role": "tool", "content": "25"},
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+        {"role": "tool", "content": "3"}, {"role": "assistant", "content": "Paris 20, Rome 25, Oslo 3."}]}
+    messages = to_messages(record, "x")
+    assert [c["id"] for c in messages[1]["tool_calls"] + messages[4]["tool_calls"]] == [
+        "functions.get_weather:0", "functions.get_weather:1", "functions.get_weather:2"]
+    assert [messages[k]["tool_call_id"] for k in (2, 3, 5)] == [
+        "functions.get_weather:0", "functions.get_weather:1", "functions.get_weather:2"]
+    prompt = kimi.decode(prompt_of(rows_for_record(kimi, record, 0, "turn", 1024, "x")[-1]))
+    assert ("## Return of functions.get_weather:0\n20" in prompt and "## Return of functions.get_weather:1\n25" in prompt
+            and "## Return of functions.get_weather:2\n3" in prompt)
+
+
+@pytest.mark.parametrize("given", ["parts", "parts-split", "field-and-inline"])
+def test_inline_think_in_content_parts_or_beside_an_equal_reasoning_field_trains_as_the_plain_string_does(kimi, given):
+    def record(answer: dict) -> dict:
+        return {"messages": [{"role": "user", "content": "Greet me"}, {"role": "assistant", **answer},
+                             {"role": "user", "content": "again"}, {"role": "assistant", "content": "Hi again"}]}
+    plain = rows_for_record(kimi, record({"content": "<think>plan a greeting</think>Hello there"}), 0, "turn", 1024, "x")
+    answer = {"parts": {"content": [{"type": "text", "text": "<think>plan a greeting</think>Hello there"}]},
+              "parts-split": {"content": [{"type": "text", "text": "<think>plan a "},
+                                          {"type": "text", "text": "greeting</think>"}, {"type": "text", "text": "Hello there"}]},
+              "field-and-inline": {"reasoning_content": "plan a greeting",
+                                   "content": "<think>plan a greeting</think>Hello there"}}[given]
+    rows = rows_for_record(kimi, record(answer), 0, "turn", 1024, "x")
+    assert [r.input_ids for r in rows] == [r.input_ids for r in plain]
+    assert [r.loss_mask for r in rows] == [r.loss_mask for r in plain]
+    assert kimi.decode(trained(rows[0])) == "plan a greeting</think>Hello there<|im_end|>"
+    assert "<think></think>Hello there<|im_end|>" in kimi.decode(prompt_of(rows[1]))  # history drops it, once
 
 
 def test_tool_calls_without_ids_get_kimis_functions_name_index_ids_and_results_follow_them(kimi):
@@ -293,9 +340,8 @@ FIVE_BAD = [  # (line, the reason rejected.jsonl gives)
     ('{"messages": [{"role": "wizard", "content": "hi"}, {"role": "assistant", "content": "yo"}]}', "unknown role 'wizard'"),
     ('{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}, {"role": "assistant", "content": "A"}]}',
      "content part 0 has type 'image_url'"),
-    ('{"messages": [{"role": "user", "content": "Tokyo?"}, {"role": "assistant", "content": "", "tool_calls": '
-     '[{"id": "call_1", "function": {"name": "get_weather", "arguments": "{}"}}]}]}',
-     "turn 1 field tool_calls[0].function.name: the chat template drops it"),
+    ('{"messages": [{"role": "user", "content": "Tokyo?"}, {"role": "tool", "content": "sunny"}, '
+     '{"role": "assistant", "content": "Sunny."}]}', "turn 1 (tool) answers no tool call"),
     ('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}]}', "turn 1 is an empty assistant turn"),
 ]
 
@@ -397,7 +443,6 @@ def test_smollm2_template_drops_tool_calls_so_such_rows_are_refused_and_skippabl
     refused = run_stage("prepare", "--target", smollm2, "--data", source, "--output", tmp_path / "out", check=False)
     assert refused.returncode == 4
     assert f"error: {source}:3: turn 1 field tool_calls[0].function.name: the chat template drops it" in refused.stderr
-    assert "functions.NAME:INDEX" not in refused.stderr  # the id hint only where a template renders ids (Kimi)
     run_stage("prepare", "--target", smollm2, "--data", source, "--output", tmp_path / "out", "--on-bad-row", "skip",
               "--max-bad-fraction", "0.3", "--val-ratio", "0.34")
     counts = json.loads((tmp_path / "out" / "manifest.json").read_text())["counts"]

@@ -277,6 +277,27 @@ def test_two_nodes_train_together_and_a_lost_node_is_one_line_on_node_0(uniform,
 
 
 @pytest.mark.slow
+def test_nodes_started_with_other_flags_stop_in_one_line_even_when_node_1_starts_first(uniform, tmp_path):
+    """Before: node 1 started first found no manifest of node 0's to refuse by; its rank trained at lr 5e-4 while
+    node 0's manifest (and command.txt) recorded 1e-3, and both nodes exited 0."""
+    out, port = tmp_path / "mixed", free_port()
+    node1 = _popen_stage([*_node_args(uniform, out, 1, port), "--lr", "5e-4"], tmp_path / "node1.log")
+    deadline = time.monotonic() + 300
+    while "training with speculators" not in (tmp_path / "node1.log").read_text() and node1.poll() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    node0 = _popen_stage(_node_args(uniform, out, 0, port), tmp_path / "node0.log")
+    codes = [p.wait(timeout=600) for p in (node0, node1)]
+    logs = [(tmp_path / f"node{rank}.log").read_text() for rank in (0, 1)]
+    assert codes[0] != 0 and codes[1] != 0, logs[0][-3000:] + logs[1][-3000:]
+    for log in logs:
+        last = log.strip().splitlines()[-1]
+        assert last.startswith("error: ") and "was started for another run than rank 0 on " in last, last
+        assert "lr = 0.001 there, 0.0005 on rank 1; start every node with the same command" in last, last
+    assert not complete_checkpoints(out) and not json.loads((out / "manifest.json").read_text())["complete"]
+
+
+@pytest.mark.slow
 def test_a_rank_with_no_progress_for_stall_minutes_stops_the_run_in_one_line_and_exit_75(uniform, tmp_path):
     # a limit every real step outlasts (6 ms, polled every 50 ms): the watch fires in the first step, for real
     result = run_stage("train", *train_args(uniform, tmp_path / "stalled", "--nproc", "2", "--total-seq-len",

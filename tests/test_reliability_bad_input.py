@@ -147,11 +147,29 @@ BAD_ROWS = {
                               '{"role": "assistant", "content": "yo"}]}',
                               "turn 0 (user) content part 0 has type 'input_audio': only text parts are supported "
                               "(the draft trains on text; drop or caption the other parts)"),
-    "template_drops_a_tool_call_name": (
+    "tool_result_answering_no_call": (
+        '{"messages": [{"role": "user", "content": "Tokyo?"}, {"role": "tool", "content": "sunny"}, '
+        '{"role": "assistant", "content": "Sunny."}]}',
+        "turn 1 (tool) answers no tool call: it has no tool_call_id and no call before it is left unanswered (the "
+        "chat template names the call in the result)"),
+    "tool_result_naming_an_unknown_call": (
         '{"messages": [{"role": "user", "content": "Tokyo?"}, {"role": "assistant", "content": "", "tool_calls": '
-        '[{"id": "call_1", "function": {"name": "get_weather", "arguments": "{}"}}]}]}',
-        "turn 1 field tool_calls[0].function.name: the chat template drops it from the trained tokens (the template "
-        "renders the call's id, not its name: give ids as functions.NAME:INDEX, Kimi's format)"),
+        '[{"id": "functions.get_weather:0", "function": {"name": "get_weather", "arguments": "{}"}}]}, '
+        '{"role": "tool", "tool_call_id": "functions.search:7", "content": "sunny"}, {"role": "assistant", "content": "Sunny."}]}',
+        "turn 2 (tool) answers no tool call: its tool_call_id 'functions.search:7' matches no call before it (the "
+        "chat template names the call in the result)"),
+    "think_block_never_closed": (
+        '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "<think>I was cut off"}]}',
+        "turn 1 (assistant) content opens <think> and never closes it (reasoning cut short?)"),
+    "reasoning_given_twice_differently": (
+        '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "reasoning_content": "greet", '
+        '"content": "<think>wave</think>Hello"}]}',
+        "turn 1 (assistant) gives its reasoning twice, in reasoning_content and as an inline <think> block in its "
+        "content, and they differ"),
+    "reasoning_not_text": (
+        '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "reasoning_content": ["a", "b"], '
+        '"content": "Hello"}]}', "turn 1 (assistant) reasoning_content is a list, not text"),
+    "messages_not_a_list": ('{"messages": "hello"}', "messages is not a list of turns"),
     "row_not_an_object": ('[{"role": "user", "content": "hi"}]', "row is not a JSON object"),
     "empty_conversation": ('{"messages": []}', "conversation is empty"),
     "sharegpt_unknown_speaker": ('{"conversations": [{"from": "human", "value": "hi"}, {"from": "narrator", "value": "yo"}]}',
@@ -441,7 +459,8 @@ def test_vocab_from_unfinished_data_is_refused(capsys, tmp_path):
 def test_vocab_without_token_frequencies_is_refused(capsys, work, tmp_path):
     (work["data"] / "token_freq.pt").unlink()
     code, error = refused(capsys, "vocab", "--profile", "cpu-mini", "--data", work["data"], "--output", tmp_path / "v")
-    assert (code, error) == (4, f"{work['data'] / 'token_freq.pt'}: token frequencies missing; rerun 01_prepare_dataset.py")
+    assert (code, error) == (3, f"{work['data'] / 'token_freq.pt'}: missing since 01_prepare_dataset.py wrote it; rerun "
+                                f"01_prepare_dataset.py")
 
 
 # --- 04: training ------------------------------------------------------------------------------------

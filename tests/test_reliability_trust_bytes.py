@@ -151,6 +151,7 @@ def test_export_refuses_a_checkpoint_with_non_finite_weights(capsys, work, tmp_p
     name = sorted(k for k, v in tensors.items() if v.is_floating_point())[0]
     tensors[name].view(-1)[0] = float("nan")
     save_file(tensors, str(weights), metadata={"format": "pt"})
+    recorded_as_written(work["checkpoints"], best.name)  # a NaN 04 itself wrote (not a file changed since)
     code, line = refused(capsys, "export", "--profile", "cpu-mini", "--checkpoints", work["checkpoints"],
                          "--output", tmp_path / "draft")
     assert code == 4 and line.startswith(f"{weights}: ") and f"tensor {name!r}" in line and "NaN/Inf" in line, line
@@ -178,6 +179,112 @@ def test_a_truncated_checkpoint_is_one_line_naming_the_file(capsys, work, kimi_t
     code, line = refused(capsys, "export", "--profile", "cpu-mini", "--checkpoints", work["checkpoints"],
                          "--output", tmp_path / "draft")
     assert code == 3 and line.startswith(f"{weights}: ") and "unreadable" in line, line
+
+
+def recorded_as_written(checkpoints: Path, name: str) -> None:
+    """Stage 04's manifest rewritten as if 04 had written checkpoint `name`'s weights as they are now."""
+    from eagle3_pipeline.contract import write_manifest
+    from eagle3_pipeline.files import sha256_file
+    from eagle3_pipeline.manifest import parse_manifest
+
+    trained = parse_manifest(checkpoints / "manifest.json")
+    if trained.best_checkpoint.name == name:
+        trained.best_checkpoint.model_sha256 = sha256_file(checkpoints / name / "model.safetensors")
+    write_manifest(checkpoints, trained, fresh=False, outputs=list(trained.output_files))
+
+
+def _token_freq(work):
+    path = work["data"] / "token_freq.pt"
+    counts = torch.load(path)
+    counts[max(counts)] += 1000
+    torch.save(counts, path)
+    return "vocab", path, {**work, "vocab": work["root"] / "vocab2"}, ""
+
+
+def _dataset_cut_short(work):
+    path = next(work["data"].glob("data-*.arrow"))
+    path.write_bytes(path.read_bytes()[:-100])
+    return "extract", path, work, "cut short: "
+
+
+def _d2t(work):
+    import numpy as np
+
+    path = work["vocab"] / "d2t.npy"
+    d2t = np.load(path)
+    d2t[-1] += 1
+    np.save(path, d2t)
+    return "train", path, {**work, "checkpoints": work["root"] / "ckpt2"}, "same size, other bytes"
+
+
+def _weights(work):
+    best = manifest(work["checkpoints"])["best_checkpoint"]["name"]
+    path = work["checkpoints"] / best / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-8:] = b"XXXXXXXX"
+    path.write_bytes(bytes(data))
+    return "export", path, {**work, "draft": work["root"] / "draft2"}, "same size, other bytes"
+
+
+@pytest.mark.parametrize("change", [_token_freq, _dataset_cut_short, _d2t, _weights], ids=lambda c: c.__name__[1:])
+def test_a_file_changed_since_its_stage_wrote_it_is_refused_by_the_stage_reading_it(change, capsys, work, kimi_target):
+    """Before: 03 built a vocabulary from a changed token_freq.pt, 05 exported weights changed after 04 recorded them
+    (both exit 0, recording the upstream manifest as if nothing had changed), 02 died in a traceback on a cut dataset."""
+    stage, path, where, how = change(work)
+    before = snapshot(work["root"])
+    code, line = refused(capsys, *args(stage, where, kimi_target))
+    script = {"vocab": "01_prepare_dataset.py", "extract": "01_prepare_dataset.py", "train": "03_build_vocab_mapping.py",
+              "export": "04_train.py"}[stage]
+    assert code == 3 and line.startswith(f"{path}: {how}") and line.endswith(f"since {script} wrote it; rerun {script}")
+    assert snapshot(work["root"]) == before  # refused before any work
+
+
+def test_a_manifest_whose_recorded_settings_were_edited_is_refused_by_the_stage_reading_it(capsys, work, kimi_target):
+    """Before: layer ids edited in stage 02's manifest (its field and its identity's) reached the exported draft's
+    config, extracted at other layers."""
+    path = work["hs"] / "manifest.json"
+    edited = manifest(work["hs"])
+    edited["layer_ids"] = edited["identity"]["settings"]["layer_ids"] = [1, *edited["layer_ids"][1:]]
+    path.write_text(json.dumps(edited, indent=2))
+    code, line = refused(capsys, *args("train", {**work, "checkpoints": work["root"] / "ckpt2"}, kimi_target))
+    assert (code, line) == (3, f"{path}: edited since 02_extract_hidden_states.py wrote it (what it records no longer "
+                               f"matches its content_sha256); rerun 02_extract_hidden_states.py")
+
+
+def test_a_manifest_without_its_target_is_one_line_naming_it(capsys, work, kimi_target):
+    stripped = manifest(work["data"])
+    del stripped["target"]
+    (work["data"] / "manifest.json").write_text(json.dumps(stripped))
+    code, line = refused(capsys, *args("vocab", {**work, "vocab": work["root"] / "vocab2"}, kimi_target))
+    assert (code, line) == (3, f"{work['data'] / 'manifest.json'}: records no target (not written by "
+                               f"01_prepare_dataset.py); rerun 01_prepare_dataset.py")
+
+
+def test_a_row_file_gone_since_02_is_refused_before_training_and_02_redoes_it(capsys, logs, work, kimi_target):
+    """Before: speculators' loader raised 'Failed to load hidden states for sample 3' mid-epoch, a traceback."""
+    hs(work).unlink()
+    out = work["root"] / "ckpt2"
+    for skip in ([], ["--on-bad-sample", "skip"]):
+        code, line = refused(capsys, *args("train", {**work, "checkpoints": out}, kimi_target, *skip))
+        assert (code, line) == (3, f"{hs(work)}: missing since 02_extract_hidden_states.py wrote it (1 row file(s) "
+                                   f"gone: hs_{ROW}); rerun 02_extract_hidden_states.py")
+    assert not out.exists()
+    ran(capsys, logs, *args("extract", work, kimi_target))
+    assert hs(work).is_file()
+
+
+def test_redoing_an_export_refuses_to_replace_a_folder_holding_a_users_files(capsys, work, kimi_target):
+    """Before: 05 replaced the whole draft folder, the user's notes and bench results with it, saying nothing."""
+    (work["draft"] / "notes.txt").write_text("served on box 3\n")
+    (work["draft"] / "bench").mkdir()
+    (work["draft"] / "bench" / "run1.json").write_text("{}")
+    weights = work["draft"] / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1])  # the export is redone
+    before = snapshot(work["draft"])
+    code, line = refused(capsys, *args("export", work, kimi_target))
+    assert (code, line) == (2, f"{work['draft'] / 'bench'}: not written by 05_export.py (2 such entries), and redoing "
+                               f"the export replaces {work['draft']} as a whole; move them out or choose another --output")
+    assert snapshot(work["draft"]) == before
 
 
 def test_export_refuses_a_checkpoint_changed_while_it_ran(capsys, work, tmp_path, monkeypatch):

@@ -441,6 +441,24 @@ def test_each_engine_stages_in_a_new_folder_and_only_this_hosts_dead_engines_fol
         [other_node_live.name, mine.name, again.name, killed_elsewhere.name, "vllm-notes.txt"])
 
 
+def test_hosts_whose_long_names_share_a_prefix_get_distinct_writer_tags(monkeypatch):
+    """Before: the tag was the first label cut to 32 characters, so pods `eagle3-hidden-states-extract-worker-0` and
+    `-1` (same container pid) shared `1@eagle3-hidden-states-extract-wor`: one removed the other's live engine
+    staging folder as a dead engine's, and its temp as its own."""
+    import socket
+
+    from eagle3_pipeline.files import parse_writer_tag, writer_host
+
+    tags = {}
+    for host in ("eagle3-hidden-states-extract-worker-0", "eagle3-hidden-states-extract-worker-1", "node_1", "node-1",
+                 "node-0.cluster.local"):
+        monkeypatch.setattr(socket, "gethostname", lambda host=host: host)
+        tags[host] = writer_host()
+        assert parse_writer_tag(f"1@{tags[host]}") == (1, tags[host]) and len(tags[host]) <= 32
+    assert len(set(tags.values())) == len(tags)
+    assert (tags["node-1"], tags["node-0.cluster.local"]) == ("node-1", "node-0")  # short names stay readable
+
+
 def test_two_nodes_writing_one_file_with_the_same_pid_each_keep_their_own_temp(tmp_path, monkeypatch):
     """Stage 02's ranks on two nodes both write --data/hidden_states/manifest.json, and containers give their
     processes the same pids. Before, the temp was `.manifest.json.tmp-PID`: one file for both writers; the second

@@ -31,6 +31,7 @@ template that does not compile is refused once, at load. NOTES.md "Stage 01" sta
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from dataclasses import dataclass
@@ -128,6 +129,53 @@ class ChatTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    @functools.cached_property
+    def call_ids_rendered(self) -> tuple[bool, bool]:
+        """(the template names a call by its id alone, a tool result names the call it answers): Kimi-K2.5
+        writes `<|tool_call_begin|>functions.NAME:INDEX` and `## Return of functions.NAME:INDEX`. Decided once,
+        by rendering a call, then the call and its result, with markers for the name and the id."""
+        name, call_id = MARK.format(0), MARK.format(1)
+        call = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "", "tool_calls": [
+            {"id": call_id, "type": "function", "function": {"name": name, "arguments": {}}}]}]
+        result = {"role": "tool", "tool_call_id": call_id, "content": "r"}
+        try:
+            called = self.render(template_messages(call, self.content_format), add_generation_prompt=False)
+            answered = self.render(template_messages(call + [result], self.content_format), add_generation_prompt=False)
+        except Exception:  # a template that takes no calls (or not these) renders none: nothing to name
+            return False, False
+        return call_id in called and name not in called, answered.count(call_id) > called.count(call_id)
+
+    def with_call_ids(self, messages: list[dict], where: str) -> list[dict]:
+        """`messages` with call ids as this template's model writes them. Where the template names a call by
+        its id alone (Kimi-K2.5) the model writes `functions.NAME:INDEX` there: an id in another form
+        (OpenAI's `call_...`) is renamed so (INDEX counts the conversation's calls) and the results answering
+        it follow. Where a result names its call, a result that answers no call before it is refused: the
+        prompt would hold a result header the model never sees."""
+        by_id, results_name_calls = self.call_ids_rendered
+        out, renamed, calls, seen = [], {}, 0, set()
+        for t, message in enumerate(messages):
+            if message.get("tool_calls"):
+                named = []
+                for call in message["tool_calls"]:
+                    if by_id and not call["id"].startswith(f"functions.{call['function']['name']}:"):
+                        renamed[call["id"]] = f"functions.{call['function']['name']}:{calls}"
+                        call = {**call, "id": renamed[call["id"]]}
+                    named.append(call)
+                    seen.add(call["id"])
+                    calls += 1
+                message = {**message, "tool_calls": named}
+            elif message["role"] == "tool":
+                answered = renamed.get(message.get("tool_call_id"), message.get("tool_call_id"))
+                if results_name_calls and answered not in seen:
+                    which = (f"its tool_call_id {answered!r} matches no call before it" if answered else
+                             "it has no tool_call_id and no call before it is left unanswered")
+                    raise InputError(f"{where}: turn {t} (tool) answers no tool call: {which} (the chat template "
+                                     f"names the call in the result)")
+                if answered:
+                    message = {**message, "tool_call_id": answered}
+            out.append(message)
+        return out
 
 
 def _compile_template(chat_template: str | dict, tokenizer_dir: str) -> None:
@@ -315,11 +363,9 @@ def generation_text(chat: ChatTokenizer, messages: list[dict], i: int, tools: li
     for c, call in enumerate(message.get("tool_calls") or []):
         name, call_id = call["function"]["name"], call["id"]
         carried_by_id = shown(f"tool_calls[{c}].id") and call_id.startswith(f"functions.{name}:")
-        if not shown(f"tool_calls[{c}].function.name") and not carried_by_id:
-            hint = (" (the template renders the call's id, not its name: give ids as functions.NAME:INDEX, Kimi's "
-                    "format)") if shown(f"tool_calls[{c}].id") else ""
+        if not shown(f"tool_calls[{c}].function.name") and not carried_by_id:  # (Kimi's ids: with_call_ids)
             raise InputError(f"{where}: turn {i} field tool_calls[{c}].function.name: the chat template drops it from "
-                             f"the trained tokens{hint}")
+                             f"the trained tokens")
         if call["function"]["arguments"] and not shown(f"tool_calls[{c}].function.arguments"):
             raise InputError(f"{where}: turn {i} field tool_calls[{c}].function.arguments: the chat template drops it "
                              f"from the trained tokens")
@@ -477,8 +523,8 @@ def rows_for_record(chat: ChatTokenizer, record: Any, conversation: int, rows_pe
     """Training rows of one input row: tokens as given, or a conversation through the template."""
     if is_pretokenized(record):
         return [pretokenized_row(record, conversation, vocab_size, where)]
-    return rows_for_conversation(chat, to_messages(record, where), conversation, rows_per, where,
-                                 tools_of(record, where))
+    return rows_for_conversation(chat, chat.with_call_ids(to_messages(record, where), where), conversation,
+                                 rows_per, where, tools_of(record, where))
 
 
 @dataclass

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from .errors import ContractError, StageError
-from .files import atomic_write_json, output_record, sha256_json
+from .files import atomic_write_json, changed_outputs, output_record, sha256_json
 from .manifest import MANIFEST_NAME, STAGES, Manifest, parse_manifest
 
 _VERSIONED_PACKAGES = (
@@ -103,7 +103,25 @@ def read_manifest(directory: Path, stage: str, flag: str) -> Manifest:
         raise ContractError(f"{path}: written by stage {manifest.stage!r}, expected {stage!r} output here ({flag})")
     if not manifest.complete:
         raise ContractError(f"{path}: stage {stage!r} did not finish; rerun {script}")
+    for field in ("identity", "target"):  # every stage writes both; later stages read them
+        if getattr(manifest, field) is None:
+            raise ContractError(f"{path}: records no {field} (not written by {script}); rerun {script}")
+    if manifest.content_sha256 != content_sha256(manifest):  # what downstream stages record and trust
+        raise ContractError(f"{path}: edited since {script} wrote it (what it records no longer matches its "
+                            f"content_sha256); rerun {script}")
     return manifest
+
+
+def require_written_files(manifest: Manifest, names: Iterable[str]) -> None:
+    """The files of `manifest`'s output that this stage reads are the bytes their stage wrote (the sizes and digests
+    of its `output_files`; a big file by a sampled fingerprint, files.output_digest): one gone, cut short or changed
+    since is refused in one line naming it, before any work is built on it."""
+    recorded = manifest.output_files or {}
+    changed = changed_outputs(manifest.directory, {name: recorded[name] for name in names if name in recorded})
+    if changed:
+        name, how = next(iter(changed.items()))
+        script = STAGES[manifest.stage]
+        raise ContractError(f"{manifest.directory / name}: {how} since {script} wrote it; rerun {script}")
 
 
 def read_recorded_input(manifest: Manifest, stage: str, override: str | None, flag: str,

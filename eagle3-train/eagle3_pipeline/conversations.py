@@ -160,29 +160,69 @@ def plain_text(content: str | list[dict] | None) -> str:
     return content or ""
 
 
-def _reasoning_of(turn: dict, content: Any) -> tuple[str, str, Any]:
-    """(field, reasoning, content): a reasoning field, or `<think>R</think>` written inline in string content."""
+def _inline_reasoning(content: Any, where: str, t: int) -> tuple[str | None, Any]:
+    """(reasoning, the content after it) where the content carries `<think>R</think>` inline (a string, or text
+    parts: the block may span parts); (None, content) where it carries none. An open `<think>` never closed is
+    refused: the row would train a half block the model never writes."""
+    texts = [content] if isinstance(content, str) else [p["text"] for p in content] if isinstance(content, list) else []
+    close = next((j for j, text in enumerate(texts) if THINK_CLOSE in text), None)
+    if close is None:
+        if texts and "".join(texts).lstrip().startswith(THINK_OPEN):
+            raise InputError(f"{where}: turn {t} (assistant) content opens {THINK_OPEN} and never closes it "
+                             f"(reasoning cut short?)")
+        return None, content
+    head, _, tail = texts[close].partition(THINK_CLOSE)
+    reasoning = ("".join(texts[:close]) + head).strip().removeprefix(THINK_OPEN).strip()
+    tail = tail.lstrip("\n")
+    if isinstance(content, str):
+        return reasoning, tail
+    return reasoning, ([{"type": "text", "text": tail}] if tail else []) + content[close + 1:]
+
+
+def _reasoning_of(turn: dict, content: Any, where: str, t: int) -> tuple[str, str, Any]:
+    """(field, reasoning, content): a reasoning field, or `<think>R</think>` written inline in the content.
+    Both at once must agree (the inline copy is then dropped from the content): the model writes it once."""
+    inline, rest = _inline_reasoning(content, where, t)
     for key in REASONING_FIELDS:
         value = turn.get(key)
-        if isinstance(value, str) and value.strip():
-            return key, value, content
-    if isinstance(content, str) and THINK_CLOSE in content:
-        head, _, tail = content.partition(THINK_CLOSE)
-        return "reasoning_content", head.strip().removeprefix(THINK_OPEN).strip(), tail.lstrip("\n")
+        if value is not None and not isinstance(value, str):
+            raise InputError(f"{where}: turn {t} (assistant) {key} is a {type(value).__name__}, not text")
+        if value and value.strip():
+            if inline is not None and inline.strip() != value.strip():
+                raise InputError(f"{where}: turn {t} (assistant) gives its reasoning twice, in {key} and as an inline "
+                                 f"{THINK_OPEN} block in its content, and they differ")
+            return key, value, rest
+    if inline is not None:
+        return "reasoning_content", inline, rest
     return "", "", content
 
 
 class _CallIds:
-    """Ids for tool calls the data gives without one, in Kimi's `functions.NAME:INDEX` form
-    (the index counts calls across the conversation, as Kimi-K2.5 numbers them)."""
+    """Call ids of one conversation. A call the data gives without an id gets Kimi's `functions.NAME:INDEX`
+    (INDEX counts every call of the conversation, given ids included, as Kimi-K2.5 numbers them); a tool
+    result without `tool_call_id` answers the latest assistant turn's first call not answered yet."""
 
     def __init__(self) -> None:
-        self.count = 0
-        self.last: list[str] = []  # ids of the latest assistant turn's calls, for results without an id
+        self.calls = 0
+        self.used: set[str] = set()
+        self.pending: list[str] = []  # the latest assistant turn's calls no result has answered
 
-    def next(self, name: str) -> str:
-        call_id = f"functions.{name}:{self.count}"
-        self.count += 1
+    def take(self, given: Any, name: str) -> str:
+        if isinstance(given, str) and given:
+            call_id = given
+        else:
+            index = self.calls
+            while f"functions.{name}:{index}" in self.used:
+                index += 1
+            call_id = f"functions.{name}:{index}"
+        self.calls += 1
+        self.used.add(call_id)
+        return call_id
+
+    def answer(self, given: Any) -> str | None:
+        call_id = str(given) if given else (self.pending[0] if self.pending else None)
+        if call_id in self.pending:
+            self.pending.remove(call_id)
         return call_id
 
 
@@ -217,9 +257,9 @@ def _tool_calls_of(raw: Any, where: str, t: int, ids: _CallIds) -> list[dict]:
         if not isinstance(name, str) or not name:
             raise InputError(f"{where}: turn {t} tool_calls[{c}] has no function name")
         arguments = _arguments_of(function.get("arguments"), where, t, c)
-        call_id = call.get("id") if isinstance(call.get("id"), str) and call.get("id") else ids.next(name)
-        calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
-    ids.last = [c["id"] for c in calls]
+        calls.append({"id": ids.take(call.get("id"), name), "type": "function",
+                      "function": {"name": name, "arguments": arguments}})
+    ids.pending = [c["id"] for c in calls]
     return calls
 
 
@@ -246,7 +286,9 @@ def to_messages(record: Any, where: str, need_answer: bool = True) -> list[dict]
         turns, role_key, content_key = record["conversations"], "from", "value"
     else:
         raise InputError(f"{where}: row has neither 'messages' (OpenAI) nor 'conversations' (ShareGPT)")
-    if not isinstance(turns, list) or not turns:
+    if not isinstance(turns, list):
+        raise InputError(f"{where}: {'messages' if role_key == 'role' else 'conversations'} is not a list of turns")
+    if not turns:
         raise InputError(f"{where}: conversation is empty")
     messages: list[dict] = []
     ids = _CallIds()
@@ -265,7 +307,7 @@ def to_messages(record: Any, where: str, need_answer: bool = True) -> list[dict]
         content = _text_of(raw_content, where, t, role)
         message: dict[str, Any] = {"role": role, "content": content}
         if role == "assistant":
-            field, reasoning, content = _reasoning_of(turn, content)
+            field, reasoning, content = _reasoning_of(turn, content, where, t)
             message["content"] = content
             if reasoning:
                 message[field] = reasoning
@@ -274,9 +316,7 @@ def to_messages(record: Any, where: str, need_answer: bool = True) -> list[dict]
             if not plain_text(content).strip() and not reasoning and not message.get("tool_calls"):
                 raise InputError(f"{where}: turn {t} is an empty assistant turn")
         elif role == "tool":
-            call_id = turn.get("tool_call_id")
-            if not call_id and ids.last:  # ShareGPT observations answer the calls in order
-                call_id = ids.last.pop(0)
+            call_id = ids.answer(turn.get("tool_call_id"))  # ShareGPT observations answer the calls in order
             if call_id:
                 message["tool_call_id"] = str(call_id)
         if isinstance(turn.get("name"), str):  # vLLM keeps `name` on every message (Kimi renders it)

@@ -78,7 +78,10 @@ def render_prompts(path: Path, chat: ChatTokenizer, max_model_len: int, max_toke
     prompts = []
     for row in read_prompt_rows(path, max_prompts):
         try:
-            ids = chat.encode(prompt_messages(row.messages), add_generation_prompt=True, tools=row.tools)
+            ids = chat.encode(prompt_messages(chat.with_call_ids(row.messages, row.where)), add_generation_prompt=True,
+                              tools=row.tools)
+        except InputError:
+            raise
         except Exception as exc:  # the template's own error (a role it refuses, a missing field), one line
             raise InputError(f"{row.where}: the chat template cannot render it "
                              f"({type(exc).__name__}: {first_line(exc)[:160]})") from None

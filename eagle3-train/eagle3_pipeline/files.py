@@ -32,8 +32,14 @@ TEMP_MARKER = ".tmp-"
 
 
 def writer_host() -> str:
-    """This host's name in file names: its first label, in [A-Za-z0-9-], at most 32 characters."""
-    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname().split(".")[0])[:32] or "host"
+    """This host's name in file names: its first label where that is at most 32 of [A-Za-z0-9-]; else its first 23
+    such characters and 8 hex digits of the whole name's sha256, so hosts whose names share a long prefix (pods
+    `...-extract-worker-0`, `-1`) never share a tag (one would remove the other's live temps and engine folders)."""
+    name = socket.gethostname()
+    label = name.split(".")[0]
+    if re.fullmatch(r"[A-Za-z0-9-]{1,32}", label):
+        return label
+    return re.sub(r"[^A-Za-z0-9-]", "-", label)[:23] + "-" + hashlib.sha256(name.encode()).hexdigest()[:8]
 
 
 def writer_tag() -> str:

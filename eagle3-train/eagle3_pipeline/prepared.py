@@ -19,8 +19,8 @@ import os
 import random
 from pathlib import Path
 
-from .chat_rows import BadRow, Row
-from .errors import StageError
+from .chat_rows import BadRow, PreparedRows, Row
+from .errors import InputError, StageError
 from .files import DiskFull, is_disk_full, remove_path, temp_path_for
 from .sizing import human_bytes, prepared_bytes
 
@@ -50,6 +50,21 @@ def order_rows(rows: list[Row], train_convs: list[int], val_convs: list[int]) ->
     train = [r for c in train_convs for r in by_conv.get(c, [])]
     val = [r for c in val_convs for r in by_conv.get(c, [])]
     return train + val, len(train)
+
+
+def split_rows(prepared: PreparedRows, val_ratio: float, seed: int, source: str,
+               max_seq_len: int) -> tuple[list[Row], int]:
+    """(rows, train rows): the rows ordered train conversations first. No rows left, or conversations that
+    cannot be split into both sides, are refused (stage 01 and its --check alike)."""
+    if not prepared.rows:
+        raise InputError(f"{source}: no rows left from {prepared.conversations} conversation(s) "
+                         f"({prepared.dropped_too_long} longer than --max-seq-len {max_seq_len})")
+    train_convs, val_convs = split_conversations(prepared.conversations, val_ratio, seed)
+    rows, num_train = order_rows(prepared.rows, train_convs, val_convs)
+    if num_train == 0 or num_train == len(rows):
+        raise InputError(f"{source}: {prepared.conversations} conversation(s) cannot be split into train and val "
+                         f"(--val-ratio {val_ratio}); give at least 2 conversations")
+    return rows, num_train
 
 
 def train_data_ratio(num_train: int, num_rows: int) -> float:

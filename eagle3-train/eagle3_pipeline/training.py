@@ -19,17 +19,17 @@ from pathlib import Path
 
 from . import checkpoints, compat, online, resume
 from .checkpoints import latest_progress
-from .compat import feature_noise, flex_forward_config, stall_watch, val_depth
+from .compat import feature_noise, flex_forward_config, resume_agreement, stall_watch, val_depth
 from .compat import sample_check as checks
 from .compat.flex_forward_config import traced_calls_summary
 from .compat.sample_check import read_records, stop_line
 from .compat.samples_record import trained as trained_counts
 from .config.resolution import Sources
 from .config.schema import SCRIPTS_DIR, DraftConfig, TrainConfig, load_draft_config, speculators_pass_through
-from .contract import read_manifest, require_equal, require_upstream
-from .errors import ConfigError, InputError, Interrupted, StageError
+from .contract import read_manifest, require_equal, require_upstream, require_written_files
+from .errors import ConfigError, ContractError, InputError, Interrupted, StageError
 from .files import DiskFull, atomic_write_text, disk_full_line, is_disk_full
-from .hidden_states import HS_DIRNAME
+from .hidden_states import HS_DIRNAME, hs_file, hs_name, rows_label
 from .machine import cuda_capabilities
 from .manifest import ExtractManifest, PrepareManifest, VocabManifest
 from .metrics import (
@@ -39,7 +39,9 @@ from .metrics import (
 )
 from .online import ENDPOINT_DOWN_TAG
 from .online import speculators_args as online_speculators_args
+from .prepared import prepared_outputs
 from .sizing import FEW_OPTIMIZER_STEPS, SMALL_RUN_SEQ_LEN, optimizer_steps
+from .slices import parse_rows
 from .vocab import D2T_NAME, T2D_NAME
 
 # Local imports: speculators and torch: imported where the trainer runs and where a run asks torch about CUDA
@@ -107,6 +109,8 @@ def read_upstream(cfg: TrainConfig, target, draft: DraftConfig) -> tuple[Prepare
     online = cfg.hidden_states != "files"
     extracted = None if online else read_manifest(Path(cfg.data) / HS_DIRNAME, "extract", "--data")
     vocab = read_manifest(cfg.vocab, "vocab", "--vocab")
+    require_written_files(prepared, prepared_outputs(cfg.data))  # the rows speculators' loader reads
+    require_written_files(vocab, [D2T_NAME, T2D_NAME])
     hint = "all stages must use the same --target"
     for manifest in filter(None, (prepared, extracted, vocab)):
         require_equal("target config", target.config_sha256, manifest.target["config_sha256"], manifest, hint)
@@ -118,6 +122,7 @@ def read_upstream(cfg: TrainConfig, target, draft: DraftConfig) -> tuple[Prepare
             raise ConfigError(f"{extracted.path}: holds only rows {extracted.selection} (one slice of a sliced "
                               f"run, 02 --rows); train on it with --slice-rows (run_all.sh --slice-rows), or rerun 02 "
                               f"without --rows")
+        require_every_row_file(extracted, prepared.counts.rows)
         if cfg.layer_ids and list(cfg.layer_ids) != extracted.layer_ids[:-1]:
             raise ConfigError(f"--layer-ids {cfg.layer_ids}: stage 02 extracted {extracted.layer_ids[:-1]} (+ the final "
                               f"layer) into {Path(cfg.data) / HS_DIRNAME}; with --hidden-states files the layer ids are "
@@ -127,6 +132,18 @@ def read_upstream(cfg: TrainConfig, target, draft: DraftConfig) -> tuple[Prepare
         if (stated := getattr(draft, key)) not in (None, value):
             raise ConfigError(f"{cfg.draft_config}: {key} {stated} does not match the target's {value} ({cfg.target}/config.json)")
     return prepared, extracted, vocab
+
+
+def require_every_row_file(extracted: ExtractManifest, rows_total: int) -> None:
+    """Stage 02's file of every row it extracted is there (one listing of the folder): a row file gone since is one
+    line naming it now, not speculators' loader error mid-epoch."""
+    hs_dir = extracted.directory
+    rows = parse_rows(extracted.selection, rows_total) if extracted.selection else range(rows_total)
+    listed = set(os.listdir(hs_dir))
+    missing = [i for i in rows if hs_name(i) not in listed]
+    if missing:
+        raise ContractError(f"{hs_file(hs_dir, missing[0])}: missing since 02_extract_hidden_states.py wrote it "
+                            f"({len(missing)} row file(s) gone: {rows_label(missing)}); rerun 02_extract_hidden_states.py")
 
 
 def speculators_argv(cfg: TrainConfig, draft: DraftConfig, target_path: str, aux_layer_ids: list[int],
@@ -276,12 +293,18 @@ def _split_endpoint(endpoint: str) -> tuple[str, str]:
     return host.strip("[]"), port
 
 
-def export_compat_settings(cfg: TrainConfig, sample_check: dict | None = None, draft: DraftConfig | None = None) -> None:
+def export_compat_settings(cfg: TrainConfig, sample_check: dict | None = None, draft: DraftConfig | None = None,
+                           identity: dict | None = None) -> None:
     """Settings of the compat fixes, for this process and every training process it starts
     (`run_in_process` only gets speculators' flags, which have no place for them). `sample_check`:
     what every sample must be (compat/sample_check.py: slots, hidden, dtype, storage); `draft`: the draft
-    config, for the validation depth (compat/val_depth.py, set only when deeper than training)."""
+    config, for the validation depth (compat/val_depth.py, set only when deeper than training); `identity`: the
+    run's, which every rank compares with global rank 0's (compat/resume_agreement.py)."""
     os.environ[flex_forward_config.ENV] = cfg.flex_forward_config
+    if identity is None:
+        os.environ.pop(resume_agreement.IDENTITY_ENV, None)
+    else:
+        os.environ[resume_agreement.IDENTITY_ENV] = json.dumps(identity, sort_keys=True, default=str)
     if draft is not None and (depth := val_ttt_steps(cfg, draft)) > ttt_steps(cfg, draft):
         os.environ[val_depth.ENV] = str(depth)
     else:

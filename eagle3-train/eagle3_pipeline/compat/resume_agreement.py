@@ -14,17 +14,29 @@ epoch (a rank that listed another one says so in one warning naming both) and th
 Rank 0 runs on node 0, the node that tidied --output (nodes.py), so its view is the one that counts. A rank that
 then cannot open the chosen folder's files fails loudly in speculators' load (torchrun.py names the rank).
 
+Before that first collective, every rank shows the others the run it was started for (stage 04's identity, which
+04 sets in IDENTITY_ENV for the ranks it starts): nodes started with other flags stop there, every rank with one
+line naming the first setting that differs. Node 0 refuses a node whose flags differ from its finished or started
+run's manifest, but a node started first finds no manifest yet: its ranks would train, say, another lr than the
+manifest records, and exit 0.
+
 Gate: speculators 0.9.0 (the two methods were read from it); elsewhere a warning and no change. Without a process
 group (one rank) the wrappers return speculators' own answer untouched.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import socket
 
+from ..errors import ConfigError
+from ..stage import first_difference
 from .gate import speculators_supported
 
 SUPPORTED_SPECULATORS = ("0.9.0",)
+IDENTITY_ENV = "EAGLE3_RUN_IDENTITY"  # the run's identity (JSON), set by stage 04 for every rank it starts
 _applied = False
 
 log = logging.getLogger("eagle3")
@@ -47,6 +59,24 @@ def rank0_choice(own):
     return box[0]
 
 
+def require_one_run() -> None:
+    """Every rank was started for global rank 0's run (IDENTITY_ENV); else every rank raises the same one line."""
+    if _group_size() == 1:
+        return
+    import torch.distributed as dist
+
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (os.environ.get(IDENTITY_ENV), socket.gethostname()))
+    reference, first_host = gathered[0]
+    for rank, (identity, host) in enumerate(gathered):
+        if identity != reference:
+            field, there, here = first_difference(json.loads(reference or "{}"), json.loads(identity or "{}")) or (
+                "identity", reference, identity)
+            raise ConfigError(f"rank {rank} on {host} was started for another run than rank 0 on {first_host}: "
+                              f"{field} = {json.dumps(there)} there, {json.dumps(here)} on rank {rank}; start every "
+                              f"node with the same command")
+
+
 def apply() -> bool:
     """Wrap the two methods (once per process); True when installed."""
     global _applied
@@ -63,6 +93,7 @@ def apply() -> bool:
     read_training_state = trainer.Trainer._load_training_state
 
     def _get_previous_epoch(self) -> int:
+        require_one_run()  # speculators' first collective point, in its checkpointer's set-up on every rank
         own = list_previous_epoch(self)
         chosen = rank0_choice(own)
         if chosen != own:
