@@ -43,7 +43,7 @@ from eagle3_pipeline.extract.run import (
     validate_sample_of_files,
 )
 from eagle3_pipeline.files import DiskFull, check_writable_dir, fingerprints_problem, remove_stale_temps
-from eagle3_pipeline.hidden_states import HS_DIRNAME, StateFormat, hs_file, hs_files, row_of
+from eagle3_pipeline.hidden_states import HS_DIRNAME, StateFormat, hs_file, hs_files, row_of, rows_label
 from eagle3_pipeline.manifest import ExtractCounts, ExtractManifest
 from eagle3_pipeline.plan import check_plan_lines
 from eagle3_pipeline.prepared import load_rows, prepared_outputs
@@ -137,9 +137,12 @@ def main(argv: list[str] | None = None) -> int:
             log.info("%s", line)
         return 0
     remove_stale_temps(hs_dir, owned=None if cfg.world_size == 1 else lambda name: row_of(name) in plan.rows)
-    for extra in hs_files(hs_dir):  # rows stage 01 no longer has (it was redone on other data)
-        if (row := row_of(extra.name)) is not None and row >= total_rows:
-            extra.unlink(missing_ok=True)
+    past = [path for path in hs_files(hs_dir) if (row := row_of(path.name)) is not None and row >= total_rows]
+    for extra in past:  # rows stage 01 no longer has (it was redone on other data)
+        extra.unlink(missing_ok=True)
+    if past:
+        log.warning("deleted %d row file(s) past stage 01's %d rows (it was redone since): %s", len(past), total_rows,
+                    rows_label(sorted(row_of(path.name) for path in past)))
     # An unfinished manifest records the identity from the first file on (a rerun with another dtype
     # or layer ids is then refused instead of mixing files).
     write_manifest(hs_dir, ExtractManifest(complete=False, identity=identity, layer_ids=layer_ids, dtype=cfg.dtype,

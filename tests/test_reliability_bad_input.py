@@ -190,6 +190,21 @@ def test_bad_row_is_refused_with_file_and_line_and_the_old_result_is_kept(case, 
     assert snapshot(work["data"]) == before
 
 
+@pytest.mark.parametrize("lines, message", [
+    ("", "no rows left from 0 conversation(s) (0 longer than --max-seq-len 2048)"),
+    (GOOD + "\n", "1 conversation(s) cannot be split into train and val (--val-ratio 0.1); give at least 2 conversations"),
+])
+def test_check_refuses_what_the_run_would_refuse_and_writes_nothing(lines, message, capsys, kimi_target, tmp_path):
+    """Before: --check passed (exit 0) an empty file and a single conversation that the real run refuses."""
+    data = tmp_path / "data.jsonl"
+    data.write_text(lines)
+    for check in (["--check"], []):
+        code, error = refused(capsys, "prepare", "--profile", "cpu-mini", "--target", kimi_target, "--data", data,
+                              "--output", tmp_path / "out", "--max-seq-len", "2048", *check)
+        assert (code, error) == (4, f"{data}: {message}")
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
 def test_non_utf8_bytes_are_refused_with_line_and_byte(capsys, kimi_target, tmp_path):
     data = tmp_path / "latin1.jsonl"
     data.write_bytes((GOOD + "\n").encode() + '{"messages": [{"role": "user", "content": "café"}]}\n'.encode("latin-1"))

@@ -341,6 +341,19 @@ def test_ranks_of_one_extraction_share_the_directory_but_not_a_rank(capsys, logs
     assert "nothing to do" in ran(capsys, logs, *args("extract", work, kimi_target, "--world-size", "2", "--rank", "0"))
 
 
+def test_a_rank_started_with_another_world_size_is_refused_while_that_one_runs(capsys, logs, work, kimi_target,
+                                                                              lock_holder):
+    """Before: ranks of --world-size 2 and 3 in one folder split the rows two ways (some extracted twice, some never),
+    and both exited 0 with no manifest. A lock file of a rank that has ended is no objection."""
+    other = lock_holder(work["hs"] / ".eagle3.rank1-of-3.lock")
+    code, error = refused(capsys, *args("extract", work, kimi_target, "--world-size", "2", "--rank", "0"))
+    assert (code, error) == (2, f"{work['hs'] / '.eagle3.rank1-of-3.lock'}: a rank started with --world-size 3 is "
+                                f"extracting into {work['hs']} now; every rank needs the same --world-size (this one: 2)")
+    other.kill()
+    other.wait()
+    assert "nothing to do" in ran(capsys, logs, *args("extract", work, kimi_target, "--world-size", "2", "--rank", "0"))
+
+
 def test_two_ranks_into_one_folder_the_last_writes_the_manifest_from_a_listing_that_lags(capsys, logs, work,
                                                                                         kimi_target, kimi_run,
                                                                                         monkeypatch, tmp_path):

@@ -238,6 +238,30 @@ def test_a_node_killed_before_the_rendezvous_stops_the_others_in_seconds(kimi_ru
     assert "Traceback" not in node0.output()
 
 
+def test_a_node_killed_while_the_ranks_join_the_process_group_stops_the_others_in_seconds(kimi_run, kimi_target,
+                                                                                          pause_dir, tmp_path,
+                                                                                          nodes_started):
+    """Before: node 0 stopped watching for gone nodes once every rank had written its start record; node 1 killed
+    right after its rank's, rank 0 then waited in the process group's set-up for good, saying nothing. Now the watch
+    lasts until every rank is in the group (its record says `joined`)."""
+    out, port = tmp_path / "ckpt", free_port()
+    node0 = Node(node_args(kimi_run, kimi_target, out, 0, port), tmp_path / "node0.log",
+                 pause="replace:*/logs/ranks/rank-0.json", pause_dir=pause_dir)  # rank 0, about to land its start record
+    nodes_started.append(node0)
+    node1 = Node(node_args(kimi_run, kimi_target, out, 1, port), tmp_path / "node1.log")
+    nodes_started.append(node1)
+    node0.paused_on()
+    node1.wait_until(lambda: (out / "logs" / "ranks" / "rank-1.json").is_file(), "rank 1's start record")
+    node1.kill()
+    killed_at = time.monotonic()
+    node0.release.touch()
+    code = node0.wait(timeout=STOP_BOUND_S + 30)
+    assert time.monotonic() - killed_at < STOP_BOUND_S, node0.output()[-3000:]
+    assert code == 1 and node0.last_line().startswith(
+        "error: training stopped before it started: node 1 of 2 "), node0.output()[-3000:]
+    assert "Traceback" not in node0.output()
+
+
 # --- the presence records alone, without launching anything ------------------------------------------------
 
 def _record(out: Path, node: int, **fields) -> None:

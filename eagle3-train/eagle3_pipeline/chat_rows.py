@@ -12,7 +12,9 @@ follow it), so a ChatML header's trailing newline never merges with an indented 
 The prompt is rendered from the history as vLLM's chat path hands it to the template
 (`template_messages`: JSON-string tool-call arguments parsed into objects, `name` kept, null content
 as vLLM passes it, reasoning as `reasoning` + `reasoning_content`, `--chat-template-kwargs` applied).
-The generation text is the template's own rendering of turn i where it continues that prompt. Which
+The generation text is the template's own rendering of turn i where it continues that prompt (its tool-call
+arguments parsed too: the model writes its template's rendering of the object, Kimi's `tojson`, whatever spacing
+or escapes a JSON string in the data had, say from another model or a re-serialising exporter). Which
 parts of the turn the template renders, and where, is decided exactly, never by searching the data's
 text: the turn is rendered a second time with every field (reasoning, content, each call's name, id
 and arguments) replaced by a unique marker. A field whose marker is missing from the generated span is

@@ -103,9 +103,8 @@ def read_manifest(directory: Path, stage: str, flag: str) -> Manifest:
         raise ContractError(f"{path}: written by stage {manifest.stage!r}, expected {stage!r} output here ({flag})")
     if not manifest.complete:
         raise ContractError(f"{path}: stage {stage!r} did not finish; rerun {script}")
-    for field in ("identity", "target"):  # every stage writes both; later stages read them
-        if getattr(manifest, field) is None:
-            raise ContractError(f"{path}: records no {field} (not written by {script}); rerun {script}")
+    if manifest.target is None:  # every stage records it; later stages read it
+        raise ContractError(f"{path}: records no target (not written by {script}); rerun {script}")
     if manifest.content_sha256 != content_sha256(manifest):  # what downstream stages record and trust
         raise ContractError(f"{path}: edited since {script} wrote it (what it records no longer matches its "
                             f"content_sha256); rerun {script}")

@@ -278,6 +278,24 @@ def hold_lock(lock_file: Path, exclusive: bool = True) -> int:
     return fd
 
 
+def lock_held_elsewhere(lock_file: Path) -> bool | None:
+    """Whether a process holds `lock_file` now: a probe (shared, non-blocking, released at once); False when no
+    process does, None when it cannot tell (no such file; a filesystem without locks)."""
+    try:
+        fd = os.open(lock_file, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:  # ENOLCK: nothing proves it free or held
+        return None
+    finally:
+        os.close(fd)  # releases the probe's own lock at once
+    return False
+
+
 def held_lock_fds() -> tuple[int, ...]:
     return tuple(_held_locks.values())
 

@@ -38,7 +38,6 @@ half-written and read it again half a second later). Tests: tests/test_reliabili
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
 import os
@@ -50,6 +49,7 @@ from pathlib import Path
 from typing import Iterator
 
 from .errors import StageError, path_error_from
+from .files import lock_held_elsewhere
 from .ranks import read_exits
 
 POLL_S = 0.5
@@ -78,18 +78,9 @@ def read_record(out_dir: Path, node: int, nnodes: int) -> dict | None:
 
 
 def lock_is_free(out_dir: Path, node: int, nnodes: int) -> bool:
-    """True when no process holds that node's lock (its stage 04, torchrun and ranks are all gone)."""
-    try:
-        fd = os.open(lock_path(out_dir, node, nnodes), os.O_RDONLY)
-    except OSError:
-        return False  # no lock file: that node has not started
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except OSError:  # held (EWOULDBLOCK); or a filesystem without locks (ENOLCK): nothing proves that node gone
-        return False
-    finally:
-        os.close(fd)  # releases the probe's own lock at once
-    return True
+    """True when no process holds that node's lock (its stage 04, torchrun and ranks are all gone); no lock file
+    (that node has not started) or a filesystem without locks prove nothing."""
+    return lock_held_elsewhere(lock_path(out_dir, node, nnodes)) is False
 
 
 def error_line(exc: BaseException) -> str:
@@ -230,7 +221,9 @@ def run_launch(launch: list[str], *, env: dict, pass_fds: tuple[int, ...], here:
                 pass
             if not watching:
                 continue
-            if len(read_exits(save_path, launched_at)) >= world:  # every rank started: past the rendezvous
+            # every rank in the process group: past the rendezvous (a rank that only started may still wait in it
+            # for a node killed meanwhile, which no collective would ever report)
+            if sum(bool(r.get("joined")) for r in read_exits(save_path, launched_at).values()) >= world:
                 watching = False
                 continue
             cause = here.gone()

@@ -4,7 +4,8 @@ torchrun reports a dead rank as a ChildFailedError block per node, and the ranks
 it (a collective with a dead peer fails, then torchrun sends SIGTERM and, 30 s later, SIGKILL)
 each print their own traceback: on a node whose peer node died, nothing says which rank or node
 went first. So every rank (`train_entry`) writes `<save>/logs/ranks/rank-<R>.json` when it starts
-(status "running") and again as it ends: {"rank", "node", "status": "ok" | "interrupted" | "error",
+(status "running"), once more when every rank is in the process group ("joined": the rendezvous is over;
+compat/resume_agreement.py), and as it ends: {"rank", "node", "status": "ok" | "interrupted" | "error",
 "error": one line}. A rank killed by a signal (kill -9, the OOM killer) or on a node that went down
 stays "running". After a failed launch, `stopped_line` reads the records written since the launch
 started and names the ranks (and nodes: torchrun's static rendezvous gives node n the global ranks
@@ -32,12 +33,13 @@ def records_dir(save_path: str | Path) -> Path:
     return Path(save_path) / "logs" / RANKS_DIRNAME
 
 
-def write_exit(save_path: str | Path, status: str, error: str = "") -> None:
-    """Called by each rank as it ends (train_entry); never raises (it must not mask the real error)."""
+def write_exit(save_path: str | Path, status: str, error: str = "", joined: bool = False) -> None:
+    """Called by each rank as it starts, joins the group and ends (train_entry); never raises (it must not mask
+    the real error)."""
     try:
         rank = int(os.environ.get("RANK", "0"))
         record = {"rank": rank, "node": int(os.environ.get("GROUP_RANK", "0")), "status": status,
-                  "error": " ".join(error.split())[:500], "time": time.time()}
+                  "error": " ".join(error.split())[:500], "time": time.time(), **({"joined": True} if joined else {})}
         folder = records_dir(save_path)
         folder.mkdir(parents=True, exist_ok=True)
         atomic_write_text(folder / f"rank-{rank}.json", json.dumps(record) + "\n")

@@ -32,6 +32,7 @@ import os
 import socket
 
 from ..errors import ConfigError
+from ..ranks import write_exit
 from ..stage import first_difference
 from .gate import speculators_supported
 
@@ -59,14 +60,17 @@ def rank0_choice(own):
     return box[0]
 
 
-def require_one_run() -> None:
-    """Every rank was started for global rank 0's run (IDENTITY_ENV); else every rank raises the same one line."""
+def require_one_run(save_path) -> None:
+    """Every rank was started for global rank 0's run (IDENTITY_ENV); else every rank raises the same one line.
+    Past the gather every rank is in the process group: each says so in its rank record (`joined`), which ends
+    the launcher's watch for nodes gone before the rendezvous (nodes.run_launch)."""
     if _group_size() == 1:
         return
     import torch.distributed as dist
 
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (os.environ.get(IDENTITY_ENV), socket.gethostname()))
+    write_exit(save_path, "running", joined=True)
     reference, first_host = gathered[0]
     for rank, (identity, host) in enumerate(gathered):
         if identity != reference:
@@ -93,7 +97,7 @@ def apply() -> bool:
     read_training_state = trainer.Trainer._load_training_state
 
     def _get_previous_epoch(self) -> int:
-        require_one_run()  # speculators' first collective point, in its checkpointer's set-up on every rank
+        require_one_run(self.path)  # speculators' first collective point, in its checkpointer's set-up on every rank
         own = list_previous_epoch(self)
         chosen = rank0_choice(own)
         if chosen != own:

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 import time
 from collections import Counter
@@ -19,8 +20,8 @@ from tqdm import tqdm
 
 from ..config.schema import ExtractConfig
 from ..disk_writes import landing_writeback, sync_filesystem
-from ..errors import StageError
-from ..files import atomic_write_json, writer_host
+from ..errors import ConfigError, StageError
+from ..files import atomic_write_json, lock_held_elsewhere, writer_host
 from ..hidden_states import DTYPES, StateFormat, dtype_name, hs_file
 from ..preflight import preflight_extract
 from ..stage import lock_output
@@ -231,6 +232,12 @@ def lock_extraction(hs_dir: Path, world_size: int, rank: int) -> None:
         return
     lock_output(hs_dir, exclusive=False)
     lock_output(hs_dir, lock_file=hs_dir / f".eagle3.rank{rank}-of-{world_size}.lock")
+    # Ranks split the rows by --world-size: one started with another would extract some rows twice and some never.
+    for lock in sorted(hs_dir.glob(".eagle3.rank*-of-*.lock")):
+        other = re.fullmatch(r"\.eagle3\.rank\d+-of-(\d+)\.lock", lock.name)
+        if other and int(other[1]) != world_size and lock_held_elsewhere(lock):
+            raise ConfigError(f"{lock}: a rank started with --world-size {other[1]} is extracting into {hs_dir} now; "
+                              f"every rank needs the same --world-size (this one: {world_size})")
 
 
 def make_backend(cfg: ExtractConfig, target, layer_ids, hs_dir: Path, max_model_len: int, dtype):
