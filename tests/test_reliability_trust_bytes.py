@@ -239,16 +239,23 @@ def test_a_file_changed_since_its_stage_wrote_it_is_refused_by_the_stage_reading
     assert snapshot(work["root"]) == before  # refused before any work
 
 
-def test_a_manifest_whose_recorded_settings_were_edited_is_refused_by_the_stage_reading_it(capsys, work, kimi_target):
-    """Before: layer ids edited in stage 02's manifest (its field and its identity's) reached the exported draft's
-    config, extracted at other layers."""
+@pytest.mark.parametrize("where", ["field", "field-and-identity"])
+def test_a_manifest_whose_recorded_settings_were_edited_is_refused_by_the_stage_reading_it(where, capsys, work,
+                                                                                          kimi_target):
+    """Before: layer ids edited in stage 02's manifest reached the exported draft's config, extracted at other layers."""
     path = work["hs"] / "manifest.json"
     edited = manifest(work["hs"])
-    edited["layer_ids"] = edited["identity"]["settings"]["layer_ids"] = [1, *edited["layer_ids"][1:]]
+    extracted, changed = list(edited["layer_ids"]), [1, *edited["layer_ids"][1:]]
+    edited["layer_ids"] = changed
+    if where == "field-and-identity":
+        edited["identity"]["settings"]["layer_ids"] = changed
     path.write_text(json.dumps(edited, indent=2))
     code, line = refused(capsys, *args("train", {**work, "checkpoints": work["root"] / "ckpt2"}, kimi_target))
-    assert (code, line) == (3, f"{path}: edited since 02_extract_hidden_states.py wrote it (what it records no longer "
-                               f"matches its content_sha256); rerun 02_extract_hidden_states.py")
+    why = ("what it records no longer matches its content_sha256" if where == "field-and-identity" else
+           f"layer_ids {json.dumps(changed)} where its identity records {json.dumps(extracted)}")
+    assert (code, line) == (3, f"{path}: edited since 02_extract_hidden_states.py wrote it ({why}); rerun "
+                               f"02_extract_hidden_states.py")
+    assert not (work["root"] / "ckpt2").exists()
 
 
 def test_a_manifest_without_its_target_is_one_line_naming_it(capsys, work, kimi_target):

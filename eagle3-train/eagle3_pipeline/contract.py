@@ -108,6 +108,10 @@ def read_manifest(directory: Path, stage: str, flag: str) -> Manifest:
     if manifest.content_sha256 != content_sha256(manifest):  # what downstream stages record and trust
         raise ContractError(f"{path}: edited since {script} wrote it (what it records no longer matches its "
                             f"content_sha256); rerun {script}")
+    if edited := manifest.edited_setting():
+        field, value, recorded = edited
+        raise ContractError(f"{path}: edited since {script} wrote it ({field} {json.dumps(value)} where its identity "
+                            f"records {json.dumps(recorded)}); rerun {script}")
     return manifest
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError
 
@@ -62,6 +62,17 @@ class Manifest(_Strict):
     output_files: dict[str, list[int | str]] | None = None
     _path: Path | None = PrivateAttr(default=None)
     _sha256: str | None = PrivateAttr(default=None)
+    # Fields later stages read that the identity's settings record too (content_sha256 covers the identity, not
+    # them): contract.read_manifest refuses a manifest where the two disagree (one was edited by hand).
+    SETTINGS_ALSO_IN_IDENTITY: ClassVar[tuple[str, ...]] = ()
+
+    def edited_setting(self) -> tuple[str, Any, Any] | None:
+        """(field, its value, the identity's) for the first field of SETTINGS_ALSO_IN_IDENTITY that disagrees."""
+        settings = (self.identity or {}).get("settings") or {}
+        for name in self.SETTINGS_ALSO_IN_IDENTITY:
+            if name in settings and getattr(self, name) != settings[name]:
+                return name, getattr(self, name), settings[name]
+        return None
 
     @property
     def path(self) -> Path:
@@ -115,6 +126,7 @@ class PrepareContent(_Strict):
 
 class PrepareManifest(Manifest):
     stage: Literal["prepare"] = "prepare"
+    SETTINGS_ALSO_IN_IDENTITY: ClassVar[tuple[str, ...]] = ("max_seq_len",)
     counts: PrepareCounts | None = None
     train_data_ratio: float | None = None
     max_seq_len: int | None = None
@@ -155,6 +167,7 @@ class ExtractContent(_Strict):
 
 class ExtractManifest(Manifest):
     stage: Literal["extract"] = "extract"
+    SETTINGS_ALSO_IN_IDENTITY: ClassVar[tuple[str, ...]] = ("dtype", "layer_ids", "storage", "target_config_sha256")
     layer_ids: list[int] | None = None
     dtype: str | None = None  # the states' dtype (hidden_states.StateFormat.from_manifest)
     storage: str | None = None  # "dtype" or "fp8"
@@ -193,6 +206,7 @@ class VocabContent(_Strict):
 
 class VocabManifest(Manifest):
     stage: Literal["vocab"] = "vocab"
+    SETTINGS_ALSO_IN_IDENTITY: ClassVar[tuple[str, ...]] = ("draft_vocab_size",)
     outputs: list[str] | None = None
     draft_vocab_size: int | None = None
     target_vocab_size: int | None = None
@@ -256,6 +270,7 @@ class ExportContent(_Strict):
 
 class ExportManifest(Manifest):
     stage: Literal["export"] = "export"
+    SETTINGS_ALSO_IN_IDENTITY: ClassVar[tuple[str, ...]] = ("num_speculative_tokens", "verifier_name")
     verifier_name: str | None = None
     checkpoint: str | None = None
     num_speculative_tokens: int | None = None
