@@ -71,6 +71,25 @@ def run_stage(stage: str, *args: str, check: bool = True, timeout: float = 600, 
     return result
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process started under `pid` (children, theirs, ...): torchrun starts its ranks in their own sessions,
+    so a kill of a node's process group leaves them; a test that plays a machine going down kills these too."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            parents.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        todo += parents.get(current, [])
+    return found[1:]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

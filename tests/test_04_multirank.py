@@ -31,7 +31,7 @@ from eagle3_pipeline.errors import Stalled
 from eagle3_pipeline.metrics import read_metrics
 from eagle3_pipeline.ranks import RANKS_DIRNAME, stopped_line, write_exit
 
-from conftest import REPO, SCRIPTS, free_port, run_stage
+from conftest import REPO, SCRIPTS, descendants, free_port, run_stage
 
 ROW_TOKENS, TRAIN_ROWS, VAL_ROWS = 32, 24, 8
 RANKS = 8
@@ -122,25 +122,8 @@ def test_eight_ranks_see_each_sample_once_and_learn_what_one_rank_learns(uniform
 
 # --- killing one rank ------------------------------------------------------------------------
 
-def _children(pid: int) -> list[int]:
-    parents: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            parents.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        found.append(current)
-        todo += parents.get(current, [])
-    return found[1:]
-
-
 def _rank_pid(root: int, rank: int) -> int | None:
-    for pid in _children(root):
+    for pid in descendants(root):
         try:
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
@@ -199,7 +182,7 @@ def test_kill_9_of_one_rank_stops_every_rank_and_the_same_command_resumes(unifor
             os.killpg(proc.pid, signal.SIGKILL)
     assert code != 0
     assert stopped_after < STOP_BOUND_S
-    assert _children(proc.pid) == []  # no rank left behind
+    assert descendants(proc.pid) == []  # no rank left behind
     log = (tmp_path / "killed.log").read_text().strip().splitlines()
     silent = re.match(r"error: training stopped: rank\(s\) ([0-9, -]+) ended without an exit record \(killed by a "
                       r"signal", log[-1])
@@ -260,7 +243,7 @@ def test_two_nodes_train_together_and_a_lost_node_is_one_line_on_node_0(uniform,
     try:
         _wait_for_record(lost, 1, 0, nodes[1], log=tmp_path / "lost1.log")
         # node 1 gone: its stage 04, torchrun and its rank (torchrun starts ranks in their own sessions)
-        for pid in [nodes[1].pid, *_children(nodes[1].pid)]:
+        for pid in [nodes[1].pid, *descendants(nodes[1].pid)]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         killed_at = time.monotonic()

@@ -29,7 +29,7 @@ import pytest
 
 from eagle3_pipeline import nodes
 
-from conftest import REPO, SCRIPTS, free_port
+from conftest import REPO, SCRIPTS, descendants, free_port
 
 pytestmark = pytest.mark.reliability  # the tests running stages are marked slow by their fixture (conftest)
 
@@ -136,6 +136,10 @@ class Node:
             pytest.fail(f"{self.log.stem} still running after {timeout} s:\n{self.output()[-4000:]}")
 
     def kill(self) -> None:
+        """The node's machine going down: its stage 04, torchrun and ranks (in their own sessions) alike."""
+        for pid in descendants(self.proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
