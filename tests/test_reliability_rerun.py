@@ -354,6 +354,22 @@ def test_a_rank_started_with_another_world_size_is_refused_while_that_one_runs(c
     assert "nothing to do" in ran(capsys, logs, *args("extract", work, kimi_target, "--world-size", "2", "--rank", "0"))
 
 
+def test_a_rank_removes_the_shared_files_temps_of_this_hosts_killed_ranks_only(capsys, logs, work, kimi_target):
+    """Before: a rank removed only its own rows' temps, so a killed rank's `.manifest.json.tmp-PID@HOST` stayed for
+    good (a finished rerun says "nothing to do" and cleans nothing). Another host's temps and a live writer's stay."""
+    from eagle3_pipeline.files import writer_host
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead, live = f"{gone.pid}@{writer_host()}", f"{os.getpid()}@{writer_host()}"
+    names = {f".manifest.json.tmp-{dead}": False, f".fingerprints.json.tmp-{dead}": False,
+             f".manifest.json.tmp-{gone.pid}@another-node": True, f".manifest.json.tmp-{live}": True}
+    for name in names:
+        (work["hs"] / name).write_text("half")
+    assert "nothing to do" in ran(capsys, logs, *args("extract", work, kimi_target, "--world-size", "2", "--rank", "1"))
+    assert {name: (work["hs"] / name).exists() for name in names} == names
+
+
 def test_two_ranks_into_one_folder_the_last_writes_the_manifest_from_a_listing_that_lags(capsys, logs, work,
                                                                                         kimi_target, kimi_run,
                                                                                         monkeypatch, tmp_path):

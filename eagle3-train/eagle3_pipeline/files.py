@@ -232,6 +232,28 @@ def remove_stale_temps(directory: Path, owned=None) -> int:
     return len(stale)
 
 
+def remove_dead_writers_temps(directory: Path) -> int:
+    """Delete the temps in `directory` whose writer (`PID@HOST`) was a process of this host that is gone; returns how
+    many. Needs no exclusive lock, so ranks sharing a folder use it for the files any rank may write (the manifest):
+    a tag names its host, and another host's pids mean nothing here."""
+    directory = Path(directory)
+    removed = 0
+    for path in directory.iterdir() if directory.is_dir() else ():
+        writer = parse_writer_tag(path.name.rpartition(TEMP_MARKER)[2]) if is_temp_path(path) else None
+        if writer is None or writer[1] != writer_host() or writer[0] == os.getpid():
+            continue
+        try:
+            os.kill(writer[0], 0)
+            continue  # alive (or another process reusing its pid): it may still be writing
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # alive, another user's
+        remove_path(path)
+        removed += 1
+    return removed
+
+
 def final_name_of(temp: Path) -> str:
     """`.hs_5.safetensors.tmp-123` -> `hs_5.safetensors` (the file the temp was going to become)."""
     name = Path(temp).name

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from ..config.schema import ExtractConfig
 from ..disk_writes import landing_writeback, sync_filesystem
 from ..errors import ConfigError, StageError
-from ..files import atomic_write_json, lock_held_elsewhere, writer_host
+from ..files import atomic_write_json, lock_held_elsewhere, remove_dead_writers_temps, writer_host
 from ..hidden_states import DTYPES, StateFormat, dtype_name, hs_file
 from ..preflight import preflight_extract
 from ..stage import lock_output
@@ -238,6 +238,7 @@ def lock_extraction(hs_dir: Path, world_size: int, rank: int) -> None:
         if other and int(other[1]) != world_size and lock_held_elsewhere(lock):
             raise ConfigError(f"{lock}: a rank started with --world-size {other[1]} is extracting into {hs_dir} now; "
                               f"every rank needs the same --world-size (this one: {world_size})")
+    remove_dead_writers_temps(hs_dir)  # the shared files' temps (manifest, fingerprints) of this host's killed ranks
 
 
 def make_backend(cfg: ExtractConfig, target, layer_ids, hs_dir: Path, max_model_len: int, dtype):
