@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         write_draft_dir(checkpoint, staging, verifier, num_tokens)
         require_unchanged(checkpoint / "model.safetensors", staging / "model.safetensors", model_sha256)
         require_finite_weights(staging / "model.safetensors", checkpoint / "model.safetensors")  # never a NaN draft
-        check = verify_draft_dir(staging, d2t, trained.aux_layer_ids)
+        check = verify_draft_dir(staging, d2t, trained.aux_layer_ids, target["path"])
         command = serve_command(target["path"], out_dir, num_tokens, cfg.tensor_parallel_size,
                                 target["is_multimodal_wrapper"])
         atomic_write_text(staging / "serve_command.txt", command + "\n")

@@ -54,3 +54,14 @@ def test_a_draft_vocab_as_large_as_the_target_exports(tmp_path, kimi_run, kimi_t
     assert "vllm serve" in result.stdout
     config = json.loads((tmp_path / "draft" / "config.json").read_text())
     assert config["draft_vocab_size"] == 1024
+
+
+def test_a_hub_verifier_name_is_written_and_the_check_loads_the_trained_target(tmp_path, kimi_run, kimi_target):
+    """README's real run passes `--verifier-name moonshotai/Kimi-K2.5`. Before: 05's load-back check had speculators
+    fetch that name's embeddings and head (a traceback offline; on a box with a hub, a download of Kimi's shards)."""
+    result = run_stage("export", "--profile", "cpu-mini", "--checkpoints", kimi_run["checkpoints"], "--output",
+                       tmp_path / "draft", "--verifier-name", "moonshotai/Kimi-K2.5",
+                       env={"HF_HUB_OFFLINE": "1"})
+    assert "Traceback" not in result.stderr
+    config = json.loads((tmp_path / "draft" / "config.json").read_text())
+    assert config["speculators_config"]["verifier"]["name_or_path"] == "moonshotai/Kimi-K2.5"

@@ -146,6 +146,22 @@ def test_a_bad_profile_value_names_the_flag_and_the_profile(tmp_path):
         build_config(TrainConfig, required(TrainConfig), str(path))
 
 
+@pytest.mark.parametrize("flag, value, message", [
+    ("--lr", "-1", "--lr (flag): Input should be greater than 0"),
+    ("--lr", "0", "--lr (flag): Input should be greater than 0"),
+    ("--lr", "nan", "--lr (flag): Input should be a finite number"),
+    ("--max-steps", "0", "--max-steps (flag): Input should be greater than or equal to 1"),
+])
+def test_a_learning_rate_or_step_count_torch_or_speculators_would_refuse_is_one_line_first(flag, value, message,
+                                                                                           capsys):
+    """Before: --lr -1 passed --print-config and the run died in torch's optimizer with a traceback, leaving files;
+    --max-steps 0 ended in speculators' 98-line usage text."""
+    with pytest.raises(SystemExit) as stop:
+        resolve_stage_config(TrainConfig, ["--target", "t", "--data", "d", "--vocab", "v", "--output", "o", flag, value])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert stop.value.code == 2 and len(errors) == 1 and errors[0].startswith(f"error: {message}"), errors
+
+
 def test_an_unknown_profile_name_lists_the_known_ones():
     with pytest.raises(ConfigError, match="rtx-pro-6000-8x"):
         load_profile("rtx-pro-6000")

@@ -80,12 +80,17 @@ def write_draft_dir(checkpoint: Path, staging: Path, verifier_name: str, num_spe
     return config
 
 
-def verify_draft_dir(draft_dir: Path, d2t_expected: np.ndarray, aux_layer_ids: list[int]) -> dict:
-    """Load the export back with speculators and check what vLLM will rely on."""
+def verify_draft_dir(draft_dir: Path, d2t_expected: np.ndarray, aux_layer_ids: list[int], verifier_path: str) -> dict:
+    """Load the export back with speculators and check what vLLM will rely on. speculators loads the verifier's
+    embeddings, head and norm with it from the verifier the config names: here from the target stage 04 trained
+    with (`verifier_path`), as the config may name a hub id (`--verifier-name`) this box cannot or should not fetch."""
     import speculators.models  # noqa: F401  (registers Eagle3DraftModel)
+    from speculators.config import SpeculatorModelConfig
     from speculators.model import SpeculatorModel
 
-    model = SpeculatorModel.from_pretrained(str(draft_dir))
+    config = SpeculatorModelConfig.from_pretrained(str(draft_dir))
+    config.speculators_config.verifier.name_or_path = str(verifier_path)
+    model = SpeculatorModel.from_pretrained(str(draft_dir), config=config)
     if model.d2t is None:
         # A draft vocab as large as the target's needs no mapping: speculators keeps none (seen
         # first in the one-GPU smoke, where the default 32000 is clipped to the miniature's 1024).

@@ -268,7 +268,8 @@ class TrainConfig(StageConfig):
                                                           "before fc: fc_norm per aux state by default, or norm_before_fc)",
                                identity=False)
     epochs: int = _field(10, "training epochs", ge=1, identity=True, speculators="--epochs")
-    max_steps: Optional[int] = _field(None, "stop after this many optimizer steps", identity=True, speculators="--max-steps")
+    max_steps: Optional[int] = _field(None, "stop after this many optimizer steps", ge=1, identity=True,
+                                      speculators="--max-steps")
     slice_rows: Optional[int] = _field(None, "sliced run (run_all.sh --slice-rows): the training rows are cut into slices "
                                              "of N rows, each extracted, trained on and deleted in turn "
                                              "(eagle3_pipeline/slices.py)", ge=1, identity=True)
@@ -282,7 +283,7 @@ class TrainConfig(StageConfig):
     total_seq_len: int = _field(32768, "tokens packed per step per GPU (16384 on 80 GB cards); unless given as a "
                                        "flag, 8192 when the run would have under 1,000 optimizer steps (preflight line)",
                                 ge=16, identity=True, speculators="--total-seq-len")
-    lr: float = _field(1e-3, "learning rate", identity=True, speculators="--lr")
+    lr: float = _field(1e-3, "learning rate", gt=0, allow_inf_nan=False, identity=True, speculators="--lr")
     optimizer: Literal["muon", "adamw"] = _field("adamw", "optimizer (Muon's ~113 TFLOP per step is 41 percent of a Kimi-size step at 8K tokens)", identity=True, speculators="--optimizer")
     # not identity: recorded resolved (this flag, else the draft config's)
     ttt_steps: Optional[int] = _field(None, "test-time-training steps (default: draft_config.json's)", ge=1, identity=False)
