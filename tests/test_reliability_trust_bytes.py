@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -267,8 +268,13 @@ def test_a_manifest_without_its_target_is_one_line_naming_it(capsys, work, kimi_
                                f"01_prepare_dataset.py); rerun 01_prepare_dataset.py")
 
 
-def test_a_row_file_gone_since_02_is_refused_before_training_and_02_redoes_it(capsys, logs, work, kimi_target):
-    """Before: speculators' loader raised 'Failed to load hidden states for sample 3' mid-epoch, a traceback."""
+def test_a_row_file_gone_since_02_is_refused_before_training_and_02_redoes_it(capsys, logs, work, kimi_target,
+                                                                              monkeypatch):
+    """Before: speculators' loader raised 'Failed to load hidden states for sample 3' mid-epoch, a traceback. (04 looks
+    again for ROW_FILES_GRACE_S first, as another node's files may be listed late; here not at all.)"""
+    from eagle3_pipeline import training
+
+    monkeypatch.setattr(training, "ROW_FILES_GRACE_S", 0.0)
     hs(work).unlink()
     out = work["root"] / "ckpt2"
     for skip in ([], ["--on-bad-sample", "skip"]):
@@ -278,6 +284,23 @@ def test_a_row_file_gone_since_02_is_refused_before_training_and_02_redoes_it(ca
     assert not out.exists()
     ran(capsys, logs, *args("extract", work, kimi_target))
     assert hs(work).is_file()
+
+
+def test_a_row_file_another_node_lists_late_is_waited_for_not_refused(work, monkeypatch):
+    """Node 1's listing of the shared folder may lack a file node 0 landed a moment ago (NFS caches listings): 04
+    lists again before refusing, as stage 02's ranks do."""
+    import threading
+
+    from eagle3_pipeline import training
+    from eagle3_pipeline.manifest import parse_manifest
+
+    monkeypatch.setattr(training, "ROW_FILES_GRACE_S", 30.0)
+    monkeypatch.setattr(training, "ROW_FILES_POLL_S", 0.05)
+    late = hs(work).rename(work["root"] / "not-listed-yet")
+    threading.Timer(0.5, late.rename, args=(hs(work),)).start()
+    started = time.monotonic()
+    training.require_every_row_file(parse_manifest(work["hs"] / "manifest.json"), manifest(work["data"])["counts"]["rows"])
+    assert hs(work).is_file() and 0.4 < time.monotonic() - started < 30
 
 
 def test_redoing_an_export_refuses_to_replace_a_folder_holding_a_users_files(capsys, work, kimi_target):

@@ -15,6 +15,7 @@ import os
 import shlex
 import shutil
 import sys
+import time
 from pathlib import Path
 
 from . import checkpoints, compat, online, resume
@@ -134,13 +135,24 @@ def read_upstream(cfg: TrainConfig, target, draft: DraftConfig) -> tuple[Prepare
     return prepared, extracted, vocab
 
 
+# A node lists files another node landed up to a minute late (NFS caches directory listings; stage 02's ranks wait
+# as long, extract/run.py LISTING_GRACE_S): a row file missing from the listing is looked for again before 04 refuses.
+ROW_FILES_GRACE_S = 75.0
+ROW_FILES_POLL_S = 5.0
+
+
 def require_every_row_file(extracted: ExtractManifest, rows_total: int) -> None:
-    """Stage 02's file of every row it extracted is there (one listing of the folder): a row file gone since is one
+    """Stage 02's file of every row it extracted is there (listings of the folder): a row file gone since is one
     line naming it now, not speculators' loader error mid-epoch."""
     hs_dir = extracted.directory
     rows = parse_rows(extracted.selection, rows_total) if extracted.selection else range(rows_total)
-    listed = set(os.listdir(hs_dir))
-    missing = [i for i in rows if hs_name(i) not in listed]
+    deadline = time.monotonic() + ROW_FILES_GRACE_S
+    while True:
+        listed = set(os.listdir(hs_dir))
+        missing = [i for i in rows if hs_name(i) not in listed]
+        if not missing or time.monotonic() >= deadline:
+            break
+        time.sleep(ROW_FILES_POLL_S)
     if missing:
         raise ContractError(f"{hs_file(hs_dir, missing[0])}: missing since 02_extract_hidden_states.py wrote it "
                             f"({len(missing)} row file(s) gone: {rows_label(missing)}); rerun 02_extract_hidden_states.py")
