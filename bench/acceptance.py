@@ -623,6 +623,11 @@ def run_curves(args, bench: Bench, target: dict, started: float, load_start) -> 
     return 0
 
 
+def draft_vocab_size(vocab: Path) -> int:
+    """A stage 03 vocabulary's draft size (its d2t's length)."""
+    return int(np.load(vocab / "d2t.npy").shape[0])
+
+
 def val_positions(data: Path) -> int:
     """Loss-masked tokens of the validation rows (speculators' split: the last rows), the offline tau's n."""
     from datasets import load_from_disk
@@ -786,10 +791,13 @@ def run_screen(args, bench: Bench, target: dict, started: float, load_start) -> 
     flags = [*CURVE_04_FLAGS, "--val-ttt-steps", args.screen_val_depth, "--num-workers", args.screen_workers]
     plain_flags = ["--num-workers", args.screen_workers]
 
-    def train(run: str, data: Path, vocab: Path, epochs: int, recipe: dict, extra: list) -> dict:
+    def train(run: str, key: str, epochs: int, recipe: dict, extra: list) -> dict:
+        vocab = recipe_vocab(key, recipe)
         if recipe.get("plain"):
-            return bench.train_plain(run, data, epochs, extra=plain_flags + extra, env=val_env)
-        return bench.train_ours(run, data, epochs, recipe, vocab=vocab, export=False, extra=flags + extra)
+            own = [] if vocab is None else ["--draft-vocab-size", draft_vocab_size(vocab), "--d2t-path",
+                                            vocab / "d2t.npy", "--t2d-path", vocab / "t2d.npy"]
+            return bench.train_plain(run, datasets[key], epochs, extra=plain_flags + own + extra, env=val_env)
+        return bench.train_ours(run, datasets[key], epochs, recipe, vocab=vocab, export=False, extra=flags + extra)
 
     # 1. datasets (a size's own: the curves' datasets, so a --work shared with --curves extracts once; a data
     # recipe's: its chat's rows for the size's prompts) and one vocabulary each (built before the trainings)
@@ -812,11 +820,30 @@ def run_screen(args, bench: Bench, target: dict, started: float, load_start) -> 
     for key, result in datasets.items():
         if isinstance(result, BaseException):
             raise SystemExit(f"bench-acceptance --screen: dataset {key} failed: {result}")
-    vocabs = {}
+    # one stage 03 vocabulary per dataset and draft vocabulary size: the size's own (stage 03's default, 32K) for every
+    # recipe but the vocabulary arms (`vocab`: "full" or a size), each built once per dataset it trains on
+    vocabs: dict[tuple[str, int | None], Path] = {}
+    target_vocab = bench.vocab_size()
+
+    def vocab_width(recipe: dict) -> int | None:
+        """The draft vocabulary size a recipe asks stage 03 for; None: stage 03's default (ours)."""
+        want = recipe.get("vocab", "ours")
+        return None if want == "ours" else target_vocab if want == "full" else min(int(want), target_vocab)
+
     for key in dataset_keys:
-        vocabs[key] = datasets[key].parent.with_name(datasets[key].parent.name + "-vocab")
-        run(stage("03_build_vocab_mapping.py", "--data", datasets[key], "--output", vocabs[key]),
-            bench.logs / f"{vocabs[key].name}.log", f"03 vocab {datasets[key].parent.name}")
+        wanted = [vocab_width(recipes[n]) for f in args.screen_data for n in names if sc.run_dataset(f, n) == key]
+        for width in dict.fromkeys([None, *wanted]):  # the default first: every size's timing runs may need it
+            suffix = "" if width is None else f"-{'full' if width == target_vocab else width}"
+            vocabs[(key, width)] = datasets[key].parent.with_name(f"{datasets[key].parent.name}-vocab{suffix}")
+            run(stage("03_build_vocab_mapping.py", "--data", datasets[key], "--output", vocabs[(key, width)],
+                      *([] if width is None else ["--draft-vocab-size", width])),
+                bench.logs / f"{vocabs[(key, width)].name}.log", f"03 vocab {vocabs[(key, width)].name}")
+
+    def recipe_vocab(key: str, recipe: dict) -> Path | None:
+        """The stage 03 vocabulary a recipe trains with; None for plain without one (its CLI default: the target's)."""
+        if recipe.get("plain") and "vocab" not in recipe:
+            return None
+        return vocabs[(key, vocab_width(recipe))]
 
     # the held-out positions, before any training: they travel with the records, so a cut hold's records report alone
     positions = {key: val_positions(datasets[key]) for key in dataset_keys}
@@ -825,8 +852,7 @@ def run_screen(args, bench: Bench, target: dict, started: float, load_start) -> 
     # 2. every recipe, --jobs at once
     def run_job(f: int, n: str):
         key = sc.run_dataset(f, n)
-        return lambda done: train(screen_run_dir(bench.work, f, n).name, datasets[key], vocabs[key], args.screen_epochs,
-                                  recipes[n], [])
+        return lambda done: train(screen_run_dir(bench.work, f, n).name, key, args.screen_epochs, recipes[n], [])
 
     trained = in_dependency_order({(f, n): ((), run_job(f, n)) for f in args.screen_data for n in names}, args.jobs)
     failed = {f"{f}x/{n}": f"{type(r).__name__}: {str(r)[-400:]}" for (f, n), r in trained.items() if isinstance(r, BaseException)}
@@ -935,7 +961,7 @@ def run_screen(args, bench: Bench, target: dict, started: float, load_start) -> 
             if entry.get("seeded_from") or entry.get("steps") == args.screen_timing_steps:
                 continue
             # the screen's epochs (stage 04's short-run packing rule sees the same run), cut by --max-steps
-            done = train(f"screen-{f}x-timing-{sc.run_slug(cls)}", datasets[str(f)], vocabs[str(f)], args.screen_epochs,
+            done = train(f"screen-{f}x-timing-{sc.run_slug(cls)}", str(f), args.screen_epochs,
                          recipes.get(cls) or sc.resolve_recipe(cls), ["--max-steps", args.screen_timing_steps])
             metrics = Path(done["checkpoints"]) / "metrics.jsonl"
             step_ms = step_ms_of(metrics)
@@ -1198,7 +1224,7 @@ def screen_records_report(records: Path, output: Path | None, val_depth: int, ki
         if "total_seq_len" not in entry:
             size, cls = key.split("x/", 1)
             timing_run = records / f"screen-{size}x-timing-{sc.run_slug(cls)}"
-            entry["total_seq_len"] = run_packing(timing_run / ("metrics.jsonl" if cls == sc.PLAIN else
+            entry["total_seq_len"] = run_packing(timing_run / ("metrics.jsonl" if sc.is_plain(cls) else
                                                                "checkpoints/metrics.jsonl"))
     found: dict[str, list[str]] = {}
     for run_dir in sorted(records.glob("screen-*x-*")):

@@ -15,6 +15,7 @@ One invocation, on one GPU machine, on the same data:
     python bench/train_throughput.py --variant 'x=--total-seq-len 16384'   # speculators flag sets
     python bench/train_throughput.py --runs ours --ours-variant '48k=--total-seq-len 49152'  # 04_train + flags
     python bench/train_throughput.py --runs --trace   # where ours' step time goes, per GPU kernel
+    python bench/train_throughput.py --runs ours --draft-vocabs 64000 163840   # ours at other draft vocabularies
     python bench/train_throughput.py --cold-warm      # ours from files not in page cache vs cached, bf16 and fp8
 
 Random data: the numbers say how fast, never how well (bench/README.md, "Training throughput").
@@ -279,6 +280,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="measured steps per run (min)")
     parser.add_argument("--ours-variant", action="append", default=[],
                         help="NAME=FLAGS: an extra one-GPU run of 04_train.py with these flags added")
+    parser.add_argument("--draft-vocabs", type=int, nargs="+", default=[], metavar="N",
+                        help="also run ours with a draft vocabulary of N tokens each (its own stage 03 output over the "
+                             "same data; N >= the target's = the whole vocabulary, d2t all zero): runs ours-vocab-N, "
+                             "each with its FLOP count and MFU at that width (issue 61: 32000 64000 163840)")
     parser.add_argument("--ddp", type=int, default=0, help="also run ours on N GPUs (torchrun)")
     parser.add_argument("--distinct-files", type=int, default=48,
                         help="distinct hidden-state files (rows beyond share them by hard link)")
@@ -388,6 +393,16 @@ def main() -> None:
         throughput.write_synthetic_stage_manifests(
             verifier, data, vocab, aux_layer_ids=default_aux_layer_ids(geometry_layers(verifier)),
             draft_vocab_size=DRAFT_VOCAB)
+    run_vocab, run_flops = {}, {}  # --draft-vocabs: each such run's stage 03 output and FLOP count at its width
+    for name, spec in plan.items():
+        size = min(spec.get("draft_vocab", DRAFT_VOCAB), throughput.KIMI_K25_TEXT_CONFIG["vocab_size"])
+        run_vocab[name] = vocab if size == DRAFT_VOCAB else work / f"vocab-{size}"
+        if size != DRAFT_VOCAB:
+            throughput.write_synthetic_vocab(verifier, data, run_vocab[name], draft_vocab_size=size)
+            geometry_n = throughput.kimi_draft_geometry(verifier, draft_vocab_size=size)
+            run_flops[name] = throughput.train_flops_per_token(geometry_n, mean_keys)
+            report.setdefault("draft_vocab_flops_per_token", {})[name] = {"draft_vocab_size": size,
+                                                                         **run_flops[name].as_dict()}
     for name, spec in plan.items():
         run_dir = work / "runs" / name
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -399,7 +414,7 @@ def main() -> None:
             metrics = run_dir / "out" / "metrics.jsonl"
             command = [sys.executable, str(REPO / "eagle3-train" / "04_train.py"),
                        "--profile", args.ours_profile, "--target", str(verifier),
-                       "--data", str(data), "--vocab", str(vocab), "--output", str(run_dir / "out"),
+                       "--data", str(data), "--vocab", str(run_vocab[name]), "--output", str(run_dir / "out"),
                        "--nproc", str(spec["gpus"]), "--epochs", "1",
                        "--max-steps", str(spec["stop"] + spec["log_freq"] + 2), *spec["flags"]]
             if spec.get("trace"):
@@ -429,7 +444,9 @@ def main() -> None:
             outcome = launch(name, command, gpus=gpus, log=run_dir / "log.txt",
                              timeout=args.run_timeout)
         runs[name] = summarize(name, outcome, metrics, spec["gpus"], spec["warmup"],
-                               flops.total, peak["peak_tflops"])
+                               run_flops.get(name, flops).total, peak["peak_tflops"])
+        if name in run_flops:
+            runs[name]["draft_vocab_size"] = report["draft_vocab_flops_per_token"][name]["draft_vocab_size"]
         runs[name]["command"] = shlex.join(command)
         runs[name]["device_prefetch"] = spec["prefetch"]
         if spec.get("via_04"):
@@ -585,6 +602,8 @@ def _plan_runs(args: argparse.Namespace) -> dict[str, dict]:
     for item in args.ours_variant:
         name, _, flags = item.partition("=")
         specs[name] = {"via_04": True, "flags": shlex.split(flags), "prefetch": True, "gpus": 1}
+    for size in getattr(args, "draft_vocabs", []):  # 04 runs over another stage 03 vocabulary each
+        specs[f"ours-vocab-{size}"] = {"via_04": True, "flags": [], "prefetch": True, "gpus": 1, "draft_vocab": size}
     if args.ddp > 1:
         specs[f"ours-{args.ddp}gpu"] = {**ours, "gpus": args.ddp}
     checks = getattr(args, "loader_check", "on")

@@ -52,6 +52,20 @@ SCREEN_RECIPES: dict[str, dict] = {
     "noise": {"train": ["--noise-std", "0.05"], "cost_as": "ours"},
     # the data lever's third arm: twice the prompts, each answered once (the next size's dataset)
     "prompts-2x": {"data": "prompts-2x", "cost_as": "ours"},
+    # The two-families diagnosis (issue 61): plain differs from ours in the draft vocabulary (speculators' CLI default
+    # is the target's whole vocabulary), the optimizer (muon above) and the norms before fc (no-fc-norm above).
+    # `vocab`: the draft vocabulary a run trains with instead of the size's stage 03 one (32K): "full" = the target's,
+    # a number = stage 03 --draft-vocab-size N (capped at the target's), "ours" = the size's own 32K (for plain: its
+    # d2t/t2d passed to speculators). Each is its own cost class: the draft lm_head's width is the step's largest term.
+    "vocab-full": {"vocab": "full"},
+    "vocab-64k": {"vocab": 64000},
+    # speculators' defaults with the pipeline's 32K d2t/t2d (--draft-vocab-size 32000 --d2t-path --t2d-path): what a
+    # careful speculators user runs; `plain` (the CLI defaults, the whole vocabulary) stays the headline baseline
+    "plain-32k": {"plain": True, "vocab": "ours"},
+    # EAGLE 3.1's second half: speculators 0.9.0 resolves norm_output to true for eagle3 when unset, so ours and plain
+    # already feed post-norm states to the next TTT step (their 04 logs: 'norm_output': True); this arm turns it off.
+    # The same kernels either way (which of two tensors is fed back): costs as ours
+    "no-norm-output": {"train": ["--extra-args=--no-norm-output"], "cost_as": "ours"},
 }
 # `data:NAME` (a recipe part, like any other): the size's prompts answered as in --screen-chat NAME (e.g. two sampled
 # answers per prompt, bench/chat_data.py regenerate --answers-per-prompt 2 --temperature 0.8), the same prompts as
@@ -84,20 +98,30 @@ def resolve_recipe(name: str) -> dict:
         raise ValueError(f"screen recipe {name!r}: {exc}") from None
     if len(parts) == 1:
         return dict(recipes[0])
-    if PLAIN in parts:
+    if any(r.get("plain") for r in recipes):
         raise ValueError(f"screen recipe {name!r}: plain is speculators' defaults and combines with nothing")
-    if len([r for r in recipes if "data" in r]) > 1:
-        raise ValueError(f"screen recipe {name!r}: one dataset per recipe")
+    for field, what in (("data", "dataset"), ("vocab", "draft vocabulary")):
+        if len([r for r in recipes if field in r]) > 1:
+            raise ValueError(f"screen recipe {name!r}: one {what} per recipe")
     merged: dict = {"train": [], "draft": {}}
     for recipe in recipes:
         merged["train"] += recipe.get("train", [])
         merged["draft"].update(recipe.get("draft", {}))
-        if "data" in recipe:
-            merged["data"] = recipe["data"]
+        for field in ("data", "vocab"):
+            if field in recipe:
+                merged[field] = recipe[field]
     costly = [p for p, r in zip(parts, recipes) if r.get("cost_as") != "ours" and p != "ours"]
     if len(costly) <= 1:
         merged["cost_as"] = costly[0] if costly else "ours"
     return {k: v for k, v in merged.items() if v}
+
+
+def is_plain(name: str) -> bool:
+    """A recipe that runs speculators' own CLI (plain, plain-32k): it builds on no draft config of ours."""
+    try:
+        return bool(resolve_recipe(name).get("plain"))
+    except ValueError:
+        return False
 
 
 def cost_class(name: str) -> str:
@@ -369,7 +393,7 @@ def stale_timing(timing: Mapping[str, Mapping], ours_draft: Mapping) -> list[str
     """The keys of timing entries made over another landed draft than `ours_draft` (or over an unrecorded one):
     every class but plain trains on top of the draft config, so its step shape changed with it."""
     return [key for key, entry in timing.items()
-            if key.split("/", 1)[1] != PLAIN and entry.get("ours_draft") != ours_draft]
+            if not is_plain(key.split("/", 1)[1]) and entry.get("ours_draft") != ours_draft]
 
 
 def seed_timing(timing: dict, wanted: Mapping[str, int | None], donors: Sequence[tuple[str, Mapping]],
@@ -396,7 +420,7 @@ def seed_timing(timing: dict, wanted: Mapping[str, int | None], donors: Sequence
         other_draft = False
         for source, entries in donors:
             same_class = [(k, e) for k, e in entries.items() if k.split("/", 1)[1] == cls and k != key and e.get("step_s")]
-            if ours_draft is not None and cls != PLAIN:
+            if ours_draft is not None and not is_plain(cls):
                 made_over = {k: e.get("ours_draft", (ours_drafts_then or {}).get(source)) for k, e in same_class}
                 other_draft = other_draft or any(d != ours_draft for d in made_over.values())
                 same_class = [(k, e) for k, e in same_class if made_over[k] == ours_draft]

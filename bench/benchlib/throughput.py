@@ -612,16 +612,14 @@ def write_synthetic_stage_manifests(
     as plain speculators. The mapping is speculators' own, from the data's token_freq.pt;
     the counts are the table's, as stage 01 records them.
     """
-    import numpy as np
     from datasets import load_from_disk
 
     from eagle3_pipeline.contract import input_record, read_manifest, write_manifest
-    from eagle3_pipeline.manifest import ExtractManifest, PrepareCounts, PrepareManifest, VocabManifest
+    from eagle3_pipeline.manifest import ExtractManifest, PrepareCounts, PrepareManifest
     from eagle3_pipeline.target import load_target_info
-    from eagle3_pipeline.vocab import D2T_NAME, T2D_NAME, build_mapping, load_token_freq
 
     target = load_target_info(verifier_dir)
-    data, vocab = Path(data_dir), Path(vocab_dir)
+    data = Path(data_dir)
     summary = target.summary()
     layer_ids = [*aux_layer_ids, target.num_layers]
     table = load_from_disk(str(data))
@@ -632,10 +630,26 @@ def write_synthetic_stage_manifests(
     write_manifest(data / "hidden_states", ExtractManifest(
         synthetic=True, target=summary, layer_ids=layer_ids, dtype="bfloat16", storage=storage,
         target_config_sha256=target.config_sha256, inputs={"prepare": input_record(prepared)}))
-    d2t, t2d = build_mapping(load_token_freq(data / "token_freq.pt"), draft_vocab_size,
-                             target.vocab_size)
+    write_synthetic_vocab(verifier_dir, data, vocab_dir, draft_vocab_size=draft_vocab_size)
+
+
+def write_synthetic_vocab(verifier_dir: str | Path, data_dir: str | Path, vocab_dir: str | Path, *,
+                          draft_vocab_size: int) -> None:
+    """Stage 03's output (d2t/t2d + manifest) of `draft_vocab_size` for a synthetic dataset whose 01/02 manifests
+    write_synthetic_stage_manifests wrote: one per draft vocabulary a run trains with (--draft-vocabs)."""
+    import numpy as np
+
+    from eagle3_pipeline.contract import input_record, read_manifest, write_manifest
+    from eagle3_pipeline.manifest import VocabManifest
+    from eagle3_pipeline.target import load_target_info
+    from eagle3_pipeline.vocab import D2T_NAME, T2D_NAME, build_mapping, load_token_freq
+
+    target = load_target_info(verifier_dir)
+    data, vocab = Path(data_dir), Path(vocab_dir)
+    prepared = read_manifest(data, "prepare", "--data")
+    d2t, t2d = build_mapping(load_token_freq(data / "token_freq.pt"), draft_vocab_size, target.vocab_size)
     vocab.mkdir(parents=True, exist_ok=True)
     np.save(vocab / D2T_NAME, d2t)
     np.save(vocab / T2D_NAME, t2d)
-    write_manifest(vocab, VocabManifest(synthetic=True, target=summary, draft_vocab_size=draft_vocab_size,
+    write_manifest(vocab, VocabManifest(synthetic=True, target=target.summary(), draft_vocab_size=draft_vocab_size,
                                         target_vocab_size=target.vocab_size, inputs={"prepare": input_record(prepared)}))

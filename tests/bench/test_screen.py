@@ -698,3 +698,25 @@ def test_a_holds_records_say_each_sizes_ours_by_its_timings_else_its_runs_record
     (tmp_path / "screen-8x-plain" / "bench-run.json").write_text(json.dumps({"settings": {"speculators": "0.9.0"}}))
     drafts = acceptance.records_ours_drafts(tmp_path, timing, {"1": {}, "2": {}, "4": {}, "8": {}})
     assert drafts == {"1": landed, "2": landed, "4": {**landed, **sc.LEGACY_NORMS}, "8": None}
+
+
+def test_the_two_families_diagnosis_arms_each_change_one_thing_between_ours_and_plain():
+    """Issue 61: plain-32k is speculators' defaults with the pipeline's 32K d2t/t2d (a plain run: no draft config of
+    ours under it, its timing kept whatever ours is); the vocabulary arms change only the draft vocabulary and cost
+    their own step (the draft lm_head); no-norm-output turns off what speculators resolves on for eagle3."""
+    assert sc.resolve_recipe("plain-32k") == {"plain": True, "vocab": "ours"}
+    assert sc.is_plain("plain") and sc.is_plain("plain-32k") and not sc.is_plain("vocab-full")
+    assert not sc.is_plain("no-such-recipe")
+    assert sc.resolve_recipe("vocab-full") == {"vocab": "full"} and sc.resolve_recipe("vocab-64k") == {"vocab": 64000}
+    assert sc.cost_class("vocab-full") == "vocab-full" and sc.cost_class("vocab-64k") == "vocab-64k"
+    assert sc.cost_class("plain-32k") == "plain-32k" != sc.cost_class("plain")
+    assert sc.resolve_recipe("no-norm-output") == {"train": ["--extra-args=--no-norm-output"], "cost_as": "ours"}
+    assert sc.resolve_recipe("vocab-full+muon") == {"train": ["--optimizer", "muon"], "vocab": "full"}
+    with pytest.raises(ValueError, match="combines with nothing"):
+        sc.resolve_recipe("plain-32k+muon")
+    with pytest.raises(ValueError, match="one draft vocabulary per recipe"):
+        sc.resolve_recipe("vocab-full+vocab-64k")
+    assert sc.recipe_draft("plain-32k", sc.landed_draft()) is None
+    now = {"draft_arch": "llama", "fc_norm": True, "norm_before_fc": False}
+    timing = {"1x/plain-32k": {"step_s": 0.04}, "1x/vocab-full": {"step_s": 0.05}}
+    assert sc.stale_timing(timing, now) == ["1x/vocab-full"]  # plain-32k builds on no draft of ours

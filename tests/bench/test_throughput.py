@@ -12,6 +12,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -392,6 +393,26 @@ def test_synthetic_manifests_satisfy_04_train_contracts(tmp_path):
     assert extracted.layer_ids == [1, 2, 3, 4] and vocab.draft_vocab_size == 64
     assert prepared.counts.model_dump(exclude_none=True) == {"rows": 12, "tokens": 12 * 32}  # what 04_train's preflight reads
     assert (tmp_path / "vocab" / "d2t.npy").is_file() and (tmp_path / "vocab" / "t2d.npy").is_file()
+    # --draft-vocabs: another stage 03 output over the same data, the whole vocabulary here (d2t all zero)
+    throughput.write_synthetic_vocab(tmp_path / "verifier", tmp_path / "data", tmp_path / "vocab-256", draft_vocab_size=256)
+    full = read_manifest(tmp_path / "vocab-256", "vocab", "--vocab")
+    require_upstream(full, "prepare", prepared)
+    assert full.draft_vocab_size == 256 and not np.load(tmp_path / "vocab-256" / "d2t.npy").any()
+    assert np.load(tmp_path / "vocab-256" / "t2d.npy").all()
+
+
+def test_bench_plans_an_ours_run_per_draft_vocabulary(monkeypatch):
+    """Issue 61 item 5: --draft-vocabs N... adds one 04 run per draft vocabulary (same flags as ours otherwise)."""
+    import argparse
+
+    bench = _bench_module()
+    monkeypatch.setattr(bench, "_resolved_04_config", lambda args: {"log_freq": "10", "total_seq_len": "32768"})
+    args = argparse.Namespace(runs=["ours"], variant=[], ddp=0, ours_via="04_train", ours_profile="h200-8x",
+                              ours_variant=[], warmup_steps=2, steps=8, draft_vocabs=[64000, 163840])
+    plan = bench._plan_runs(args)
+    assert list(plan) == ["ours", "ours-vocab-64000", "ours-vocab-163840"]
+    assert plan["ours-vocab-163840"]["draft_vocab"] == 163840 and plan["ours-vocab-163840"]["via_04"]
+    assert plan["ours-vocab-64000"]["flags"] == plan["ours"]["flags"] == ["--total-seq-len", "32768"]
 
 
 def test_a_04_runs_recorded_draft_is_what_04_resolves_with_its_norm_flags(tmp_path):
