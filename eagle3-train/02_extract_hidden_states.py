@@ -27,6 +27,7 @@ from eagle3_pipeline.errors import ConfigError, StageError
 from eagle3_pipeline.extract.common import (
     changed_files,
     partition_indices,
+    redo_changed_files,
     validate_all,
     write_fingerprints,
 )
@@ -110,13 +111,10 @@ def main(argv: list[str] | None = None) -> int:
             log.info("%s: already extracted with these settings; nothing to do (--validate re-checks every file)", hs_dir)
             return 0
         first = next(iter(changed.items()))
-        log.warning("%d file(s) changed since stage 02 wrote them (first: %s: %s); re-checking them, bad ones are redone",
-                    len(changed), hs_file(hs_dir, first[0]), first[1])
-        bad = validate_all(hs_dir, {i: rows[i] for i in changed if i < len(rows)}, len(layer_ids), target.hidden_size,
-                           progress=False, dtype=StateFormat.from_config(cfg).torch_dtype)
-        for index, reason in bad.items():
-            log.warning("%s; redoing it", reason)  # the reason names the file
-            hs_file(hs_dir, index).unlink(missing_ok=True)
+        log.warning("%d file(s) changed since stage 02 wrote them (first: %s: %s); changed ones are redone, copied "
+                    "ones re-checked", len(changed), hs_file(hs_dir, first[0]), first[1])
+        redo_changed_files(hs_dir, changed, rows, len(layer_ids), target.hidden_size,
+                           dtype=StateFormat.from_config(cfg).torch_dtype, recheck_all=bool(record_problem))
     if selection is not None and (own := read_own_manifest(hs_dir)) and own.complete and not own.selection:
         raise ConfigError(f"{manifest_path(hs_dir)}: a finished extraction of every row is there; --rows (a sliced run) "
                           f"would delete most of it: train on it unsliced, or move {hs_dir} away first")

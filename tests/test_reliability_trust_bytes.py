@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import struct
 import time
 from pathlib import Path
 
@@ -143,6 +144,51 @@ def test_rerunning_02_redoes_a_file_changed_since_by_size_and_fingerprint(name, 
         assert hs(work, ROW + 1).read_bytes() != original
     text = ran(capsys, logs, *args("extract", work, kimi_target))
     assert "nothing to do" in text
+
+
+def _finite_value_offset(path: Path) -> int:
+    """The byte offset of a hidden-state value outside every block the fingerprint samples (files.file_fingerprint)."""
+    from eagle3_pipeline.files import FINGERPRINT_BLOCK, FINGERPRINT_BLOCKS
+
+    data = path.read_bytes()
+    header_len = struct.unpack("<Q", data[:8])[0]
+    start, end = json.loads(data[8:8 + header_len])["hidden_states"]["data_offsets"]
+    sampled = [(len(data) * k // FINGERPRINT_BLOCKS, len(data) * k // FINGERPRINT_BLOCKS + FINGERPRINT_BLOCK)
+               for k in range(FINGERPRINT_BLOCKS)]
+    for offset in range(8 + header_len + start, 8 + header_len + end, 4):  # float32 values (cpu-mini)
+        if not any(lo - 4 < offset < hi for lo, hi in sampled):
+            return offset
+    raise AssertionError("every value is in a sampled block")
+
+
+def test_rerunning_02_redoes_a_file_one_finite_value_of_which_changed_in_place(capsys, logs, work, kimi_target):
+    """Issue 64 M: one value became -4.6e37 (finite, so every check passes) in bytes the fingerprint does not sample;
+    the rerun must extract the file again, not re-validate it, keep it and record it as its own."""
+    original = hs(work).read_bytes()
+    offset = _finite_value_offset(hs(work))
+    time.sleep(0.01)  # a new modification time
+    with open(hs(work), "r+b") as handle:  # in place: the same inode
+        handle.seek(offset)
+        handle.write(struct.pack("<f", -4.6e37))
+    assert hs(work).read_bytes() != original
+    text = ran(capsys, logs, *args("extract", work, kimi_target))
+    assert f"{hs(work)}: changed since stage 02 wrote it (same size, rewritten since (modification time)); redoing it" in text, text
+    assert hs(work).read_bytes() == original  # redone (HF extraction is deterministic)
+    assert "nothing to do" in ran(capsys, logs, *args("extract", work, kimi_target))
+
+
+def test_rerunning_02_re_checks_a_directory_copied_without_modification_times(capsys, logs, work, kimi_target):
+    """cp -r: every file has a new mtime and its recorded size and sampled bytes: re-validated and kept, not redone."""
+    files = sorted(work["hs"].glob("hs_*.safetensors"))
+    before = {path: path.read_bytes() for path in files}
+    time.sleep(0.01)
+    for path, data in before.items():
+        path.with_name("copy").write_bytes(data)
+        path.with_name("copy").replace(path)
+    text = ran(capsys, logs, *args("extract", work, kimi_target))
+    assert "copied without mtimes" in text and "redoing it" not in text, text
+    assert {path: path.read_bytes() for path in files} == before
+    assert "nothing to do" in ran(capsys, logs, *args("extract", work, kimi_target))
 
 
 def test_export_refuses_a_checkpoint_with_non_finite_weights(capsys, work, tmp_path):

@@ -390,10 +390,16 @@ def file_fingerprint(path: Path) -> str:
     return digest.hexdigest()[:32]
 
 
+# How changed_fingerprints names files whose size and sampled bytes are as recorded but whose modification time is not,
+# when that holds for every file recorded: the whole directory was copied without its mtimes (cp -r); the bytes cannot
+# be told from the record. One file or some with a new mtime alone were rewritten or replaced since: changed.
+COPIED_SINCE = "same size and sampled bytes, another modification time, as every file's: copied without mtimes?"
+
+
 def write_fingerprints(directory: Path, names: list[str]) -> dict:
     """{name: [size, fingerprint, mtime_ns]} beside the files; returns the manifest's record of it. A file
     rewritten in place gets a new mtime even where the sampled blocks miss the bytes that changed; a copy
-    that keeps mtimes (mv, cp -p, rsync -a) is unchanged; one that does not is only re-validated."""
+    that keeps mtimes (mv, cp -p, rsync -a) is unchanged; a whole directory copied without them is COPIED_SINCE."""
     directory = Path(directory)
     record = {name: [(directory / name).stat().st_size, file_fingerprint(directory / name),
                      (directory / name).stat().st_mtime_ns] for name in names}
@@ -422,6 +428,9 @@ def changed_fingerprints(directory: Path, names: list[str]) -> dict[str, str] | 
             changed[name] = "same size, other bytes (fingerprint)"
         elif mtime is not None and path.stat().st_mtime_ns != mtime:
             changed[name] = "same size, rewritten since (modification time)"
+    by_mtime = [name for name, how in changed.items() if how == "same size, rewritten since (modification time)"]
+    if by_mtime and len(by_mtime) == len(names):
+        changed.update(dict.fromkeys(by_mtime, COPIED_SINCE))
     return changed
 
 

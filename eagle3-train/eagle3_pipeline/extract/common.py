@@ -16,6 +16,7 @@ directory); `land_sample` validates each one and renames it into place atomicall
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shutil
@@ -30,7 +31,7 @@ from tqdm import tqdm
 
 from ..disk_writes import landing_writeback, start_writeback
 from ..errors import InputError
-from ..files import atomic_path, atomic_save_safetensors, changed_fingerprints, remove_path, temp_path_for
+from ..files import COPIED_SINCE, atomic_path, atomic_save_safetensors, changed_fingerprints, remove_path, temp_path_for
 from ..files import write_fingerprints as write
 from ..hidden_states import DTYPES, dtype_name, hs_file
 
@@ -38,6 +39,8 @@ from ..hidden_states import DTYPES, dtype_name, hs_file
 
 FP8 = torch.float8_e4m3fn
 SCALES_KEY = "hidden_states_scales"  # hs_connectors.fp8_utils.SCALES_KEY
+
+log = logging.getLogger("eagle3")
 
 
 @dataclass
@@ -397,3 +400,23 @@ def changed_files(hs_dir: Path, indices: Iterable[int]) -> dict[int, str] | None
     by_name = {hs_file(hs_dir, i).name: i for i in indices}
     changed = changed_fingerprints(hs_dir, list(by_name))
     return None if changed is None else {by_name[name]: how for name, how in changed.items()}
+
+
+def redo_changed_files(hs_dir: Path, changed: dict[int, str], rows: list[list[int]], num_slots: int, hidden_size: int,
+                       dtype: torch.dtype | None = None, recheck_all: bool = False) -> tuple[list[int], list[int]]:
+    """A finished 02's rerun over files that differ from its record (changed_files): a file whose size, sampled bytes
+    or in-place modification time differ is deleted (the rerun extracts it again: a value changed to another finite
+    one passes every check, so it is never re-validated and kept); one only copied since (COPIED_SINCE: its bytes
+    cannot be told from the record) or every file, when the record itself cannot be trusted (`recheck_all`), is
+    re-validated and deleted if bad. Returns (redone, re-checked) row indices."""
+    redo = {i: how for i, how in changed.items() if not recheck_all and how != COPIED_SINCE}
+    recheck = {i: rows[i] for i in changed if i not in redo and i < len(rows)}
+    bad = validate_all(hs_dir, recheck, num_slots, hidden_size, progress=False, dtype=dtype)
+    lines = [f"{hs_file(hs_dir, i)}: changed since stage 02 wrote it ({how})" for i, how in redo.items()] + list(bad.values())
+    for line in lines[:5]:
+        log.warning("%s; redoing it", line)  # each line names the file
+    if len(lines) > 5:
+        log.warning("... and %d other file(s) redone", len(lines) - 5)
+    for index in [*redo, *bad]:
+        hs_file(hs_dir, index).unlink(missing_ok=True)
+    return sorted([*redo, *bad]), sorted(recheck)
