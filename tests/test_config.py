@@ -151,6 +151,16 @@ def test_a_bad_profile_value_names_the_flag_and_the_profile(tmp_path):
     ("--lr", "0", "--lr (flag): Input should be greater than 0"),
     ("--lr", "nan", "--lr (flag): Input should be a finite number"),
     ("--max-steps", "0", "--max-steps (flag): Input should be greater than or equal to 1"),
+    # issue 64 T: non-finite or negative values of every numeric flag, by one rule (StageConfig), not per flag
+    ("--noise-std", "inf", "--noise-std (flag): Input should be a finite number (got inf)"),
+    ("--noise-std", "-0.5", "--noise-std (flag): Input should be greater than or equal to 0 (got -0.5)"),
+    ("--stall-minutes", "nan", "--stall-minutes (flag): Input should be a finite number (got nan)"),
+    ("--vllm-request-timeout", "inf", "--vllm-request-timeout (flag): Input should be a finite number (got inf)"),
+    ("--checkpoint-freq", "inf", "--checkpoint-freq (flag): Input should be a finite number (got inf)"),
+    ("--seed", "-1", "--seed (flag): must not be negative (got -1)"),
+    # issue 64 N: a logger speculators does not have, refused before anything (it failed in three tracebacks)
+    ("--logger", "tensorbord", "--logger (flag): unknown logger 'tensorbord' in 'tensorbord' (accepted: tensorboard, "
+                               "wandb, trackio, mlflow, several comma-separated, or none)"),
 ])
 def test_a_learning_rate_or_step_count_torch_or_speculators_would_refuse_is_one_line_first(flag, value, message,
                                                                                            capsys):
@@ -160,6 +170,35 @@ def test_a_learning_rate_or_step_count_torch_or_speculators_would_refuse_is_one_
         resolve_stage_config(TrainConfig, ["--target", "t", "--data", "d", "--vocab", "v", "--output", "o", flag, value])
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
     assert stop.value.code == 2 and len(errors) == 1 and errors[0].startswith(f"error: {message}"), errors
+
+
+def test_every_numeric_setting_of_every_stage_is_finite_and_not_negative_by_one_rule(tmp_path):
+    """Every int/float field of every stage (flag or profile) goes through StageConfig's one rule; a field that means
+    something below 0 says so (negative_ok: 02's --validate-sample -1 = all)."""
+    from eagle3_pipeline.config.resolution import _unwrap_optional
+
+    for stage, cls in STAGE_CONFIGS.items():
+        for name, info in cls.model_fields.items():
+            kind = _unwrap_optional(info.annotation)
+            if kind is float:
+                with pytest.raises(ConfigError, match=r"finite number \(got inf\)"):
+                    build_config(cls, {**required(cls), name: float("inf")})
+            if kind in (int, float, list[int]) and not field_meta(cls, name).get("negative_ok"):
+                with pytest.raises(ConfigError, match=r"\(got -[0-9]"):
+                    build_config(cls, {**required(cls), name: [-2] if kind == list[int] else -2})
+    assert build_config(ExtractConfig, {**required(ExtractConfig), "validate_sample": -1})[0].validate_sample == -1
+    profile = tmp_path / "p.json"
+    profile.write_text(json.dumps({"train": {"noise_std": -1}}))
+    with pytest.raises(ConfigError, match=r"--noise-std \(profile:.*\): .*\(got -1\)"):
+        build_config(TrainConfig, required(TrainConfig), str(profile))
+
+
+@pytest.mark.parametrize("value", ["", "none", "None", "''", '""'])
+def test_no_logger_is_written_every_way_help_and_run_all_give_it(value):
+    """'' and none are one thing (speculators takes ""); through run_all.sh --args-04 "--logger ''" the quotes arrive."""
+    assert build_config(TrainConfig, {**required(TrainConfig), "logger": value})[0].logger == ""
+    assert build_config(TrainConfig, {**required(TrainConfig), "logger": "TensorBoard, wandb"})[0].logger == \
+        "tensorboard,wandb"
 
 
 def test_an_unknown_profile_name_lists_the_known_ones():

@@ -539,6 +539,26 @@ def test_checkpoints_from_another_draft_config_are_refused_and_kept(capsys, work
     assert snapshot(work["checkpoints"]) == before
 
 
+def test_a_bad_flag_value_of_04_is_one_line_before_overwrite_deletes_the_finished_run(capsys, work, kimi_target):
+    """Issue 64 N, T: `--logger tensorbord` (or a logger not installed) ended in tracebacks after --overwrite had
+    deleted the finished run; `--noise-std inf` trained to a NaN loss. Every value is checked before anything."""
+    import importlib.util
+
+    before = snapshot(work["checkpoints"])
+    cases = [(("--logger", "tensorbord"), 2, "--logger (flag): unknown logger 'tensorbord'"),
+             (("--noise-std", "inf"), 2, "--noise-std (flag): Input should be a finite number (got inf)"),
+             (("--stall-minutes", "-1"), 2, "--stall-minutes (flag): Input should be greater than or equal to 0 (got -1"),
+             (("--layer-ids", "2", "-3", "4"), 2, "--layer-ids (flag): must not be negative (got -3)")]
+    if importlib.util.find_spec("mlflow") is None:
+        cases.append((("--logger", "mlflow"), 5, "logger: mlflow (--logger mlflow) is not installed: refusing (pip "
+                                                 "install mlflow, or pass --logger none)"))
+    for flags, exit_code, message in cases:
+        code, error = refused(capsys, *_train(work, kimi_target, work["checkpoints"], "--overwrite", "--epochs", "1",
+                                              *flags))
+        assert (code, error.startswith(message)) == (exit_code, True), (flags, code, error)
+        assert snapshot(work["checkpoints"]) == before, flags
+
+
 def test_unwritable_checkpoint_directory_is_refused(capsys, work, kimi_target, tmp_path):
     (tmp_path / "a-file").write_text("")
     out = tmp_path / "a-file" / "ckpt"

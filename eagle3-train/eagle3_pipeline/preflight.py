@@ -26,8 +26,10 @@ sizing.py; the checks here call them by the names imported below, which tests re
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
+from .config.schema import METRIC_LOGGERS
 from .disk_reads import READ_PROBE_BYTES, READ_PROBE_MIN_TOTAL_BYTES, measure_cold_read_bandwidth, read_probe_sample
 from .errors import PreflightError
 from .hidden_states import DTYPES, HS_DIRNAME, NUM_SLOTS, StateFormat
@@ -256,7 +258,18 @@ def preflight_train(cfg, draft, target, draft_vocab: int, out_dir: Path, total_t
     if total_tokens:
         lines.append(check_optimizer_steps(cfg, total_tokens, train_data_ratio))
     lines.append(check_training_versions(target.model_type))
+    lines.append(check_loggers(cfg.logger))
     return lines
+
+
+def check_loggers(loggers: str) -> str:
+    """--logger's packages importable here (speculators imports them only once training has started)."""
+    names = [name for name in loggers.split(",") if name]
+    missing = [name for name in names if importlib.util.find_spec(METRIC_LOGGERS[name]) is None]
+    if missing:
+        raise refuse(f"logger: {missing[0]} (--logger {loggers}) is not installed",
+                     f"pip install {METRIC_LOGGERS[missing[0]]}, or pass --logger none")
+    return f"logger: {loggers or 'none'}" + (" (installed)" if names else "")
 
 
 def preflight_vocab(target_vocab: int, draft_vocab: int, out_dir: Path) -> list[str]:

@@ -191,7 +191,11 @@ def build_config(cls: type[StageConfig], flags: dict[str, Any], profile_name: st
         first = exc.errors()[0]
         field = first["loc"][0] if first["loc"] else "?"
         where = sources.get(str(field), "default")
-        raise ConfigError(f"{flag_name(str(field), cls)} ({where}): {first['msg']}") from None
+        message = first["msg"].removeprefix("Value error, ")
+        got = first.get("input")
+        if isinstance(got, (int, float)) and not isinstance(got, bool) and "(got " not in message:
+            message += f" (got {got})"  # inf, nan, -1: the value itself
+        raise ConfigError(f"{flag_name(str(field), cls)} ({where}): {message}") from None
     for name in cls.model_fields:
         sources.setdefault(name, "default")
     return cfg, sources

@@ -24,10 +24,23 @@ DEFAULT_DRAFT_CONFIG = REPO_DIR / "draft_config.json"
 
 
 class StageConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: every float setting of every stage is finite (`--noise-std inf` trained to a NaN loss)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
     STAGE: ClassVar[str] = ""
     DESCRIPTION: ClassVar[str] = ""
     EXAMPLE: ClassVar[str] = ""
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _numbers_are_not_negative(cls, value: Any, info) -> Any:
+        """One rule for every numeric setting of every stage (flag or profile): no negative value, unless its field
+        declares `negative_ok=True` (its own bound then says how low). Non-finite ones: `allow_inf_nan` above."""
+        if info.field_name and field_meta(cls, info.field_name).get("negative_ok"):
+            return value
+        for number in value if isinstance(value, list) else [value]:
+            if isinstance(number, (int, float)) and not isinstance(number, bool) and number < 0:
+                raise ValueError(f"must not be negative (got {number})")
+        return value
 
     def identity_settings(self) -> dict[str, Any]:
         """The settings of this config that are part of its stage's identity (stage.stage_identity)."""
@@ -35,7 +48,7 @@ class StageConfig(BaseModel):
 
 
 def _field(default: Any, help: str, *, identity: bool, speculators: str | None = None, flag: str | None = None,
-           **extra: Any) -> Any:
+           negative_ok: bool = False, **extra: Any) -> Any:
     """A config field and its facts, declared once, here:
     `identity`: part of the stage's identity (stage.py: a finished output made with another value is
       refused). False for paths (their content is in the inputs' identity), for flags that change how, not
@@ -44,8 +57,11 @@ def _field(default: Any, help: str, *, identity: bool, speculators: str | None =
       a new field says which it is.
     `speculators`: the `speculators train` flag this field is passed to verbatim (training.speculators_argv;
       a bool passes the bare flag when true, None passes nothing).
-    `flag`: overrides the generated --field-name (when the name would clash)."""
+    `flag`: overrides the generated --field-name (when the name would clash).
+    `negative_ok`: a number below 0 means something (else StageConfig refuses it)."""
     meta: dict[str, Any] = {"identity": identity}
+    if negative_ok:
+        meta["negative_ok"] = True
     if speculators:
         meta["speculators"] = speculators
     if flag:
@@ -88,6 +104,25 @@ def speculators_pass_through(cfg: StageConfig) -> list[str]:
             continue
         argv += [flag] if value is True else [flag, str(value)]
     return argv
+
+
+# speculators 0.9.0's metric loggers (train/logger.py's setup_metric_logger: "" for none, else a comma-separated list)
+# and the package each one imports when training starts
+METRIC_LOGGERS = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio", "mlflow": "mlflow"}
+NO_LOGGER = ("", "none", "''", '""')  # '' through run_all.sh --args-04 "--logger ''" arrives with its quotes
+
+
+def parse_loggers(value: str) -> str:
+    """A --logger value as speculators takes it: "" (none / '') or known names joined by commas; else ValueError
+    naming the accepted values (speculators itself fails only once training starts, in three tracebacks)."""
+    if value.strip().lower() in NO_LOGGER:
+        return ""
+    names = [name.strip().lower() for name in value.split(",")]
+    unknown = [name for name in names if name not in METRIC_LOGGERS]
+    if unknown:
+        raise ValueError(f"unknown logger {unknown[0]!r} in {value!r} (accepted: {', '.join(METRIC_LOGGERS)}, several "
+                         f"comma-separated, or none)")
+    return ",".join(dict.fromkeys(names))
 
 
 class PrepareConfig(StageConfig):
@@ -176,7 +211,8 @@ class ExtractConfig(StageConfig):
     rank: int = _field(0, "this replica's index in [0, world-size)", ge=0, identity=False)
     retries: int = _field(2, "re-extract a row whose file fails validation this many times before giving up", ge=0, identity=False)
     validate_only: bool = _field(False, flag="--validate", help="only validate existing files and list the rows to redo (a rerun redoes them)", identity=False)
-    validate_sample: int = _field(16, "after extraction, re-read this many landed files end to end (0 = none, -1 = all)", identity=False)
+    validate_sample: int = _field(16, "after extraction, re-read this many landed files end to end (0 = none, -1 = all)",
+                                  ge=-1, negative_ok=True, identity=False)
     check: bool = _field(False, "preflight only: print the disk/GPU/version estimate and the run plan (bytes per format, disk, reads, hours; eagle3_pipeline.plan) and exit", identity=False)
     trust_remote_code: bool = _field(False, "allow the target's own code (Kimi-K2.5 needs it)", identity=False)
     # vLLM backend
@@ -312,7 +348,8 @@ class TrainConfig(StageConfig):
     fsdp: bool = _field(False, "shard the draft with FSDP2 instead of DDP (multi-GPU)", identity=False, speculators="--fsdp-shard")
     checkpoint_freq: float = _field(1.0, "save every N epochs (<1 for sub-epoch checkpoints)", gt=0, identity=True, speculators="--checkpoint-freq")
     log_freq: int = _field(10, "log metrics every N steps (a logged step synchronises the GPU at every phase)", ge=1, identity=False, speculators="--log-freq")
-    logger: str = _field("tensorboard", "speculators metric loggers: tensorboard, wandb, trackio, mlflow or '' for none", identity=False, speculators="--logger")
+    logger: str = _field("tensorboard", "speculators metric loggers: tensorboard, wandb, trackio or mlflow (several: "
+                                        "comma-separated), or none (also '')", identity=False, speculators="--logger")
     seed: int = _field(0, "training seed", identity=True, speculators="--seed")
     trust_remote_code: bool = _field(False, "allow the target's own code when reading its config/tokenizer", identity=False, speculators="--trust-remote-code")
     dry_run: bool = _field(False, "write an initialised draft and exit (speculators --dry-run)", identity=False, speculators="--dry-run")
@@ -320,6 +357,11 @@ class TrainConfig(StageConfig):
     overwrite: bool = _field(False, "train anew over a run made with other settings or inputs: deletes only what "
                                     "stage 04 and speculators wrote there (never another stage's output or your files)", identity=False)
     check: bool = _field(False, "preflight only: print the disk/GPU/version estimate and the run plan (bytes per format, disk, reads, hours; eagle3_pipeline.plan) and exit", identity=False)
+
+    @field_validator("logger")
+    @classmethod
+    def _loggers_speculators_has(cls, value: str) -> str:
+        return parse_loggers(value)
 
     @field_validator("flex_forward_config")
     @classmethod
