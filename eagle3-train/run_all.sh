@@ -50,7 +50,8 @@
 # Without either, a dropped connection (SIGHUP) does not stop the run: the driver ignores SIGHUP
 # and keeps writing WORK/logs. Ctrl-C or kill -TERM <driver pid> stops the running stage cleanly
 # (stage 04 saves its position and the rerun continues from that step); a second Ctrl-C kills it. Only one driver runs per WORK: a second one (or a restart while a stage from a
-# killed driver still runs) is refused, exit 75. Every stage runs in its own process group,
+# killed driver still runs) is refused, exit 75. A failed stage stops the driver with the stage's exit code and its
+# reason (its error line; else its last meaningful line); a stage's own 75 (e.g. 04's stall watch) says so. Every stage runs in its own process group,
 # recorded in WORK/logs/current_stage.
 #
 # Several nodes (WORK on a filesystem every node mounts): on EVERY node the same command, started in any order, with
@@ -228,6 +229,30 @@ on_stop() {  # Ctrl-C / kill -TERM: stop the running stage (TERM, then KILL on a
 }
 trap on_stop INT TERM
 
+failure_reason() {  # failure_reason LOG: why the stage's last attempt in LOG (after its last "run_all attempt" header)
+  # failed: its `error: ` line; else a stall watch's line (it names --stall-minutes; a stack dump follows it); else a
+  # traceback's exception line; else its last line (a progress bar's last state), never an empty reason
+  awk '/^==== .*run_all attempt/ { err = ""; stall = ""; exc = ""; last = ""; next }
+    { sub(/.*\r/, "") }
+    /^error: / { err = substr($0, 8) }
+    /stalled: no training step or validation batch/ { stall = $0 }
+    /^[A-Za-z_][A-Za-z0-9_.]*(Error|Exception|Interrupt|Exit)(: |$)/ { exc = $0 }
+    /[^[:space:]]/ && !/^  File "/ && !/^    / { last = $0 }
+    END {
+      if (err != "") r = err; else if (stall != "") r = stall
+      else if (exc != "") r = "no error line; it ended in " exc
+      else if (last != "") r = "no error line; its last line: " last
+      else r = "no error line and no output"
+      print substr(r, 1, 800) }' "$1" 2>/dev/null || echo "its log $1 cannot be read"
+}
+exit_note() {  # exit_note RC: a stage's exit code as the driver reports it (75 is also the driver's own code)
+  if (( $1 == 75 )); then
+    echo "exit 75 from the stage itself (a temporary stop: rerunning resumes), not run_all's own 75 (another driver)"
+  else
+    echo "exit $1"
+  fi
+}
+
 run_stage() {  # run_stage NN: the stage in its own process group, its output appended to its log
   local n="$1" log="$work/logs/${1}_${name[$1]}$node_suffix.log" start=$SECONDS rc=0 offset viewer
   stage_command "$n"
@@ -248,7 +273,7 @@ run_stage() {  # run_stage NN: the stage in its own process group, its output ap
     die 130 "stopped during $n ${name[$n]} (exit $rc); rerun the same command to continue"
   fi
   if (( rc != 0 )); then
-    die "$rc" "$n ${name[$n]} failed (exit $rc) after $((SECONDS - start)) s: $(grep '^error: ' "$log" | tail -n 1 | cut -c8-800); see $log, fix, then rerun the same command (finished stages are no-ops)"
+    die "$rc" "$n ${name[$n]} failed ($(exit_note "$rc")) after $((SECONDS - start)) s: $(failure_reason "$log"); see $log, fix, then rerun the same command (finished stages are no-ops)"
   fi
   if [[ -z "$unfinished_ok" ]] && ! finished "${out[$n]}"; then
     die 3 "$n ${name[$n]} exited 0 but ${out[$n]}/manifest.json is not complete (--world-size > 1: run the other ranks, then rerun; --check/--dry-run in --args-$n stop early)"
@@ -306,7 +331,7 @@ run_ranks() {  # run_ranks WS TP: stage 02 as WS data-parallel ranks (--rank r),
     pid=${rank_children[$r]}
     rc=0; wait "$pid" || rc=$?
     while kill -0 "$pid" 2>/dev/null; do rc=0; wait "$pid" || rc=$?; done  # a signal interrupted wait
-    (( rc == 0 )) || failed+=" rank $r (exit $rc: $(grep '^error: ' "${log%.log}.rank$r.log" | tail -n 1 | cut -c8-300))"
+    (( rc == 0 )) || failed+=" rank $r ($(exit_note "$rc"): $(failure_reason "${log%.log}.rank$r.log" | cut -c1-300))"
   done
   rank_children=()
   (( stop_requests == 0 )) || die 130 "stopped during 02 ${name[02]}; rerun the same command to continue"

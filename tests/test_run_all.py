@@ -65,6 +65,16 @@ STUB = textwrap.dedent(r'''
     if mode == "fail":
         print("error: stub failure", file=sys.stderr)
         sys.exit(4)
+    if mode == "stall":  # as 04's stall watch in a one-process run: its line, the stacks, exit 75, no error line
+        print("epoch 0:  10%|#         | 1/10\repoch 0:  20%|##        | 2/10", flush=True)
+        print("[rank 0] stalled: no training step or validation batch for 31.0 min (limit 30.0 min; last: train step "
+              "3); every thread's stack and the child processes follow; stopping (exit 75): rerun the same command to "
+              "resume from the last checkpoint, or raise 04 --stall-minutes if this wait was expected", file=sys.stderr)
+        print('Thread 0x00007f (most recent call first):\n  File "trainer.py", line 9 in step\n  no child processes',
+              file=sys.stderr, flush=True)
+        os._exit(75)
+    if mode == "traceback":  # any crash outside the stage's own errors
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
     if mode.startswith("sleep:"):
         time.sleep(float(mode.split(":")[1]))
     if mode.startswith("until:"):  # runs until the test lets it finish (no race with a loaded machine's clock)
@@ -206,6 +216,25 @@ def test_a_failed_stage_stops_the_run_and_the_rerun_starts_at_it(tmp_path, stub)
     assert [line.split()[0] for line in calls(work) if line.split()[1] == "done"] == STAGES
     log = (work / "logs" / "03_vocab.log").read_text()
     assert log.count("run_all attempt:") == 2 and "stub failure" in log  # appended, not overwritten
+
+
+@pytest.mark.reliability
+def test_a_stage_failing_without_an_error_line_is_reported_with_its_last_meaningful_line(tmp_path, stub):
+    """Issue 64 S. Before: "04 train failed (exit 75) after 7 s: ; see LOG" (an empty reason, or an earlier attempt's
+    error line), and 75 read as run_all's own code for "another driver runs"."""
+    work = tmp_path / "w"
+    assert driver(work, stub, env={"FAKE_04": "fail"}).returncode == 4  # an earlier attempt's error line in the log
+    stalled = driver(work, stub, env={"FAKE_04": "stall"})
+    assert stalled.returncode == 75
+    line = [text for text in stalled.stderr.splitlines() if text.startswith("run_all.sh: ")][-1]
+    assert "04 train failed (exit 75 from the stage itself (a temporary stop: rerunning resumes), not run_all's own 75 " \
+           "(another driver)) after " in line, line
+    assert "s: [rank 0] stalled: no training step or validation batch for 31.0 min" in line and "--stall-minutes" in line
+    assert "stub failure" not in line
+    crashed = driver(work, stub, env={"FAKE_04": "traceback"})
+    line = [text for text in crashed.stderr.splitlines() if text.startswith("run_all.sh: ")][-1]
+    assert crashed.returncode == 1 and "04 train failed (exit 1) after " in line, line
+    assert "s: no error line; it ended in RuntimeError: CUDA error: an illegal memory access was encountered; see " in line
 
 
 def test_a_stage_that_exits_0_without_a_complete_manifest_stops_the_run(tmp_path, stub):
