@@ -146,6 +146,20 @@ def test_a_bad_profile_value_names_the_flag_and_the_profile(tmp_path):
         build_config(TrainConfig, required(TrainConfig), str(path))
 
 
+@pytest.mark.parametrize("value, reason", [(True, "Input should be a valid number"),
+                                           ("1e-3", "Input should be a valid number")])
+def test_a_profile_value_of_the_wrong_type_is_refused_not_coerced(value, reason, tmp_path):
+    """Issue 64: "lr": true trained at lr 1.0 and "1e-3" at 0.001 (coerced); a profile is typed as written."""
+    path = tmp_path / "typed.json"
+    path.write_text(json.dumps({"train": {"lr": value}}))
+    with pytest.raises(ConfigError) as refused:
+        build_config(TrainConfig, required(TrainConfig), str(path))
+    assert str(refused.value) == (f"{path}: train.lr = {json.dumps(value)}: {reason} (stage train's --lr (profile: "
+                                  f"{path}))")
+    path.write_text(json.dumps({"train": {"lr": 1, "epochs": 2}}))  # an int where a float goes is still a number
+    assert build_config(TrainConfig, required(TrainConfig), str(path))[0].lr == 1.0
+
+
 @pytest.mark.parametrize("flag, value, message", [
     ("--lr", "-1", "--lr (flag): Input should be greater than 0"),
     ("--lr", "0", "--lr (flag): Input should be greater than 0"),

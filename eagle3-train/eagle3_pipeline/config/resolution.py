@@ -86,7 +86,9 @@ def load_profile(name: str) -> dict[str, dict[str, Any]]:
 def _check_profile_value(path: Path, section: str, cls: type[StageConfig], field: str, value: Any) -> None:
     info = cls.model_fields[field]
     try:
-        TypeAdapter(info.annotation).validate_python(value, strict=not isinstance(value, (int, float, str)))
+        # strict: a profile is JSON, typed as written; "lr": "1e-3" or true is a mistake, never coerced (an int
+        # for a float is the one conversion strict mode makes)
+        TypeAdapter(info.annotation).validate_python(value, strict=True)
     except ValidationError as exc:
         reason = exc.errors()[0].get("msg", "invalid")
         raise ConfigError(f"{path}: {section}.{field} = {json.dumps(value)[:40]}: {reason} (stage {section}'s "
