@@ -47,6 +47,7 @@ from eagle3_pipeline.training import (
     endpoint_down_error,
     export_compat_settings,
     fit_seq_len_to_run,
+    fit_val_ttt_steps,
     forget_redone_samples,
     launch_command,
     launch_env,
@@ -93,6 +94,9 @@ def train(cfg: TrainConfig, sources, here: nodes.Presence | None) -> int:
                                            prepared.train_data_ratio)
     if packing_note:
         log.info("%s", packing_note)
+    cfg, depth_note = fit_val_ttt_steps(cfg, sources, draft)  # recorded as run (the manifest's config), said here
+    if depth_note:
+        log.warning("%s", depth_note)
     upstream = {"prepare": prepared, "extract": extracted, "vocab": vocab}
     if extracted is not None:
         layer_ids, source = extracted.layer_ids, {}

@@ -155,6 +155,41 @@ def test_validation_depth_is_the_served_k_unless_given():
     assert val_ttt_steps(TrainConfig(**required, val_ttt_steps=6), DraftConfig()) == 6
 
 
+def test_a_val_ttt_steps_below_the_ttt_steps_is_raised_and_recorded_as_run_not_as_asked():
+    """Issue 64: --val-ttt-steps 2 under 3 TTT steps validated 3 deep while --print-config and the manifest (the
+    run's config) kept 2, and nothing said so."""
+    from eagle3_pipeline.config.resolution import Sources
+    from eagle3_pipeline.training import fit_val_ttt_steps
+
+    required = {"target": "t", "data": "d", "vocab": "v", "output": "o"}
+    fitted, note = fit_val_ttt_steps(TrainConfig(**required, val_ttt_steps=2), Sources(val_ttt_steps="flag"),
+                                     DraftConfig(ttt_steps=3))
+    assert fitted.model_dump()["val_ttt_steps"] == 3  # what 04 records in its manifest's config
+    assert note == "val_ttt_steps: 3 instead of 2 (flag): validation unrolls at least the 3 TTT steps training runs"
+    kept, note = fit_val_ttt_steps(TrainConfig(**required, val_ttt_steps=5), Sources(), DraftConfig(ttt_steps=3))
+    assert kept.val_ttt_steps == 5 and note is None
+
+
+def test_print_config_shows_the_step_size_and_validation_depth_the_run_uses(kimi_run, capsys):
+    """Issue 64: --print-config printed total_seq_len 32768 where the small-run rule gives this data 8192 (it now
+    reads --data's stage 01 counts when they are there), and val_ttt_steps as asked."""
+    from eagle3_pipeline.config import resolve_stage_config
+    from eagle3_pipeline.training import resolved_for_print_config
+
+    def printed(*flags) -> dict[str, str]:
+        argv = ["--target", "t", "--data", str(kimi_run["data"]), "--vocab", "v", "--output", "o", *flags]
+        with pytest.raises(SystemExit) as stop:
+            resolve_stage_config(TrainConfig, [*argv, "--print-config"], run_time_notes=resolved_for_print_config)
+        assert stop.value.code == 0
+        return {line.split(" = ")[0]: line for line in capsys.readouterr().out.splitlines() if " = " in line}
+
+    lines = printed("--val-ttt-steps", "1")
+    assert lines["total_seq_len"].startswith("total_seq_len = 32768  # default -> 8192 (the run would take ~"), lines
+    assert lines["val_ttt_steps"] == ("val_ttt_steps = 1  # flag -> 3 (validation unrolls at least the 3 TTT steps "
+                                      "training runs)")
+    assert "->" not in printed("--total-seq-len", "32768")["total_seq_len"]  # an explicit value is kept
+
+
 def test_the_exported_checkpoint_is_the_best_offline_tau_not_the_lowest_loss(tmp_path, kimi_run):
     """An epoch with the higher offline tau at the served k but a higher validation loss wins; checkpoint_best
     follows it; the choice and every epoch's figures are recorded (train_report.choose_checkpoint)."""

@@ -209,14 +209,44 @@ def speculators_argv(cfg: TrainConfig, draft: DraftConfig, target_path: str, aux
     return argv + list(cfg.extra_args)
 
 
-def resolved_for_print_config(cfg: TrainConfig) -> dict[str, str]:
+def fit_val_ttt_steps(cfg: TrainConfig, sources: Sources, draft: DraftConfig):
+    """(config, note): a --val-ttt-steps below the TTT steps training runs becomes those steps (speculators validates
+    at least at training's depth), said in a note and recorded as run, not as asked."""
+    depth = ttt_steps(cfg, draft)
+    if cfg.val_ttt_steps is None or cfg.val_ttt_steps >= depth:
+        return cfg, None
+    note = (f"val_ttt_steps: {depth} instead of {cfg.val_ttt_steps} ({sources.get('val_ttt_steps', 'flag')}): "
+            f"validation unrolls at least the {depth} TTT steps training runs")
+    return cfg.model_copy(update={"val_ttt_steps": depth}), note
+
+
+def _prepared_counts(data: str) -> tuple[dict, float] | None:
+    """Stage 01's counts and train ratio at --data, for --print-config; None when there is none to read."""
+    try:
+        prepared = read_manifest(data, "prepare", "--data")
+    except (StageError, OSError):
+        return None
+    return prepared.counts.model_dump(exclude_none=True), prepared.train_data_ratio
+
+
+def resolved_for_print_config(cfg: TrainConfig, sources: Sources | dict | None = None) -> dict[str, str]:
     """What speculators receives for the fields this stage decides at run time, on this machine
-    (`--print-config`): read back from `speculators_argv` itself, so it cannot drift from a run."""
+    (`--print-config`): read back from `speculators_argv` itself, so it cannot drift from a run; with a --data
+    stage 01 finished, the total_seq_len the small-run rule gives (fit_seq_len_to_run, as the run applies it)."""
     notes: dict[str, str] = {}
+    sources = sources if isinstance(sources, Sources) else Sources(sources or {})
     try:
         draft = load_draft_config(cfg.draft_config)
     except ConfigError as exc:
         draft, notes["draft_config"] = DraftConfig(), f"? ({exc}; built-in draft defaults shown below)"
+    fitted = _prepared_counts(cfg.data) if not cfg.data.startswith("<") else None
+    if fitted is not None:
+        run_cfg, packing_note = fit_seq_len_to_run(cfg, sources, *fitted)
+        if packing_note:
+            notes["total_seq_len"] = f"{run_cfg.total_seq_len} ({packing_note.split('): ', 1)[1]})"
+    _, depth_note = fit_val_ttt_steps(cfg, sources, draft)
+    if depth_note:
+        notes["val_ttt_steps"] = f"{ttt_steps(cfg, draft)} ({depth_note.split('): ', 1)[1]})"
     capabilities = cuda_capabilities()  # the driver's answer: --print-config imports no torch
     gpu = bool(capabilities)
     argv = speculators_argv(cfg, draft, "<target>", [0, 0, 0], 0, 0.9, 0, gpu=gpu)
@@ -229,7 +259,7 @@ def resolved_for_print_config(cfg: TrainConfig) -> dict[str, str]:
         norms = [flag for flag in ("--fc-norm", "--norm-before-fc", "--no-norm-before-fc") if flag in argv]
         notes["draft_config"] = (f"its fc_norm {str(draft.fc_norm).lower()}, norm_before_fc "
                                  f"{str(draft.norm_before_fc).lower()} -> speculators {' '.join(norms)}")
-    if cfg.total_seq_len > SMALL_RUN_SEQ_LEN:
+    if cfg.total_seq_len > SMALL_RUN_SEQ_LEN and fitted is None:
         notes["total_seq_len"] = (f"{cfg.total_seq_len}, or {SMALL_RUN_SEQ_LEN} (the longest row if longer) when --data's "
                                   f"rows give fewer than {FEW_OPTIMIZER_STEPS:,} optimizer steps and the value is not "
                                   f"an explicit --total-seq-len (the preflight line says which)")

@@ -18,7 +18,7 @@ from ..machine import cuda_capabilities
 from ..target import extraction_layer_ids, load_target_info
 from .schema import DraftConfig, ExportConfig, ExtractConfig, StageConfig, VocabConfig, load_draft_config
 
-RunTimeNotes = Callable[[StageConfig], dict[str, str]]
+RunTimeNotes = Callable[[StageConfig, dict[str, str]], dict[str, str]]  # (config, its sources) -> {field: text}
 
 
 def format_config(cfg: StageConfig, sources: dict[str, str], profile_name: str | None = None,
@@ -44,12 +44,13 @@ def format_config(cfg: StageConfig, sources: dict[str, str], profile_name: str |
     return "\n".join(lines)
 
 
-def resolved_at_run_time(cfg: StageConfig, run_time_notes: RunTimeNotes | None = None) -> dict[str, str]:
+def resolved_at_run_time(cfg: StageConfig, run_time_notes: RunTimeNotes | None = None,
+                         sources: dict[str, str] | None = None) -> dict[str, str]:
     """For --print-config: what the `auto`/unset fields become in a run on this machine, where that is
     cheap to know without the run's inputs (train: what speculators receives, from `run_time_notes`;
     vocab/export: draft defaults)."""
     if run_time_notes is not None:
-        return run_time_notes(cfg)
+        return run_time_notes(cfg, sources or {})
     if isinstance(cfg, ExtractConfig):
         return _extract_resolved(cfg)
     if isinstance(cfg, VocabConfig) and cfg.draft_vocab_size is None:

@@ -139,7 +139,7 @@ def resolve_stage_config(cls: type[StageConfig], argv: list[str] | None = None,
                          run_time_notes: RunTimeNotes | None = None) -> tuple[StageConfig, Sources]:
     """Parse argv for one stage; returns (config, sources). Exits 0 after --print-config.
 
-    `run_time_notes(cfg) -> {field: text}`: what --print-config adds for fields the stage decides at run
+    `run_time_notes(cfg, sources) -> {field: text}`: what --print-config adds for fields the stage decides at run
     time, from the stage's own module (04: training.resolved_for_print_config; config imports no stage logic)."""
     return resolve_parsed(cls, vars(build_parser(cls).parse_args(argv)), run_time_notes)
 
@@ -157,7 +157,7 @@ def resolve_parsed(cls: type[StageConfig], args: dict,
         raise SystemExit(2) from None
     if print_config:
         profile = json.loads(profile_path(profile_name).read_text()) if profile_name else None
-        print(format_config(cfg, sources, profile_name, profile, resolved_at_run_time(cfg, run_time_notes)))
+        print(format_config(cfg, sources, profile_name, profile, resolved_at_run_time(cfg, run_time_notes, sources)))
         raise SystemExit(0)
     return cfg, sources
 
