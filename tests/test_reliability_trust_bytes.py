@@ -342,11 +342,38 @@ def test_a_row_file_another_node_lists_late_is_waited_for_not_refused(work, monk
 
     monkeypatch.setattr(training, "ROW_FILES_GRACE_S", 30.0)
     monkeypatch.setattr(training, "ROW_FILES_POLL_S", 0.05)
+    monkeypatch.setattr(training, "filesystem_type", lambda path: "nfs4")  # the shared folder: a network filesystem
     late = hs(work).rename(work["root"] / "not-listed-yet")
     threading.Timer(0.5, late.rename, args=(hs(work),)).start()
     started = time.monotonic()
     training.require_every_row_file(parse_manifest(work["hs"] / "manifest.json"), manifest(work["data"])["counts"]["rows"])
     assert hs(work).is_file() and 0.4 < time.monotonic() - started < 30
+
+
+def test_a_row_file_gone_on_a_local_disk_is_refused_at_once(work, tmp_path):
+    """Issue 64: a deleted row file was refused only after 75 s even on a local disk, where no listing is late: the
+    wait is for network filesystems (machine.NETWORK_FILESYSTEMS; one the mount table does not name waits too)."""
+    from eagle3_pipeline import training
+    from eagle3_pipeline.errors import ContractError
+    from eagle3_pipeline.machine import NETWORK_FILESYSTEMS, filesystem_type
+    from eagle3_pipeline.manifest import parse_manifest
+
+    assert training.ROW_FILES_GRACE_S >= 60  # the real wait, not a patched one
+    local = filesystem_type(work["hs"])
+    if local is None or local in NETWORK_FILESYSTEMS:
+        pytest.skip(f"{work['hs']} is on {local or 'an unknown filesystem'} here")
+    hs(work).unlink()
+    started = time.monotonic()
+    with pytest.raises(ContractError, match=f"{hs(work)}: missing since 02_extract_hidden_states.py wrote it"):
+        training.require_every_row_file(parse_manifest(work["hs"] / "manifest.json"),
+                                        manifest(work["data"])["counts"]["rows"])
+    assert time.monotonic() - started < 10
+    mounts = tmp_path / "mountinfo"  # the mount table's format, a space escaped as \040
+    (tmp_path / "my share" / "data").mkdir(parents=True)
+    mounts.write_text(f"22 1 8:1 / / rw - ext4 /dev/sda1 rw\n"
+                      f"40 22 0:50 / {tmp_path}/my\\040share rw,relatime - nfs4 srv:/export rw\n")
+    assert filesystem_type(tmp_path / "my share" / "data", mounts) == "nfs4"
+    assert filesystem_type(tmp_path, mounts) == "ext4"
 
 
 def test_redoing_an_export_refuses_to_replace_a_folder_holding_a_users_files(capsys, work, kimi_target):

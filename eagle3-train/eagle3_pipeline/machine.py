@@ -9,6 +9,7 @@ that needs them, so preflight and the run plan load neither unless they ask.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from importlib import metadata
@@ -21,6 +22,40 @@ def existing_parent(path: Path) -> Path:
     while not path.exists():
         path = path.parent
     return path
+
+
+# Filesystems whose clients may list a file another machine wrote late (directory listings cached: NFS's acdirmax) or
+# that several nodes share: where waiting for a late listing can help.
+NETWORK_FILESYSTEMS = frozenset({
+    "nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "beegfs", "gpfs", "ceph", "cephfs", "fuse.cephfs", "glusterfs",
+    "fuse.glusterfs", "fuse.sshfs", "afs", "9p", "panfs", "wekafs", "fuse.juicefs", "fuse.s3fs", "fuse.gcsfuse",
+})
+
+
+def filesystem_type(path: Path, mountinfo: Path = Path("/proc/self/mountinfo")) -> str | None:
+    """The type of the filesystem holding `path` (its nearest existing parent), from the mount table; None where
+    that cannot be read."""
+    target = existing_parent(Path(path)).resolve()
+    best, fstype = -1, None
+    try:
+        lines = Path(mountinfo).read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        fields = left.split()
+        if len(fields) < 5 or not right:
+            continue
+        point = Path(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[4]))  # \040: a space
+        if (target == point or point in target.parents) and len(point.parts) > best:
+            best, fstype = len(point.parts), right.split()[0]
+    return fstype
+
+
+def on_network_filesystem(path: Path) -> bool:
+    """Whether `path` lies on a network filesystem (NETWORK_FILESYSTEMS); True where the mount table cannot tell."""
+    fstype = filesystem_type(path)
+    return fstype is None or fstype in NETWORK_FILESYSTEMS
 
 
 def disk_free(path: Path) -> int:

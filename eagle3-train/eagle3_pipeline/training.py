@@ -31,7 +31,7 @@ from .contract import read_manifest, require_equal, require_upstream, require_wr
 from .errors import ConfigError, ContractError, InputError, Interrupted, StageError
 from .files import DiskFull, atomic_write_text, disk_full_line, is_disk_full
 from .hidden_states import HS_DIRNAME, hs_file, hs_name, rows_label
-from .machine import cuda_capabilities
+from .machine import NETWORK_FILESYSTEMS, cuda_capabilities, filesystem_type
 from .manifest import ExtractManifest, PrepareManifest, VocabManifest
 from .metrics import (
     COMPAT_KEY,
@@ -136,7 +136,9 @@ def read_upstream(cfg: TrainConfig, target, draft: DraftConfig) -> tuple[Prepare
 
 
 # A node lists files another node landed up to a minute late (NFS caches directory listings; stage 02's ranks wait
-# as long, extract/run.py LISTING_GRACE_S): a row file missing from the listing is looked for again before 04 refuses.
+# as long, extract/run.py LISTING_GRACE_S): a row file missing from the listing is looked for again before 04 refuses,
+# where the folder is on a network filesystem (machine.NETWORK_FILESYSTEMS, or one the mount table does not name);
+# on a local disk a missing file is refused at once.
 ROW_FILES_GRACE_S = 75.0
 ROW_FILES_POLL_S = 5.0
 
@@ -146,13 +148,23 @@ def require_every_row_file(extracted: ExtractManifest, rows_total: int) -> None:
     line naming it now, not speculators' loader error mid-epoch."""
     hs_dir = extracted.directory
     rows = parse_rows(extracted.selection, rows_total) if extracted.selection else range(rows_total)
-    deadline = time.monotonic() + ROW_FILES_GRACE_S
+    deadline, said = None, False
     while True:
         listed = set(os.listdir(hs_dir))
         missing = [i for i in rows if hs_name(i) not in listed]
+        if missing and deadline is None:  # the wait only where a late listing can be the cause: a network filesystem
+            fstype = filesystem_type(hs_dir)
+            grace = ROW_FILES_GRACE_S if fstype is None or fstype in NETWORK_FILESYSTEMS else 0.0
+            deadline = time.monotonic() + grace
+            if grace > 0:
+                said = True
+                log.info("%s: not listed; looking again for up to %.0f s (%s: another node's files may be listed late)",
+                         hs_file(hs_dir, missing[0]), grace, f"a {fstype} filesystem" if fstype else "filesystem unknown")
         if not missing or time.monotonic() >= deadline:
             break
         time.sleep(ROW_FILES_POLL_S)
+    if said and not missing:
+        log.info("%s: every row file is listed now", hs_dir)
     if missing:
         raise ContractError(f"{hs_file(hs_dir, missing[0])}: missing since 02_extract_hidden_states.py wrote it "
                             f"({len(missing)} row file(s) gone: {rows_label(missing)}); rerun 02_extract_hidden_states.py")
