@@ -129,11 +129,32 @@ def require_recorded_best(out_dir: Path) -> bool:
     return True
 
 
+# A finished run's records for people (its log, the summary's text, the curves, the command): recorded by their bytes,
+# but no stage reads them to decide or build anything, so one cut short or edited since does not undo the run.
+RECORDS = ("metrics.jsonl", "summary.txt", "command.txt", "plots/")
+
+
+def is_record(name: str) -> bool:
+    return any(name == record or (record.endswith("/") and name.startswith(record)) for record in RECORDS)
+
+
+class RecordsChanged(Exception):
+    """refuse_damaged: only records (RECORDS) differ from the manifest; the run stays finished. `changed`: {name: how}."""
+
+    def __init__(self, changed: dict[str, str]):
+        super().__init__(", ".join(changed))
+        self.changed = changed
+
+
 def refuse_damaged(out_dir: Path, changed: dict[str, str]) -> None:
     """A finished run whose files differ from what its manifest recorded (stage.finished's `damaged`): a resume has
     nothing left to train, so nothing would redo them; refused in one line naming the first (a damaged best
-    checkpoint: `require_recorded_best`'s line, which names the checkpoint to export instead)."""
+    checkpoint: `require_recorded_best`'s line, which names the checkpoint to export instead). Only records changed
+    (a cut metrics.jsonl): RecordsChanged, the run stays finished (before, it blocked the run for good)."""
     require_recorded_best(out_dir)
+    if all(is_record(name) for name in changed):
+        raise RecordsChanged(changed)
+    changed = {name: how for name, how in changed.items() if not is_record(name)}
     name, how = next(iter(changed.items()))
     more = f" (and {len(changed) - 1} other file(s))" if len(changed) > 1 else ""
     raise ContractError(f"{Path(out_dir) / name}: {how} since 04_train.py wrote it (its size and digest are in "

@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .checkpoints import MODEL_NAME, unreadable_weights
+from .checkpoints import MODEL_NAME, is_record, unreadable_weights
 from .errors import ContractError
 from .files import (  # torch-free, as this module: run_all's python may have no torch
     changed_fingerprints,
@@ -47,6 +47,8 @@ def _manifest(directory: Path) -> Manifest | str | None:
 
 def _extra_problem(stage: str, directory: Path, manifest: Manifest) -> str | None:
     changed = changed_outputs(directory, manifest.output_files)  # the files it wrote, by the sizes and digests recorded
+    if stage == "train":  # 04's records for people (metrics.jsonl, ...) do not undo a run (checkpoints.RECORDS)
+        changed = {name: how for name, how in changed.items() if not is_record(name)}
     if changed:
         name, how = next(iter(changed.items()))
         return f"{name} {how}" + (f", and {len(changed) - 1} other file(s)" if len(changed) > 1 else "")
