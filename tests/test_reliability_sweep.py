@@ -107,6 +107,20 @@ def truncate(rel: str, size: int = 100) -> Callable[[Path, Path], None]:
     return change
 
 
+def one_finite_value(rel: str) -> Callable[[Path, Path], None]:
+    """One float32 value of a hidden-state file changed in place to -4.6e37 (finite: every value check passes), in
+    bytes its fingerprint does not sample (issue 64 M: 02 re-validated such a file, kept it and recorded it)."""
+    def change(work: Path, made: Path) -> None:
+        import struct
+
+        from test_reliability_trust_bytes import _finite_value_offset
+
+        with open(work / rel, "r+b") as handle:
+            handle.seek(_finite_value_offset(work / rel))
+            handle.write(struct.pack("<f", -4.6e37))
+    return change
+
+
 def delete_logs(work: Path, made: Path) -> None:
     (work / "logs").mkdir()
     (work / "logs" / "04_train.log").write_text("an earlier attempt\n")
@@ -237,6 +251,9 @@ CASES = {
         "extract", change=delete(ONE_STATE), expect=("redone",), redoes=(HS,), evidence=same_state_file_again),
     "hidden-state file truncated, then 02": Case(
         "extract", change=truncate(ONE_STATE), expect=("redone",), redoes=(HS,), evidence=same_state_file_again),
+    "hidden-state file, one finite value changed in place, then 02": Case(
+        "extract", change=one_finite_value(ONE_STATE), expect=("redone",), redoes=(HS,),
+        evidence=same_state_file_again),
     # the training that read it is finished and its best checkpoint whole: nothing of 04's needs redoing
     "hidden-state file truncated, then 04": Case("train", change=truncate(ONE_STATE), expect=("no-op",)),
     "02's manifest truncated, then 02": Case(
