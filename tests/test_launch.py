@@ -79,12 +79,19 @@ def test_multi_node_lines_differ_only_in_the_node_rank():
     ({"nnodes": 2}, "--rdzv-endpoint"),
     ({"nnodes": 2, "rdzv_endpoint": "head"}, "HOST:PORT"),
     ({"nnodes": 2, "rdzv_endpoint": "head:port"}, "HOST:PORT"),
-    ({"nnodes": 2, "node_rank": 2, "rdzv_endpoint": "head:29500"}, "--node-rank 2"),
     ({"nnodes": 2, "launcher": "deepspeed"}, "--hostfile"),
 ])
 def test_bad_multi_node_settings_are_refused_naming_the_flag(overrides, message):
     with pytest.raises(ConfigError, match=message):
         launch_command(train_cfg(nproc=8, **overrides), SPEC_ARGV)
+
+
+def test_a_node_rank_outside_the_nodes_is_refused_by_the_config_itself():
+    """Before the launch (issue 64): a multi-node 04 writes its node record into the shared --output first."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=r"must be in \[0, --nnodes 2\)"):
+        train_cfg(nproc=8, nnodes=2, node_rank=2, rdzv_endpoint="head:29500")
 
 
 def test_ipv6_endpoint_is_split_at_the_last_colon():

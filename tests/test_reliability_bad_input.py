@@ -559,6 +559,17 @@ def test_a_bad_flag_value_of_04_is_one_line_before_overwrite_deletes_the_finishe
         assert snapshot(work["checkpoints"]) == before, flags
 
 
+def test_a_node_rank_outside_the_nodes_is_refused_before_the_shared_folder_is_touched(capsys, tmp_path):
+    """Issue 64: `--node-rank 2` of a 2-node run wrote its node record into the shared --output before the launch
+    refused it."""
+    out = tmp_path / "shared" / "checkpoints"
+    code, error = refused(capsys, "train", "--target", tmp_path / "t", "--data", tmp_path / "d", "--vocab",
+                          tmp_path / "v", "--output", out, "--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint",
+                          "10.0.0.1:29500")
+    assert (code, error) == (2, "--node-rank (flag): must be in [0, --nnodes 2) (got 2)")
+    assert not out.exists()
+
+
 def test_unwritable_checkpoint_directory_is_refused(capsys, work, kimi_target, tmp_path):
     (tmp_path / "a-file").write_text("")
     out = tmp_path / "a-file" / "ckpt"

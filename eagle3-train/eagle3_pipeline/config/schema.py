@@ -363,6 +363,15 @@ class TrainConfig(StageConfig):
     def _loggers_speculators_has(cls, value: str) -> str:
         return parse_loggers(value)
 
+    @field_validator("node_rank")
+    @classmethod
+    def _node_rank_is_a_node(cls, value: int, info) -> int:
+        # here, not at the launch: a multi-node 04 writes its node record into the shared --output first
+        nnodes = info.data.get("nnodes", 1)
+        if value >= nnodes:
+            raise ValueError(f"must be in [0, --nnodes {nnodes})")
+        return value
+
     @field_validator("flex_forward_config")
     @classmethod
     def _flex_forward_config_parses(cls, value: str) -> str:
