@@ -162,13 +162,22 @@ finished() {  # finished DIR: the stage output there has a complete manifest
 if [[ $mode == status ]]; then
   # the stages' own rule for "done" (recorded inputs = the upstream outputs on disk now), not a grep
   PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" "$python" -m eagle3_pipeline.status --work "$work" || exit $?
-  if [[ -f "$work/logs/current_stage" ]]; then
-    read -r n pid _ < "$work/logs/current_stage" || true
-    # a live pid alone may be another process (a copied work dir carries the file): its driver's lock must be held too
-    if kill -0 "$pid" 2>/dev/null && [[ -f "$work/logs/.run_all.lock" ]] && ! flock -n "$work/logs/.run_all.lock" true
-    then echo "running: stage $n (process group $pid); tail -f $work/logs/${n}_${name[$n]}.log"
-    else echo "nothing running (last started: stage $n)"; fi
-  fi
+  # every driver on WORK: node 0's (current_stage) and other nodes' or 02 ranks' (current_stage.nodeN / .rankN)
+  for record in "$work/logs/current_stage" "$work/logs"/current_stage.node* "$work/logs"/current_stage.rank*; do
+    [[ -f "$record" ]] || continue
+    suffix="${record##*/current_stage}" who=""
+    [[ -z "$suffix" ]] || { who="${suffix#.}"; who=" on ${who%%[0-9]*} ${who##*[a-z]}"; }  # " on node 1"
+    read -r n pid _ < "$record" || true
+    [[ -n "${n:-}" && -n "${name[$n]:-}" ]] || continue
+    lock="$work/logs/.run_all$suffix.lock" log="$work/logs/${n}_${name[$n]}$suffix.log"
+    # its driver's lock held: running (the pid may be another node's, where the filesystem's flock spans nodes; a copied
+    # work dir carries the file, not the lock). Node 0's driver and the others' each say so.
+    if [[ -f "$lock" ]] && ! flock -n "$lock" true; then
+      echo "running$who: stage $n (process group $pid); tail -f $log"
+    else
+      echo "nothing running$who (last started: stage $n)"
+    fi
+  done
   exit 0
 fi
 

@@ -374,6 +374,32 @@ def test_two_nodes_each_extract_their_rank_then_train_from_one_command_each_in_a
     assert "node 1 finished its part of 04" in out1 and "01 prepare: waiting for node 0 to finish it" in out1
 
 
+@pytest.mark.reliability
+def test_status_shows_another_nodes_driver_running_and_its_logs(tmp_path, stub):
+    """Issue 64. Before: `--status` read node 0's record alone (current_stage: "nothing running" while node 1's
+    driver ran its 04) and listed no *.nodeN.log."""
+    work = tmp_path / "w"
+    assert driver(work, stub).returncode == 0  # node 0 finished everything
+    go = tmp_path / "let-node-1s-04-finish"
+    node1 = driver(work, stub, "--args-04", "--nnodes 2 --node-rank 1 --rdzv-endpoint 127.0.0.1:29500",
+                   env={"FAKE_04": f"until:{go}"}, wait=False)
+    try:
+        wait_for(lambda: (work / "logs" / "current_stage.node1").exists(), what="node 1's stage 04")
+        status = subprocess.run(["bash", str(RUN_ALL), "--status", "--work", str(work), "--python", sys.executable],
+                                capture_output=True, text=True, timeout=120)
+        assert status.returncode == 0, status.stderr
+        lines = status.stdout.splitlines()
+        assert any(line.startswith("running on node 1: stage 04 (process group ") and
+                   line.endswith(f"tail -f {work}/logs/04_train.node1.log") for line in lines), status.stdout
+        assert any(line.split()[:1] == ["node1"] and line.endswith(f"{work}/logs/04_train.node1.log")
+                   for line in lines), status.stdout
+        go.touch()
+        assert node1.wait(timeout=60) == 0
+    finally:
+        if node1.poll() is None:
+            os.killpg(node1.pid, signal.SIGKILL)
+
+
 def test_from_reruns_finished_stages_and_print_config_asks_every_stage(tmp_path, stub):
     work = tmp_path / "w"
     assert driver(work, stub).returncode == 0

@@ -120,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         log = info["log"] + ("" if Path(info["log"]).is_file() else
                              " (no log yet)" if info["state"] == "not started" else " (missing)")
         print(f"{info['num']} {stage:<8} {state:<22} {log}")
+        for other in sorted(Path(info["log"]).parent.glob(f"{info['num']}_{stage}.*.log")):  # other nodes' and ranks'
+            print(f"   {other.name.split('.')[1]:<30} {other}")
     return 0
 
 
