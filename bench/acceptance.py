@@ -19,6 +19,8 @@ One invocation (a CPU with vLLM's CPU build, or a GPU box with vLLM):
      tokens/s with and without the draft; the offline estimate beside it.
 Results: bench/results/<cpu|gpu>-acceptance-smollm2.json and the printed tables. A rerun on the same
 --work resumes: finished trainings whose settings are unchanged (bench-run.json) and measured engines are kept.
+--testbed NAME (bench/testbed.py's registry, e.g. qwen2.5-coder-0.5b): another target; the results' benchmark and
+default file names then carry NAME in place of smollm2.
 
     python bench/acceptance.py                                  # ours vs plain (make bench-acceptance)
     python bench/acceptance.py --recipes ttt-5 lr-2e-3 offpolicy data-2x
@@ -244,7 +246,7 @@ class Bench:
         sys.path.insert(0, str(BENCH))  # the bench's own modules, not the product's
         from testbed import build_testbed, read_provenance
 
-        self.target = build_testbed(self.args.cache_dir, gguf=self.args.gguf)
+        self.target = build_testbed(self.args.cache_dir, gguf=self.args.gguf, testbed=self.args.testbed)
         return {"path": str(self.target), "provenance": read_provenance(self.target)}
 
     def build_data(self) -> dict:
@@ -486,7 +488,7 @@ def curve_point(ckpt: Path, cost: dict, taus: dict) -> dict:
 def run_curves(args, bench: Bench, target: dict, started: float, load_start) -> int:
     """--curves: per data size, every recipe trained once with a checkpoint per epoch, one at a time (the
     timing rule, benchlib.curves.TIMING_RULE), then each measured checkpoint in vLLM (--jobs engines)."""
-    output = args.output or REPO / "bench" / "results" / f"{'cpu' if bench.cpu else 'h200'}-acceptance-curves-smollm2.json"
+    output = args.output or REPO / "bench" / "results" / f"{'cpu' if bench.cpu else 'h200'}-acceptance-curves-{args.testbed}.json"
     recipes = {name: curve_recipe(name, args.device) for name in args.curve_recipes}
     epochs_by_size = parse_curve_epochs(args.curve_epochs, args.curve_data)
     data_summary = bench.build_data()
@@ -585,7 +587,7 @@ def run_curves(args, bench: Bench, target: dict, started: float, load_start) -> 
     merged_from = []
     if output.is_file():
         earlier = json.loads(output.read_text())
-        if earlier.get("benchmark") == "acceptance-curves-smollm2":
+        if earlier.get("benchmark") == f"acceptance-curves-{args.testbed}":
             merged_from = lc.merge_earlier(curves, data_costs, earlier, date)
     ks = sorted(set(args.ks) | ({3} if max(args.ks) >= 3 else set()))
     analysis = lc.analyse(curves, data_costs, ks, args.extract_cost_ratio)
@@ -603,7 +605,7 @@ def run_curves(args, bench: Bench, target: dict, started: float, load_start) -> 
              "vllm_settings": settings.__dict__}
     invocation["setup"] = setup  # each invocation's own, when several data sizes are merged into one file
     results = {
-        "benchmark": "acceptance-curves-smollm2",
+        "benchmark": f"acceptance-curves-{args.testbed}",
         "timing_rule": lc.TIMING_RULE,
         "curve_caveat": ("a checkpoint inside a run has had the lr of that run's schedule (speculators' linear decay "
                          "over all its epochs), not a schedule ending there: points before the last understate what a "
@@ -748,13 +750,13 @@ def same_prompts_rows(base_rows: Path, other_rows: Path, conversations: int, out
 
 
 def screen_output(args, bench: Bench) -> Path:
-    return args.output or REPO / "bench" / "results" / f"{'cpu' if bench.cpu else 'h200'}-screen-smollm2.json"
+    return args.output or REPO / "bench" / "results" / f"{'cpu' if bench.cpu else 'h200'}-screen-{args.testbed}.json"
 
 
-def carried_screen(output: Path) -> dict:
-    """The screen results file a run merges into ({} when there is none yet)."""
+def carried_screen(output: Path, testbed: str = "smollm2") -> dict:
+    """The screen results file a run merges into ({} when there is none yet, or it is another testbed's)."""
     earlier = json.loads(output.read_text()) if output.is_file() else {}
-    return earlier if earlier.get("benchmark") == "screen-smollm2" else {}
+    return earlier if earlier.get("benchmark") == f"screen-{testbed}" else {}
 
 
 def run_screen(args, bench: Bench, target: dict, started: float, load_start) -> int:
@@ -765,7 +767,7 @@ def run_screen(args, bench: Bench, target: dict, started: float, load_start) -> 
     the same packing is already known (another size here, or the carried results file). Results merge into one
     JSON across invocations."""
     output = screen_output(args, bench)
-    earlier = carried_screen(output)
+    earlier = carried_screen(output, args.testbed)
     names = list(dict.fromkeys(["ours", "plain", *args.screen_recipes]))
     # what "ours" is: the landed draft config (fc_norm became the default after the 1x/4x screens: their ours, and
     # their timings of every class but plain, were over speculators' single norm instead; carried_ours_draft)
@@ -989,7 +991,7 @@ def run_screen(args, bench: Bench, target: dict, started: float, load_start) -> 
         agreement[size] = {"k": k_top, "recipes": both, "spearman": sc.spearman(
             [sc.last_point(curves[size][n])["tau"][str(k_top)]["tau"] for n in both],
             [measured[n][str(k_top)]["tau"] for n in both])}
-    curves_file = REPO / "bench" / "results" / "h200-acceptance-curves-smollm2.json"
+    curves_file = REPO / "bench" / "results" / f"h200-acceptance-curves-{args.testbed}.json"
     on_curves = sc.curves_offline_vs_vllm(json.loads(curves_file.read_text())["curves"], 3) if curves_file.is_file() else None
     merged_curves, merged_from = curves, []
     if earlier:
@@ -1027,7 +1029,7 @@ def run_screen(args, bench: Bench, target: dict, started: float, load_start) -> 
                             "datasets": {key: {"path": str(datasets[key]), **data_counts.get(key, {})} for key in dataset_keys},
                             "vllm_settings": settings.__dict__}, "failed": failed}
     results = {
-        "benchmark": "screen-smollm2",
+        "benchmark": f"screen-{args.testbed}",
         "method": ("every recipe trained on the same rows and states, --jobs at once, for the same epochs; offline tau = "
                    "1 + sum of the trainer's validation full_acc_i (draft steps 0..i all right) on the held-out rows at "
                    "each epoch's checkpoint, validation unrolled to val_depth TTT steps for every recipe "
@@ -1107,7 +1109,7 @@ def run_screen_speed_only(args, bench: Bench, started: float, load_start) -> int
     speed = screen_speed(args, bench, drafts, settings)
     for line in sp.format_speed(speed):
         log(line)
-    results = carried_screen(output) or {"benchmark": "screen-smollm2"}
+    results = carried_screen(output, args.testbed) or {"benchmark": f"screen-{args.testbed}"}
     results["speed"] = {**results.get("speed", {}), **speed}
     results.setdefault("invocations", []).append({
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "speed_only": True,
@@ -1124,7 +1126,7 @@ def run_screen_speed_only(args, bench: Bench, started: float, load_start) -> int
 def run_vs_stage06(args, bench: Bench, target: dict, started: float) -> int:
     """--vs-stage06: the bench's tau and stage 06's for one pipeline-trained draft, same prompts, k and engine settings;
     then 06 as a user runs it, and 06 on two faulty copies of the draft (each must exit 6 naming its cause)."""
-    output = args.output or REPO / "bench" / "results" / f"{'cpu' if bench.cpu else 'h200'}-stage06-vs-bench-smollm2.json"
+    output = args.output or REPO / "bench" / "results" / f"{'cpu' if bench.cpu else 'h200'}-stage06-vs-bench-{args.testbed}.json"
     data_summary = bench.build_data()
     chat = bench.work / "chat"
     data = bench.prepared("onpolicy", chat / "train_tokens.jsonl", args.train_conversations)
@@ -1210,7 +1212,8 @@ def load_kimi_costs(path: Path | None) -> dict | None:
             "source": str(path), **costs}
 
 
-def screen_records_report(records: Path, output: Path | None, val_depth: int, kimi_path: Path | None = None) -> int:
+def screen_records_report(records: Path, output: Path | None, val_depth: int, kimi_path: Path | None = None,
+                          testbed: str = "smollm2") -> int:
     """--screen-records DIR: the screen's table from a hold's records alone (acceptance-wait's curves-records.tgz,
     unpacked): what a hold cut short had trained, each run's epochs with a validation; no engine, no training.
     Timing entries made before the packing was recorded get it from their timing run's metrics.jsonl there."""
@@ -1242,7 +1245,7 @@ def screen_records_report(records: Path, output: Path | None, val_depth: int, ki
     for line in sc.format_screen(rows, report_ks, kimi):
         log(line)
     if output:
-        results = {"benchmark": "screen-smollm2", "partial": f"from the records in {records.name}: the epochs each run "
+        results = {"benchmark": f"screen-{testbed}", "partial": f"from the records in {records.name}: the epochs each run "
                    "had validated when they were copied", "curves": curves, "timing": timing, "table": rows}
         if kimi:
             results["projection"] = kimi
@@ -1285,8 +1288,8 @@ def screen_report(path: Path, kimi_path: Path | None, output: Path | None) -> in
         kimi = load_kimi_costs(kimi_path)
     except (OSError, ValueError) as exc:
         raise SystemExit(f"bench-acceptance --screen-report: {exc}") from None
-    if results.get("benchmark") != "screen-smollm2" or "curves" not in results:
-        raise SystemExit(f"bench-acceptance --screen-report: {path}: not a screen results file (benchmark screen-smollm2)")
+    if not str(results.get("benchmark")).startswith("screen-") or "curves" not in results:
+        raise SystemExit(f"bench-acceptance --screen-report: {path}: not a screen results file (benchmark screen-TESTBED)")
     setups = [inv.get("setup", {}) for inv in results.get("invocations", [])]
     depth = max([s["val_depth"] for s in setups if "val_depth" in s] or [5])
     k_top = max([s["vllm_k"] for s in setups if "vllm_k" in s] or [depth])
@@ -1370,11 +1373,20 @@ def vllm_settings(args, bench: Bench) -> VllmSettings:
                                                                  "kv_cache_memory_bytes": 4 * 2**30})
 
 
+def testbed_names() -> list[str]:
+    sys.path.insert(0, str(BENCH))  # the bench's own modules, not the product's
+    from testbed import TESTBEDS
+
+    return sorted(TESTBEDS)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, default=REPO / "work" / "bench-acceptance")
     parser.add_argument("--cache-dir", type=Path, default=REPO / ".cache", help="testbed cache (the wheel in CACHE/wheels)")
     parser.add_argument("--gguf", type=Path, default=None, help="the testbed's GGUF file instead of the wheel (bench/testbed.py)")
+    parser.add_argument("--testbed", default="smollm2", choices=testbed_names(),
+                        help="bench/testbed.py's testbed (default smollm2); results and their default files carry its name")
     parser.add_argument("--prompts", type=Path, default=None,
                         help="chat_data.py's prompts file, built elsewhere (default: built here from this machine's text)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where training and extraction run")
@@ -1389,8 +1401,8 @@ def main() -> int:
     parser.add_argument("--recipe-ks", type=int, nargs="+", default=[3], help="k measured for the recipes (TTT ones: also 5)")
     parser.add_argument("--jobs", type=int, default=1, help="independent stages run at once (datasets, trainings, engines)")
     parser.add_argument("--output", type=Path, default=None,
-                        help="results JSON (default bench/results/<device>-acceptance-smollm2.json; with --curves "
-                             "<cpu|h200>-acceptance-curves-smollm2.json, merged with the data sizes already in it)")
+                        help="results JSON (default bench/results/<device>-acceptance-TESTBED.json; with --curves "
+                             "<cpu|h200>-acceptance-curves-TESTBED.json, merged with the data sizes already in it)")
     parser.add_argument("--target", type=Path, default=None, help="a local chat model directory instead of the testbed")
     curves = parser.add_argument_group("learning curves (--curves): tau in vLLM against training GPU seconds")
     curves.add_argument("--curves", action="store_true",
@@ -1419,7 +1431,7 @@ def main() -> int:
     screen.add_argument("--screen", action="store_true",
                         help="train every --screen-recipes on one dataset per --screen-data size (--jobs at once), rank "
                              "them by the trainer's offline tau on held-out rows, time each step shape alone, measure "
-                             "the top few in vLLM; results bench/results/<cpu|h200>-screen-smollm2.json")
+                             "the top few in vLLM; results bench/results/<cpu|h200>-screen-TESTBED.json")
     screen.add_argument("--screen-recipes", nargs="+", default=sc.DEFAULT_SCREEN,
                         help="recipe names (benchlib/screen.py SCREEN_RECIPES), 'a+b' combines two; ours and plain "
                              "always run; data:NAME trains on --screen-chat NAME's answers to the size's prompts, "
@@ -1472,10 +1484,11 @@ def main() -> int:
     if args.screen_report:
         return screen_report(args.screen_report, args.kimi_costs, args.output)
     if args.screen_records:
-        return screen_records_report(args.screen_records, args.output, args.screen_val_depth, args.kimi_costs)
+        return screen_records_report(args.screen_records, args.output, args.screen_val_depth, args.kimi_costs,
+                                     args.testbed)
     if args.curves_report:
         return curves_report(args.curves_report, args.kimi_costs, args.output)
-    output = args.output or REPO / "bench" / "results" / f"{args.device}-acceptance-smollm2.json"
+    output = args.output or REPO / "bench" / "results" / f"{args.device}-acceptance-{args.testbed}.json"
 
     started = time.perf_counter()
     load_start = os.getloadavg()
@@ -1483,7 +1496,7 @@ def main() -> int:
     log(f"bench-acceptance: work {bench.work}, {args.device}, load average {load_start[0]:.1f} on {os.cpu_count()} CPUs")
     if args.screen and not args.screen_speed_only:  # in seconds, before any model is built
         output = screen_output(args, bench)
-        if refusal := sc.sizes_already_measured(carried_screen(output), args.screen_data, str(output)):
+        if refusal := sc.sizes_already_measured(carried_screen(output, args.testbed), args.screen_data, str(output)):
             raise SystemExit(f"bench-acceptance --screen: {refusal}")
     target = bench.build_target()
     refusal = jobs_refusal(args, bench, ["dataset", "engine"] if args.curves else ["dataset", "engine", "training"])
@@ -1620,7 +1633,7 @@ def main() -> int:
     log("tau ratios at k=%d: %s" % (k_max, ", ".join(f"{k} {v:.3f}" for k, v in ratios.items())))
 
     results = {
-        "benchmark": "acceptance-smollm2",
+        "benchmark": f"acceptance-{args.testbed}",
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "command": shlex.join([sys.executable, *sys.argv]),
         "machine": machine_record(args.device, load_start),

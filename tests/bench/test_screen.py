@@ -482,7 +482,7 @@ def test_the_screen_report_reprints_a_results_file_and_adds_the_projection_leavi
     refused = subprocess.run([sys.executable, str(REPO / "bench" / "acceptance.py"), "--screen-report", str(other)],
                              capture_output=True, text=True, timeout=120)
     assert refused.returncode == 1 and refused.stderr.strip().splitlines() == [
-        f"bench-acceptance --screen-report: {other}: not a screen results file (benchmark screen-smollm2)"]
+        f"bench-acceptance --screen-report: {other}: not a screen results file (benchmark screen-TESTBED)"]
 
 
 # ---------------------------------------------------------------------------------------------
