@@ -271,6 +271,11 @@ class Bench:
                 raise SystemExit(f"bench-acceptance {sized}: {prompts}: {available:,} training prompts, fewer than the "
                                  f"{wanted:,} conversations {factor} x --train-conversations "
                                  f"{self.args.train_conversations} needs; use smaller sizes or more prompts")
+        if (chat / "summary.json").is_file() and self.target is not None:  # another testbed's answers: not this one's data
+            made_by = json.loads((chat / "summary.json").read_text()).get("target")
+            if made_by and Path(made_by).name != Path(self.target).name:
+                raise SystemExit(f"bench-acceptance: {chat} holds {Path(made_by).name}'s answers, not "
+                                 f"{Path(self.target).name}'s: use another --work for this testbed")
         if not (chat / "summary.json").is_file():
             run([sys.executable, BENCH / "chat_data.py", "regenerate", "--target", self.target, "--prompts", prompts,
                  "--out", chat, "--train-limit", self.args.train_conversations * factor,

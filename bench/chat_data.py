@@ -1,4 +1,8 @@
-"""Chat data for the SmolLM2 testbed, offline: prompts a chat user would send, answered by the target.
+"""Chat data for the bench's testbeds, offline: prompts a chat user would send, answered by the target.
+
+Nothing here is SmolLM2's: the conversations carry no system message, so each target's own chat template decides
+(SmolLM2's and Qwen2.5's both insert their default system prompt), and a turn ends where the target's
+generation_config stops it (bench/testbed.py: Qwen's <|im_end|>); the token rows keep that stop token.
 
 1. `prompts`: prompts built from text that ships with Python and Debian (the standard library's
    sources and docstrings, read with `ast` without importing anything; /usr/share/common-licenses):

@@ -128,6 +128,12 @@ say_finished() {  # say_finished DIR NAME
 }
 collect_bench() {  # what acceptance-wait returns: the bench's folder and the records of every bench work dir
   copy_dir_files "$BG_OUT"
+  local dir
+  for dir in work/bench-curves-gpu-* work/bench-acceptance-gpu-*; do  # another testbed's work dirs (TESTBED=NAME)
+    [ -d "$dir/logs" ] && (cd "$dir" && tar czf "$OUT/records-${dir#work/}.tgz" logs */bench-run.json vllm-*.json \
+      */checkpoints/metrics.jsonl *-plain/metrics.jsonl */checkpoints/*/val_metrics.json *-plain/*/val_metrics.json \
+      screen-timing.json screen-positions.json vllm-screen.json speed-screen.json 2>/dev/null)
+  done
   (cd work/bench-acceptance-gpu 2>/dev/null && tar czf "$OUT/records.tgz" logs */bench-run.json vllm-k*.json 2>/dev/null)
   (cd work/extraction-kimi-width 2>/dev/null && tar czf "$OUT/extraction-records.tgz" logs results.json 2>/dev/null)
   (cd work/bench-curves-gpu 2>/dev/null && tar czf "$OUT/curves-records.tgz" logs */bench-run.json */checkpoints/metrics.jsonl \
@@ -324,6 +330,7 @@ s = t.get_testbed(sys.argv[1]); c = Path(".cache"); print(t.extract_gguf(t.defau
     fi
     testbed_select "$@" || exit 1
     flags=("${TB_FLAGS[@]}")
+    TB_SUFFIX=""; [ "$TESTBED" != smollm2 ] && TB_SUFFIX=-$TESTBED
     [ -f /root/prompts.jsonl ] && flags+=(--prompts /root/prompts.jsonl)
     (while true; do nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits; sleep 1; done) > "$OUT/gpu_mem_mib.txt" 2>/dev/null &
     sampler=$!
@@ -343,21 +350,21 @@ s = t.get_testbed(sys.argv[1]); c = Path(".cache"); print(t.extract_gguf(t.defau
         --results "$OUT/h200-extraction-kimi-width.json" --targets kimi-width --storages dtype fp8 --stock-fp8 \
         --disk-write "$@" 2>&1 | tee "$OUT/bench.log"
     elif [ "$cmd" = screen ]; then
-      work=work/bench-curves-gpu
+      work=work/bench-curves-gpu$TB_SUFFIX  # another testbed: its own work dir (its own chat and states)
       # SCREEN_RESULTS: another results file for a data size the carried one already holds (it would be replaced)
       results=${SCREEN_RESULTS:-h200-screen-$TESTBED.json}
       [ -f "bench/results/$results" ] && cp "bench/results/$results" "$OUT/$results"
       timeout "${BENCH_TIMEOUT_S:-0}" python3 bench/acceptance.py --device cuda --screen --work $work --output "$OUT/$results" \
         "${flags[@]}" "$@" 2>&1 | tee "$OUT/bench.log"
     elif [ "$cmd" = curves ]; then
-      work=work/bench-curves-gpu
+      work=work/bench-curves-gpu$TB_SUFFIX
       results=h200-acceptance-curves-$TESTBED.json
       # an earlier hold's data sizes, carried in the working tree, are merged with this one's
       [ -f "bench/results/$results" ] && cp "bench/results/$results" "$OUT/$results"
       timeout "${BENCH_TIMEOUT_S:-0}" python3 bench/acceptance.py --device cuda --curves --work $work --output "$OUT/$results" \
         "${flags[@]}" "$@" 2>&1 | tee "$OUT/bench.log"
     else
-      work=${BENCH_WORK:-work/bench-acceptance-gpu}  # BENCH_WORK: another work dir (a second detached job)
+      work=${BENCH_WORK:-work/bench-acceptance-gpu$TB_SUFFIX}  # BENCH_WORK: another work dir (a second detached job)
       # BENCH_TIMEOUT_S: stop the bench (it resumes on the next call) before the device's command limit, so
       # its logs still come back
       timeout "${BENCH_TIMEOUT_S:-0}" python3 bench/acceptance.py --device cuda --work $work --output "$OUT/gpu-acceptance-$TESTBED.json" \

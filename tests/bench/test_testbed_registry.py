@@ -240,3 +240,21 @@ def test_h200_run_refuses_another_testbed_before_touching_anything(tmp_path):
         out = h200(tmp_path, *argv, **env)
         assert out.returncode == 2 and "measures SmolLM2 only" in out.stderr, out.stderr
     assert not (tmp_path / "gguf").exists()
+
+
+def test_a_work_dir_holding_another_testbeds_answers_is_refused(tmp_path):
+    import argparse
+
+    import acceptance
+
+    (chat := tmp_path / "work" / "chat").mkdir(parents=True)
+    (chat / "summary.json").write_text(json.dumps({"target": "/root/repo/.cache/smollm2-135m-instruct"}))
+    (prompts := tmp_path / "prompts.jsonl").write_text("")
+    args = argparse.Namespace(work=tmp_path / "work", device="cpu", prompts=prompts, recipes=[], curves=False,
+                              screen=False, testbed="qwen2.5-coder-0.5b")
+    bench = acceptance.Bench(args)
+    bench.target = tmp_path / ".cache" / "qwen2.5-coder-0.5b"
+    with pytest.raises(SystemExit, match="holds smollm2-135m-instruct's answers, not qwen2.5-coder-0.5b's"):
+        bench.build_data()
+    bench.target = tmp_path / "elsewhere" / "smollm2-135m-instruct"  # the same testbed built at another path: reused
+    assert bench.build_data() == {"target": "/root/repo/.cache/smollm2-135m-instruct"}
