@@ -60,9 +60,10 @@
 # files in $OUT (what the device returns): past 8, all but the *.json results are packed into $OUT/extras.tgz.
 #   bash bench/h200_vllm_gpu.sh testbed [NAME]         the GGUF parts + prompts -> the SmolLM2 folder (or testbed NAME's),
 #                                                  once per box (before jobs start: they would assemble the same files)
-# Another testbed: TESTBED=NAME (or --testbed NAME among the flags) before acceptance, screen, curves and regenerate
-# (and their -start / job-start forms): its GGUF from /root/stash/gguf-NAME/ is passed with --testbed NAME --gguf;
-# screen's default results file is then h200-screen-NAME.json (SCREEN_RESULTS still overrides it). `run` and the
+# Another testbed: TESTBED=NAME before acceptance, screen, curves and regenerate (the first three also take --testbed NAME
+# among their flags), and their -start / job-start forms: its GGUF from /root/stash/gguf-NAME/ goes with --testbed NAME --gguf;
+# screen's default results file is then h200-screen-NAME.json (SCREEN_RESULTS still overrides it), its work dir
+# work/bench-curves-gpu-NAME (its own chat, states and drafts; acceptance-wait packs it as records-*.tgz). `run` and the
 # extraction benches measure SmolLM2 only and refuse another testbed.
 #   bash bench/h200_vllm_gpu.sh job-start NAME SUBCOMMAND [flags]   any subcommand below, detached
 #   bash bench/h200_vllm_gpu.sh job-wait SECONDS NAME...   until every NAME has finished (at most SECONDS), then
