@@ -121,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     trained_kwargs = json.loads(prepared.config.get("chat_template_kwargs") or "{}")
     template_kwargs = json.loads(cfg.chat_template_kwargs) if cfg.chat_template_kwargs else trained_kwargs
 
+    require_written_files(vocab, [D2T_NAME])  # stage 03's mapping the d2t check compares with: as 03 wrote it
     # The causes of "acceptance ~1" that the files show, checked before any engine starts (verdict.py).
     findings = [
         check_layer_ids(draft_config, target.num_layers, trained.aux_layer_ids),

@@ -22,7 +22,7 @@ import pytest
 
 from eagle3_pipeline.eval_report import format_report
 
-from conftest import LLAMA_EVAL_FLAGS, run_stage
+from conftest import LLAMA_EVAL_FLAGS, REPO, run_stage
 
 pytestmark = pytest.mark.reliability
 
@@ -193,3 +193,51 @@ def test_status_calls_an_evaluation_stale_over_a_changed_report(llama_run, llama
     assert state["state"] == "stale" and state["why"] == "report.json same size, other bytes", state
     cut_short("eval/report.json")(work)
     assert stage_states(work)["evaluate"]["why"].startswith("report.json cut short")
+
+
+def test_a_manifest_written_before_the_one_record_is_still_read(llama_run, llama_eval, tmp_path):
+    """Issue 64 P: manifests 06 wrote before it kept `output_files` (its sha256s in `output_sha256`, names in
+    `outputs`) stay readable: the same command is a no-op, and a report.txt cut short is redrawn (the record then
+    written the one way every stage writes it)."""
+    from eagle3_pipeline.files import sha256_file
+
+    work = tmp_path / "work"
+    shutil.copytree(llama_run["draft"], work / "draft")
+    shutil.copytree(llama_eval, work / "eval")
+    manifest = json.loads((work / "eval" / "manifest.json").read_text())
+    names = sorted(manifest.pop("output_files"))
+    manifest.update(outputs=names, output_sha256={n: sha256_file(work / "eval" / n) for n in names})
+    (work / "eval" / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    flags = ("--profile", "cpu-mini", "--draft", work / "draft", "--output", work / "eval", *LLAMA_EVAL_FLAGS)
+    assert "already evaluated with these settings" in run_stage("evaluate", *flags).stderr
+    cut_short("eval/report.txt")(work)
+    result = run_stage("evaluate", *flags)
+    assert "report.txt cut short, changed or gone; redrawn from report.json" in result.stderr
+    rewritten = json.loads((work / "eval" / "manifest.json").read_text())
+    assert "output_sha256" not in rewritten and sorted(rewritten["output_files"]) == names
+
+
+@pytest.mark.parametrize("rel", ["vocab/d2t.npy", "vocab/manifest.json", "checkpoints/manifest.json",
+                                 "data/manifest.json", "prompts.jsonl"])
+def test_one_byte_changed_in_a_file_06_reads_upstream_is_refused_in_one_line(rel, llama_run, llama_eval, tmp_path):
+    """Issue 64's sweep, upstream of 06: one byte of each other file it reads (stage 03's d2t, the manifests of 04,
+    03 and 01, the prompts) changed in a copy of the run, the same command again: refused in one line, before any
+    engine, nothing changed; never "already evaluated" nor a measured verdict."""
+    work = tmp_path / "work"
+    for name in ("data", "vocab", "checkpoints", "draft"):
+        shutil.copytree(llama_run[name], work / name, symlinks=True)
+    shutil.copytree(llama_eval, work / "eval")
+    shutil.copyfile(REPO / "eagle3-train" / "samples" / "eval_prompts.jsonl", work / "prompts.jsonl")
+    flags = ("--profile", "cpu-mini", "--draft", work / "draft", "--output", work / "eval", "--checkpoints",
+             work / "checkpoints", "--data", work / "data", "--vocab", work / "vocab", "--prompts",
+             work / "prompts.jsonl", *LLAMA_EVAL_FLAGS)
+    one_byte(rel)(work)
+    before = tree(work)
+    result = run_stage("evaluate", *flags, check=False)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode != 0 and len(errors) == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "vllm:" not in result.stderr and "already evaluated" not in result.stderr
+    if rel != "prompts.jsonl":  # a prompt's byte: its line refused, or another prompts identity (the report's)
+        assert str(work / rel) in errors[0], errors[0]
+    changed = [r for r in set(before) | set(tree(work)) if before.get(r) != tree(work).get(r) and not r.endswith(".lock")]
+    assert not changed, changed

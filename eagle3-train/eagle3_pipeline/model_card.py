@@ -194,9 +194,10 @@ def render_card(facts: dict) -> str:
         lines.append(f"| {epoch} | {_num(row.get('tau'))} | {_num(row.get('val_loss'), 4)} | {mark} |")
     lines += ["", f"Checkpoint exported: `{offline['chosen']}`.", "",
               "## Serve", "", "vLLM:", "", "```bash", facts["serve"]["vllm"], "```", "",
-              "SGLang (a draft exported with `05_export.py --layout sglang`):", "", "```bash", facts["serve"]["sglang"],
-              "```", "", MEASURED_BEGIN, "_Not measured yet: `06_evaluate.py --draft THIS_FOLDER` adds tau in vLLM "
-              "here._", MEASURED_END, ""]
+              "SGLang:" if draft["layout"] == "sglang" else "SGLang (reads this checkpoint's `05_export.py --layout "
+              "sglang` export, given as the draft path, not this speculators-format folder):", "", "```bash",
+              facts["serve"]["sglang"], "```", "", MEASURED_BEGIN,
+              "_Not measured yet: `06_evaluate.py --draft THIS_FOLDER` adds tau in vLLM here._", MEASURED_END, ""]
     return "\n".join(lines)
 
 
