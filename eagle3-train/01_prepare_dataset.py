@@ -25,6 +25,7 @@ from eagle3_pipeline.preflight import hidden_states_estimate_line, preflight_pre
 from eagle3_pipeline.prepared import (
     REJECTED_NAME,
     prepared_outputs,
+    previously_written,
     split_rows,
     train_data_ratio,
     write_prepared,
@@ -34,6 +35,8 @@ from eagle3_pipeline.stage import (
     data_identity,
     finished,
     log,
+    no_empty_output_left,
+    read_own_manifest,
     refuse_unowned,
     retire_manifest,
     stage_identity,
@@ -46,6 +49,11 @@ from eagle3_pipeline.target import load_target_info
 def main(argv: list[str] | None = None) -> int:
     # 1. Config.
     cfg, _ = resolve_stage_config(PrepareConfig, argv)
+    with no_empty_output_left(Path(cfg.output)):  # a failed first run leaves no empty --output with a lock file
+        return prepare(cfg)
+
+
+def prepare(cfg: PrepareConfig) -> int:
     out_dir = Path(cfg.output)
     target = load_target_info(cfg.target, cfg.tokenizer)
     fingerprint = config_fingerprint(cfg)
@@ -83,9 +91,15 @@ def main(argv: list[str] | None = None) -> int:
 
     # 4. Outputs (dataset + token_freq.pt, renamed into place).
     remove_stale_temps(out_dir)
+    previous = previously_written(read_own_manifest(out_dir))  # an earlier run's files, as its manifest lists them
     retire_manifest(out_dir)  # an old result (--overwrite) stops being finished only now
-    write_manifest(out_dir, PrepareManifest(complete=False, identity=identity))  # these files are this stage's from here
-    stats = write_prepared(out_dir, rows, num_train, prepared.bad + prepared.too_long)
+
+    def unfinished(names: list[str]) -> None:  # these files are this stage's from here (a rerun deletes only these)
+        write_manifest(out_dir, PrepareManifest(complete=False, identity=identity, outputs=names))
+
+    unfinished(previous)
+    stats = write_prepared(out_dir, rows, num_train, prepared.bad + prepared.too_long, remove=previous,
+                           installing=unfinished)
     for dropped in prepared.too_long[: cfg.report_problems]:
         log.warning("dropped row %s: %s", dropped.where, dropped.reason)
     if prepared.dropped_too_long:

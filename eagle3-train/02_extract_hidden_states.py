@@ -32,6 +32,7 @@ from eagle3_pipeline.extract.common import (
     write_fingerprints,
 )
 from eagle3_pipeline.extract.run import (
+    RANK_SHARED,
     all_rows_landed,
     every_ranks_rows_landed,
     fail_rows,
@@ -39,17 +40,18 @@ from eagle3_pipeline.extract.run import (
     make_backend,
     plan_extraction,
     preflight,
+    rank_counts,
     run_extraction,
     staging_dir,
     validate_sample_of_files,
 )
 from eagle3_pipeline.files import DiskFull, check_writable_dir, fingerprints_problem, remove_stale_temps
-from eagle3_pipeline.hidden_states import HS_DIRNAME, StateFormat, hs_file, hs_files, row_of, rows_label
+from eagle3_pipeline.hidden_states import HS_DIRNAME, StateFormat, hs_file, row_of, rows_label
 from eagle3_pipeline.manifest import ExtractCounts, ExtractManifest
 from eagle3_pipeline.plan import check_plan_lines
 from eagle3_pipeline.prepared import load_rows, prepared_outputs
 from eagle3_pipeline.sizing import human_bytes
-from eagle3_pipeline.slices import parse_rows, release
+from eagle3_pipeline.slices import files_past_rows, parse_rows, release
 from eagle3_pipeline.stage import config_fingerprint, finished, log, read_own_manifest, stage_identity, stage_main
 from eagle3_pipeline.target import extraction_layer_ids, load_target_info
 
@@ -81,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                               target_config_sha256=target.config_sha256)
     check_writable_dir(hs_dir, "--data")
     if not cfg.check:
-        lock_extraction(hs_dir, cfg.world_size, cfg.rank)
+        lock_extraction(hs_dir, cfg.world_size, cfg.rank, {flag: getattr(cfg, name) for flag, name in RANK_SHARED.items()})
     total_rows = prepared.counts.rows
     rows = load_rows(data_dir, cfg.max_samples)
     # --rows: one slice of a sliced run (eagle3_pipeline/slices.py); the manifest records it as `selection`
@@ -135,9 +137,12 @@ def main(argv: list[str] | None = None) -> int:
             log.info("%s", line)
         return 0
     remove_stale_temps(hs_dir, owned=None if cfg.world_size == 1 else lambda name: row_of(name) in plan.rows)
-    past = [path for path in hs_files(hs_dir) if (row := row_of(path.name)) is not None and row >= total_rows]
-    for extra in past:  # rows stage 01 no longer has (it was redone on other data)
+    past, unlisted = files_past_rows(hs_dir, total_rows)  # rows stage 01 no longer has (it was redone on other data)
+    for extra in past:  # those a record of this stage lists; a file by its name alone is never deleted
         extra.unlink(missing_ok=True)
+    if unlisted:
+        log.warning("kept %d file(s) past stage 01's %d rows that no record of this stage lists (%s): not deleted by "
+                    "name; move them away if they are not yours", len(unlisted), total_rows, unlisted[0])
     if past:
         log.warning("deleted %d row file(s) past stage 01's %d rows (it was redone since): %s", len(past), total_rows,
                     rows_label(sorted(row_of(path.name) for path in past)))
@@ -189,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         config=cfg.model_dump(), config_sha256=config_fingerprint(cfg), inputs={"prepare": input_record(prepared)},
         target=target.summary(), backend=cfg.backend, fingerprints=fingerprints,
         shapes={"hidden_states": ["T", len(layer_ids), target.hidden_size], "token_ids": ["T"]},
-        counts=ExtractCounts(rows=covered, tokens=tokens, **plan.counts), selection=cfg.rows, rows_total=total_rows,
+        counts=ExtractCounts(rows=covered, tokens=tokens, **plan.counts, **rank_counts(cfg.world_size, cfg.rank)),
+        selection=cfg.rows, rows_total=total_rows,
     ))
     log.info("hidden states for %d rows -> %s", covered, hs_dir)
     return 0

@@ -216,6 +216,29 @@ def test_the_exported_checkpoint_is_the_best_offline_tau_not_the_lowest_loss(tmp
     assert choose_checkpoint(work, 3)[0] == work / "1" and os.readlink(work / "checkpoint_best") == "1"
 
 
+def test_a_checkpoint_saved_without_its_validation_is_named_in_the_choice_and_the_summary(tmp_path, kimi_run, caplog):
+    """Issue 64: 04 killed after an epoch's checkpoint was saved and before its validation ended, then resumed: that
+    epoch has no val_metrics.json. Before, it was left out of the choice and of summary.json silently; now the choice
+    (summary.json's checkpoint_choice, the manifest's summary) lists it as not validated, summary.txt and the log
+    say so."""
+    import logging
+
+    from eagle3_pipeline.train_report import choose_checkpoint, format_summary
+
+    work = tmp_path / "ckpt"
+    shutil.copytree(kimi_run["checkpoints"], work, symlinks=True)
+    (work / "1" / "val_metrics.json").unlink()
+    with caplog.at_level(logging.WARNING, logger="eagle3"):
+        best, choice = choose_checkpoint(work, 3)
+    assert best == work / "0" and choice["chosen"] == "0" and list(choice["by_epoch"]) == ["0"], choice
+    assert choice["not_validated"] == ["1"] and "left out of the choice" in choice["not_validated_why"], choice
+    assert "checkpoint(s) 1 saved without validation metrics" in caplog.text, caplog.text
+    text = format_summary({"best_checkpoint": str(best), "best_epoch": 0, "checkpoint_choice": choice})
+    assert "not validated   : checkpoint(s) 1 saved without validation metrics" in text, text
+    (work / "1" / "val_metrics.json").write_text((work / "0" / "val_metrics.json").read_text())
+    assert "not_validated" not in choose_checkpoint(work, 3)[1]  # every epoch validated: nothing to say
+
+
 # Stage 04 in one process (nproc 1 runs speculators' trainer in-process), with two spies around
 # Eagle3DraftModel.forward: `inner` (installed before compat.apply, so the noise wrapper sits above it) sees what
 # speculators' forward receives; `outer` (installed right after compat.apply) sees what the trainer passes. Prints,

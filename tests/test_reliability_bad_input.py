@@ -255,6 +255,20 @@ def test_one_conversation_cannot_be_split_into_train_and_val(capsys, kimi_target
                                 f"give at least 2 conversations")
 
 
+def test_a_failed_first_run_of_01_leaves_no_output_folder_behind(capsys, kimi_target, tmp_path):
+    """Issue 64: a refused first 01 left `.eagle3.lock` in an empty --output (and the folders above it it made). A
+    folder that was there before is the user's: kept."""
+    data = tmp_path / "one.jsonl"
+    data.write_text(GOOD + "\n")
+    out = tmp_path / "new" / "data"
+    code, _ = refused(capsys, "prepare", "--profile", "cpu-mini", "--target", kimi_target, "--data", data, "--output", out)
+    assert code == 4 and not (tmp_path / "new").exists()
+    (tmp_path / "mine").mkdir()
+    code, _ = refused(capsys, "prepare", "--profile", "cpu-mini", "--target", kimi_target, "--data", data, "--output",
+                      tmp_path / "mine")
+    assert code == 4 and (tmp_path / "mine").is_dir()
+
+
 @pytest.mark.parametrize("mode", ["drop", "truncate"])
 def test_rows_longer_than_max_seq_len_are_dropped_or_truncated_and_counted_never_silently(mode, capsys, ref, kimi_target, tmp_path):
     import datasets
@@ -577,9 +591,22 @@ def test_unwritable_checkpoint_directory_is_refused(capsys, work, kimi_target, t
     assert (code, error) == (74, f"{out}: output directory is not writable (Not a directory); fix --output")
 
 
+def recorded_by_02(hs_dir: Path) -> None:
+    """Hidden-state files changed after stage 02, recorded as its own (its fingerprints.json and the manifest's record
+    of it; the manifest's content is unchanged): as 02 leaves bytes it wrote itself (an extraction gone wrong, vLLM's
+    files). Stage 04's per-sample checks stand between those and training; a file changed since 02's record is refused
+    before (training.require_unchanged_row_files, issue 64)."""
+    from eagle3_pipeline.files import write_fingerprints
+
+    record = manifest(hs_dir)
+    record["fingerprints"] = write_fingerprints(hs_dir, sorted(p.name for p in Path(hs_dir).glob("hs_*.safetensors")))
+    (Path(hs_dir) / "manifest.json").write_text(json.dumps(record))
+
+
 def _spoil_hidden_states(work: dict, rows) -> None:
     for row in rows:
         (work["hs"] / f"hs_{row}.safetensors").write_bytes(b"garbage")  # unreadable, as a damaged copy leaves it
+    recorded_by_02(work["hs"])
 
 
 def _counts(work: dict) -> dict:

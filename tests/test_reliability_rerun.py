@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_reliability_bad_input import refused, snapshot, stage_module, succeeded
+from test_reliability_bad_input import recorded_by_02, refused, snapshot, stage_module, succeeded
 
 from eagle3_pipeline.extract import run as extract_run
 
@@ -354,6 +354,55 @@ def test_a_rank_started_with_another_world_size_is_refused_while_that_one_runs(c
     assert "nothing to do" in ran(capsys, logs, *args("extract", work, kimi_target, "--world-size", "2", "--rank", "0"))
 
 
+def test_a_rank_started_with_another_max_samples_is_refused_while_that_one_runs(capsys, logs, work, kimi_target,
+                                                                               lock_holder):
+    """Issue 64: ranks of one --world-size with --max-samples 5 and none split different row lists (some rows twice,
+    some never) and both went on. Each live rank records what its share depends on beside its lock; a rank that has
+    ended is no objection."""
+    record = work["hs"] / ".eagle3.rank1-of-2.json"
+    other = lock_holder(work["hs"] / ".eagle3.rank1-of-2.lock")
+    record.write_text(json.dumps({"--max-samples": 5, "--rows": None}))
+    before = sorted(p.name for p in work["hs"].iterdir() if not p.name.startswith("."))
+    code, error = refused(capsys, *args("extract", work, kimi_target, "--world-size", "2", "--rank", "0"))
+    assert (code, error) == (2, f"{record}: rank 1 of 2 is extracting into {work['hs']} now with --max-samples 5, this "
+                                f"rank with null; every rank needs the same --max-samples (each splits the same rows), "
+                                f"so rerun this rank with that value")
+    assert sorted(p.name for p in work["hs"].iterdir() if not p.name.startswith(".")) == before
+    assert json.loads((work["hs"] / ".eagle3.rank0-of-2.json").read_text()) == {"--max-samples": None, "--rows": None}
+    other.kill()
+    other.wait()
+    assert "nothing to do" in ran(capsys, logs, *args("extract", work, kimi_target, "--world-size", "2", "--rank", "0"))
+
+
+def test_the_manifest_of_several_ranks_says_whose_counts_it_holds(capsys, logs, work, kimi_target):
+    """Issue 64: with --world-size 2 the rank that finishes last writes the manifest, and its counts (rows_this_rank,
+    skipped_done, timings) were its own while rows and tokens are every rank's, with nothing saying so."""
+    hs = work["hs"]
+    (hs / "manifest.json").write_text(json.dumps({**manifest(hs), "complete": False}))  # rank 1 ended; rank 0 now
+    ran(capsys, logs, *args("extract", work, kimi_target, "--world-size", "2", "--rank", "0"))
+    counts = manifest(hs)["counts"]
+    assert manifest(hs)["complete"] and counts["rows"] == 15 and counts["rows_this_rank"] == 8, counts
+    assert counts["counts_of"] == "rank 0 of 2 (rows and tokens: every rank's)", counts
+    (hs / "manifest.json").write_text(json.dumps({**manifest(hs), "complete": False}))
+    ran(capsys, logs, *args("extract", work, kimi_target))  # one rank: every count is the run's, nothing to say
+    assert "counts_of" not in manifest(hs)["counts"] and manifest(hs)["counts"]["rows_this_rank"] == 15
+
+
+def test_02_deletes_row_files_past_01s_rows_only_where_its_record_lists_them(capsys, logs, work, kimi_target):
+    """Issue 64: 02 deleted every hs_N.safetensors with N at or past stage 01's rows, by its name alone. Now only
+    those a record of 02 lists (fingerprints.json, its slice records); another is kept, and the log says so."""
+    hs = work["hs"]
+    for name in ("hs_98.safetensors", "hs_99.safetensors"):
+        shutil.copy2(hs / "hs_0.safetensors", hs / name)
+    record = json.loads((hs / "fingerprints.json").read_text())
+    (hs / "fingerprints.json").write_text(json.dumps({**record, "hs_98.safetensors": record["hs_0.safetensors"]}))
+    (hs / "manifest.json").write_text(json.dumps({**manifest(hs), "complete": False}))
+    out = ran(capsys, logs, *args("extract", work, kimi_target))
+    assert not (hs / "hs_98.safetensors").exists() and (hs / "hs_99.safetensors").is_file(), out
+    assert f"kept 1 file(s) past stage 01's 15 rows that no record of this stage lists ({hs / 'hs_99.safetensors'})" in out
+    assert manifest(hs)["complete"]
+
+
 def test_a_rank_removes_the_shared_files_temps_of_this_hosts_killed_ranks_only(capsys, logs, work, kimi_target):
     """Before: a rank removed only its own rows' temps, so a killed rank's `.manifest.json.tmp-PID@HOST` stayed for
     good (a finished rerun says "nothing to do" and cleans nothing). Another host's temps and a live writer's stay."""
@@ -629,6 +678,7 @@ def test_disk_full_while_recording_a_left_out_sample_names_bad_samples_jsonl(wor
     disk_fills_after_preflight(monkeypatch)
     for hs_file in work["hs"].glob("hs_*.safetensors"):  # every sample bad: the first one read is recorded
         hs_file.write_bytes(b"garbage")
+    recorded_by_02(work["hs"])  # as 02's own bytes: else refused before training (changed since 02 wrote them)
     out = work["root"] / "small-disk-checkpoints"
     on_device = checks.check_values_on_device
 

@@ -254,8 +254,11 @@ CASES = {
     "hidden-state file, one finite value changed in place, then 02": Case(
         "extract", change=one_finite_value(ONE_STATE), expect=("redone",), redoes=(HS,),
         evidence=same_state_file_again),
-    # the training that read it is finished and its best checkpoint whole: nothing of 04's needs redoing
-    "hidden-state file truncated, then 04": Case("train", change=truncate(ONE_STATE), expect=("no-op",)),
+    # issue 64: refused, as a changed d2t.npy or row file of 01 is, finished run or not (before: "nothing to do"; a
+    # new or resumed run trained on a file with a value changed in place); 02's rerun redoes it
+    "hidden-state file truncated, then 04": Case(
+        "train", change=truncate(ONE_STATE),
+        names=(f"{{work}}/{ONE_STATE}: changed since 02_extract_hidden_states.py wrote it", "rerun 02_extract")),
     "02's manifest truncated, then 02": Case(
         "extract", change=truncate(f"{HS}/manifest.json", 200),
         names=(f"{{work}}/{HS}/manifest.json: unreadable manifest", f"move {{work}}/{HS} away")),
@@ -391,7 +394,8 @@ def own_files(work: Path, stage: str) -> list[str]:
                   and p.relative_to(work / folder).parts[0] not in skip)
 
 
-def run_in_process(stage: str, work: Path, target: Path, capsys, caplog) -> tuple[int, str, list[str]]:
+def run_in_process(stage: str, work: Path, target: Path, capsys, caplog, args: list | None = None,
+                   ) -> tuple[int, str, list[str]]:
     from loguru import logger
     from test_reliability_bad_input import stage_module
 
@@ -401,7 +405,8 @@ def run_in_process(stage: str, work: Path, target: Path, capsys, caplog) -> tupl
     # capture of that test, closed since): this test's, or its write fails with a logging traceback
     logger.remove()
     logger.add(sys.stderr, level="INFO")
-    code = stage_module(stage).main([str(a) for a in ("--profile", "cpu-mini", *stage_args(stage, work, target))])
+    args = stage_args(stage, work, target) if args is None else args
+    code = stage_module(stage).main([str(a) for a in ("--profile", "cpu-mini", *args)])
     captured = capsys.readouterr()
     errors = [line for line in captured.err.splitlines() if line.startswith("error: ")]
     return code, captured.out + captured.err + caplog.text, errors
@@ -469,3 +474,86 @@ def test_a_manifest_from_before_the_record_is_still_read_and_a_cut_draft_still_r
     code, shown, errors = run_in_process("export", work, kimi_target, capsys, caplog)
     assert code == 0 and "nothing to do" not in shown and "model.safetensors unreadable safetensors" in shown, shown[-3000:]
     assert "output_files" in json.loads(path.read_text())  # the redone export records them
+
+
+# --- one byte changed in each file a stage reads (issue 64) -------------------------------------------------------
+# The file keeps its size (a truncation or a deletion shows by size alone: the sweeps above): one byte of it changed
+# in place, then the stage that reads it run in this process over a copy of the finished run. Allowed: a refusal in
+# one line naming the file (01: the data identity that changed), nothing written. Never "nothing to do" and never a
+# trained or exported result. 04 and 05 also with a new --output (they would train / export: the reads come first, so
+# these cases stop at the refusal in about a second; before the fix 04 trained on a hidden-state file with a value
+# changed in place). A manifest: one hex digit of its recorded content_sha256 (a byte of its timestamp or versions
+# changes nothing a stage reads). Not here: 02's and 04's own files (the sweeps above), 06's reads
+# (test_reliability_sweep_06.py).
+
+CONVERSATIONS = "conversations.jsonl"  # a copy, in WORK, of the file the finished run's 01 prepared
+READS = {  # stage -> the files (from WORK) it reads, each with the --output it is run with: "rerun" (the finished
+    # run's: what a rerun or run_all does) and/or "new" (04, 05: one holding nothing, so the stage would train / export)
+    "prepare": {CONVERSATIONS: ("rerun",)},
+    "extract": dict.fromkeys(PREPARED, ("rerun",)),
+    "vocab": dict.fromkeys(("data/token_freq.pt", "data/manifest.json"), ("rerun",)),
+    "train": {**dict.fromkeys(("data/data-00000-of-00001.arrow", "data/state.json", "data/dataset_info.json",
+                               "data/manifest.json", f"{HS}/manifest.json", "vocab/manifest.json"), ("rerun",)),
+              **dict.fromkeys((ONE_STATE, f"{HS}/hs_0.safetensors", f"{HS}/fingerprints.json", "vocab/d2t.npy",
+                               "vocab/t2d.npy"), ("rerun", "new"))},
+    "export": {**dict.fromkeys(("checkpoints/{best}/config.json", "checkpoints/{best}/model.safetensors",
+                                "checkpoints/manifest.json"), ("rerun",)),
+               **dict.fromkeys(("vocab/d2t.npy", "vocab/manifest.json"), ("rerun", "new"))},
+}
+# A finished 05 over 03's d2t.npy or manifest changed since: "already exported from this checkpoint; nothing to do"
+# (the draft holds the d2t it was exported with; --status calls 03-05 stale). Left to 05_export.py's owner.
+NOT_YET = {("export", rel, "rerun"): "a finished 05 reads --vocab only when it exports (05_export.py)"
+           for rel in ("vocab/d2t.npy", "vocab/manifest.json")}
+FRESH_OUTPUT = {"train": "checkpoints-new", "export": "draft-new"}
+
+
+def change_one_byte(path: Path) -> None:
+    """One byte of the file changed in place (same size). A manifest: a hex digit of its content_sha256. Any other
+    file: the byte at 9/16 of it, xor 1 (outside the blocks a fingerprint samples in a file over 64 KiB: a hidden-state
+    file then differs from 02's record only by its modification time, as after issue 64 M's change)."""
+    data = bytearray(path.read_bytes())
+    if path.name == "manifest.json":
+        at = data.index(b'"content_sha256": "') + len(b'"content_sha256": "')
+        data[at] = ord("0") if data[at] != ord("0") else ord("1")
+    else:
+        data[len(data) * 9 // 16] ^= 1
+    with open(path, "r+b") as handle:  # in place: same inode, as an editor or a bit flip on disk would leave it
+        handle.write(bytes(data))
+
+
+def reads_cases() -> list:
+    cases = []
+    for stage, files in READS.items():
+        for rel, modes in files.items():
+            for mode in modes:
+                marks = [pytest.mark.xfail(reason=NOT_YET[key])] if (key := (stage, rel, mode)) in NOT_YET else []
+                cases.append(pytest.param(stage, rel, mode == "new", id=f"{stage}:{rel}:{mode}", marks=marks))
+    return cases
+
+
+@pytest.mark.parametrize(("stage", "rel", "fresh"), reads_cases())
+def test_one_byte_changed_in_a_file_a_stage_reads_is_refused_in_one_line(stage, rel, fresh, kimi_run, kimi_target,
+                                                                         tmp_path, capsys, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="eagle3")
+    work = copy_run(kimi_run, tmp_path / "w")
+    shutil.copy2(SAMPLES / CONVERSATIONS, work / CONVERSATIONS)
+    rel = rel.format(best=json.loads((work / "checkpoints" / "manifest.json").read_text())["best_checkpoint"]["name"])
+    args = stage_args(stage, work, kimi_target)
+    if stage == "prepare":
+        args[args.index("--data") + 1] = work / CONVERSATIONS
+    if fresh:
+        args[args.index("--output") + 1] = work / FRESH_OUTPUT[stage]
+    change_one_byte(work / rel)
+    before = tree(work)
+    code, shown, errors = run_in_process(stage, work, kimi_target, capsys, caplog, args=args)
+    changed = sorted(r for r, v in tree(work).items() if before.get(r) != v and not bookkeeping(r))
+    changed += sorted(before.keys() - tree(work).keys())
+    context = f"{stage}, one byte of {rel} changed: exit {code}, changed {changed}\n{shown[-3000:]}"
+    assert "Traceback" not in shown and "nothing to do" not in shown, context
+    assert code != 0 and len(errors) == 1, context
+    named = "inputs.data = " if stage == "prepare" else f"{work / rel}: "
+    assert named in errors[0], context
+    assert not changed, context  # nothing written, nothing deleted: not even the new --output
+    assert not (fresh and (work / FRESH_OUTPUT[stage]).exists()), context

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_reliability_bad_input import manifest, refused, snapshot, stage_module, succeeded
+from test_reliability_bad_input import manifest, recorded_by_02, refused, snapshot, stage_module, succeeded
 from test_reliability_rerun import args, lock_holder, logs, ran, work
 
 pytestmark = pytest.mark.reliability
@@ -90,6 +90,7 @@ def change_file(work, name: str) -> None:
 def test_training_stops_with_one_line_on_a_hidden_state_file_changed_after_stage_02(name, capsys, work, kimi_target,
                                                                                      tmp_path):
     change_file(work, name)
+    recorded_by_02(work["hs"])  # else refused before training, as changed since 02 wrote it
     out = tmp_path / "ckpt"
     code, line = refused(capsys, *args("train", {**work, "checkpoints": out}, kimi_target))
     assert code == 4
@@ -101,6 +102,7 @@ def test_training_stops_with_one_line_on_a_hidden_state_file_changed_after_stage
 
 def test_on_bad_sample_skip_counts_and_lists_the_files_in_the_manifest(capsys, work, kimi_target, tmp_path):
     change_file(work, "nan")
+    recorded_by_02(work["hs"])
     out = tmp_path / "ckpt"
     succeeded(capsys, *args("train", {**work, "checkpoints": out}, kimi_target, "--on-bad-sample", "skip",
                             "--max-bad-fraction", "0.1"))  # 1 of the 15 samples
@@ -115,6 +117,7 @@ def test_on_bad_sample_skip_counts_and_lists_the_files_in_the_manifest(capsys, w
 def test_a_truncated_hidden_state_file_is_one_line_naming_it(capsys, work, kimi_target, tmp_path):
     data = hs(work).read_bytes()
     hs(work).write_bytes(data[:-1])
+    recorded_by_02(work["hs"])
     code, line = refused(capsys, *args("train", {**work, "checkpoints": tmp_path / "ckpt"}, kimi_target))
     assert code == 4 and line.startswith(f"{hs(work)}: unreadable safetensors ("), line
 
@@ -434,6 +437,18 @@ def test_train_overwrite_into_a_work_directory_deletes_nothing_and_says_what_is_
         assert code == 3 and "--overwrite" not in line, line
         assert "04_train.py did not write" in line and "logs/" in line and "run_all.log" in line, line
         assert snapshot(root) == before
+
+
+def test_prepare_replacing_its_run_deletes_only_the_files_its_manifest_lists(capsys, work, kimi_target):
+    """Issue 64: 01 deleted whatever in its --output matched its files' names (data-*.arrow, state.json, ...), not what
+    its manifest says it wrote. A file of that shape it never wrote is kept; 02's hidden_states/ beside it too."""
+    stray = work["data"] / "data-00007-of-00009.arrow"
+    stray.write_bytes(b"not written by 01")
+    succeeded(capsys, *args("prepare", work, kimi_target, "--val-ratio", "0.3", "--overwrite"))
+    assert stray.read_bytes() == b"not written by 01"
+    written = manifest(work["data"])
+    assert written["complete"] and stray.name not in written["output_files"] and "outputs" not in written
+    assert (work["hs"] / "manifest.json").is_file()
 
 
 def test_prepare_refuses_an_output_holding_a_users_own_dataset(capsys, kimi_target, tmp_path):

@@ -130,6 +130,8 @@ class PrepareManifest(Manifest):
     counts: PrepareCounts | None = None
     train_data_ratio: float | None = None
     max_seq_len: int | None = None
+    # an unfinished run: the files it was installing (and the earlier run's it replaces): what a rerun may delete
+    outputs: list[str] | None = None
 
     def content(self) -> PrepareContent | None:
         if self.counts is None or self.train_data_ratio is None:
@@ -140,8 +142,11 @@ class PrepareManifest(Manifest):
 # --- 02 extract -------------------------------------------------------------------------------------------
 
 class ExtractCounts(_Strict):
-    rows: int
+    rows: int  # the whole run's (every rank's)
     tokens: int
+    # --world-size > 1: "rank R of N", the rank that wrote the manifest (the last to finish); every count below (rows
+    # and tokens aside) is that rank's alone: the others' are in their logs (issue 64: said as the whole run's before)
+    counts_of: str | None = None
     rows_this_rank: int | None = None
     skipped_done: int | None = None
     stale_removed: int | None = None

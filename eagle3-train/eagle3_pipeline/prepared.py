@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import random
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from .chat_rows import BadRow, PreparedRows, Row
@@ -26,7 +27,6 @@ from .sizing import human_bytes, prepared_bytes
 
 # Local imports: datasets, speculators: imported where the dataset is read or written (heavy; importers that only name paths need none).
 
-DATASET_FILES_GLOB = ("data-*.arrow", "dataset_info.json", "state.json")
 TOKEN_FREQ_NAME = "token_freq.pt"
 REJECTED_NAME = "rejected.jsonl"
 
@@ -72,8 +72,12 @@ def train_data_ratio(num_train: int, num_rows: int) -> float:
     return (num_train + 0.5) / num_rows
 
 
-def write_prepared(out_dir: Path, rows: list[Row], num_train: int, bad: list[BadRow] = ()) -> dict:
-    """Write the dataset + token_freq.pt (+ rejected.jsonl) into out_dir (files renamed into place); returns stats."""
+def write_prepared(out_dir: Path, rows: list[Row], num_train: int, bad: list[BadRow] = (), remove: Sequence[str] = (),
+                   installing: Callable[[list[str]], None] | None = None) -> dict:
+    """Write the dataset + token_freq.pt (+ rejected.jsonl) into out_dir (files renamed into place); returns stats.
+    `remove`: the earlier run's files (previously_written: by its manifest, never by name pattern), deleted where this
+    run writes no file of that name. `installing(names)`: called with every name about to be replaced or deleted, before
+    the first is (the unfinished manifest lists them, so a kill in between leaves nothing unlisted)."""
     import datasets
     from speculators.train.vocab_mapping import save_token_frequency_distribution
 
@@ -101,10 +105,14 @@ def write_prepared(out_dir: Path, rows: list[Row], num_train: int, bad: list[Bad
         )
         if bad:
             (staging / REJECTED_NAME).write_text("".join(b.as_json() + "\n" for b in bad), encoding="utf-8")
-        for old in _dataset_files(out_dir):
-            old.unlink()
-        for item in sorted(staging.iterdir()):
-            os.replace(item, out_dir / item.name)
+        staged = sorted(item.name for item in staging.iterdir())
+        if installing is not None:
+            installing(sorted(set(staged) | set(remove)))
+        for name in remove:
+            if name not in staged:
+                remove_path(out_dir / name)
+        for name in staged:
+            os.replace(staging / name, out_dir / name)
     except Exception as exc:  # the disk filled after the preflight: one line (datasets/pyarrow raise OSError, torch text)
         if not is_disk_full(exc):
             raise
@@ -135,8 +143,18 @@ def prepared_outputs(out_dir: Path) -> list[str]:
     return names
 
 
-def _dataset_files(directory: Path) -> list[Path]:
-    return [p for pattern in DATASET_FILES_GLOB + (TOKEN_FREQ_NAME, REJECTED_NAME) for p in Path(directory).glob(pattern)]
+def previously_written(manifest) -> list[str]:
+    """The files of out_dir that its stage-01 manifest (read_own_manifest; None: none) says an earlier run wrote: a
+    finished run's `output_files`; an unfinished one's `outputs` (what it was installing when it stopped); a manifest
+    from before those records: the files its state.json names, token_freq.pt, rejected.jsonl (prepared_outputs). A
+    rerun deletes only these (issue 64: before, whatever matched data-*.arrow and the like), never 02's hidden_states/
+    beside them, a hidden file or a user's."""
+    if manifest is None:
+        return []
+    names = list(manifest.output_files or manifest.outputs or ())
+    if not names and manifest.output_files is None and manifest.outputs is None:
+        names = [*prepared_outputs(manifest.directory), REJECTED_NAME]
+    return [name for name in names if Path(name).name == name and not name.startswith(".") and name != "manifest.json"]
 
 
 def load_prepared(data_dir: Path):

@@ -40,7 +40,7 @@ from .config.schema import TrainConfig
 from .contract import manifest_path, read_manifest, write_manifest
 from .errors import ConfigError, ContractError, StageError
 from .files import FINGERPRINTS_NAME, atomic_write_json, remove_path
-from .hidden_states import FILE_GLOB, HS_DIRNAME, hs_file, row_of
+from .hidden_states import FILE_GLOB, HS_DIRNAME, hs_file, hs_files, row_of
 from .manifest import SCHEMA_VERSION, ExtractManifest, PrepareManifest, SliceRecord, TrainManifest
 from .prepared import load_prepared
 from .stage import first_difference, read_own_manifest
@@ -287,6 +287,14 @@ def owned_rows(hs_dir: Path) -> dict[int, str]:
         own(named(record.fingerprint_files or {}), path)
         own(selected(record), path)
     return owned
+
+
+def files_past_rows(hs_dir: Path, rows_total: int) -> tuple[list[Path], list[Path]]:
+    """Row files at or past stage 01's `rows_total` rows (01 was redone on fewer rows since): (those a record of stage
+    02 lists as written by it, owned_rows: a rerun deletes them; the others: kept, never deleted by their name alone)."""
+    past = [path for path in hs_files(hs_dir) if (row := row_of(path.name)) is not None and row >= rows_total]
+    owned = owned_rows(hs_dir) if past else {}
+    return [p for p in past if row_of(p.name) in owned], [p for p in past if row_of(p.name) not in owned]
 
 
 def require_trained(hs_dir: Path, ckpt_dir: Path, doomed: list[int]) -> None:

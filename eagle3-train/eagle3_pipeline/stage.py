@@ -17,6 +17,7 @@ stage's output is refused even with `--overwrite`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -208,6 +209,35 @@ def refuse_unowned(out_dir: Path, stage: str) -> None:
         shown = ", ".join(there[:6]) + (f" and {len(there) - 6} more" if len(there) > 6 else "")
         raise ContractError(f"{out_dir}: holds files {STAGES[stage]} did not write ({shown}) and no manifest of it; "
                             f"choose an empty or new --output (nothing was deleted)")
+
+
+@contextlib.contextmanager
+def no_empty_output_left(out_dir: Path):
+    """A run into an --output that did not exist, failing or refused before its first file (a bad input, too many bad
+    rows, a refused identity): the folders it made hold only its lock file, and are removed (issue 64: a failed 01 left
+    `.eagle3.lock` in an empty --output). Anything else there (an unfinished manifest: a rerun continues) is kept.
+    Deleting a lock file this process holds: its folder is going, and a run started into it meanwhile was refused at
+    the lock (taken without waiting), never left holding it."""
+    out_dir = Path(out_dir)
+    first_made = out_dir if not out_dir.exists() else None
+    while first_made is not None and not first_made.parent.exists():
+        first_made = first_made.parent
+    try:
+        yield
+    except BaseException:
+        if first_made is not None:
+            with contextlib.suppress(OSError):
+                entries = list(out_dir.iterdir())
+                if all(p.name == LOCK_NAME and p.is_file() for p in entries):
+                    for p in entries:
+                        p.unlink()
+                    folder = out_dir
+                    while True:  # the folders this run made, inner first, while empty
+                        folder.rmdir()
+                        if folder == first_made:
+                            break
+                        folder = folder.parent
+        raise
 
 
 def retire_manifest(out_dir: Path) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import re
 import statistics
 from collections.abc import Mapping, Sequence
@@ -24,6 +25,8 @@ from .files import atomic_write_json, atomic_write_text
 from .metrics import METRICS_FILE, read_metrics
 from .online import CACHE_DIRNAME
 from .plots import PLOTS_DIRNAME, read_curves
+
+log = logging.getLogger("eagle3")
 
 SUMMARY_JSON = "summary.json"
 SUMMARY_TXT = "summary.txt"
@@ -112,11 +115,13 @@ def choose_checkpoint(out_dir: Path, num_speculative_tokens: int) -> tuple[Path 
     validation metrics: speculators' choice. Returns (checkpoint, the record of the choice)."""
     out_dir = Path(out_dir)
     by_epoch: dict[str, dict] = {}
+    unvalidated: list[str] = []
     for folder in complete(out_dir):
         val = checkpoint_val_metrics(folder)
         try:
             full_acc = full_acc_by_step(val or {})
         except KeyError:  # no validation metrics in this checkpoint
+            unvalidated.append(folder.name)
             continue
         k = min(num_speculative_tokens, len(full_acc))
         by_epoch[folder.name] = {"tau": expected_accepted_length(full_acc, k), "k": k, "val_loss": val.get("loss")}
@@ -125,6 +130,17 @@ def choose_checkpoint(out_dir: Path, num_speculative_tokens: int) -> tuple[Path 
         return by_loss, {"rule": "lowest validation loss (speculators' checkpoint_best): no checkpoint has validation "
                                  "accuracies", "chosen": by_loss.name if by_loss else None}
     chosen = max(by_epoch, key=lambda e: (by_epoch[e]["tau"], -(by_epoch[e]["val_loss"] or 0.0)))
+    # A checkpoint without validation metrics among validated ones: a run killed after saving that epoch and before
+    # its validation ended, then resumed past it (speculators resumes from the checkpoint and starts the next epoch).
+    # It cannot be compared, so it is left out of the choice, and the summary and the manifest say so (issue 64).
+    # Not validated on resume: that needs speculators' trainer built again around one checkpoint, outside its loop
+    # (a second path to keep in step with its validation), for an epoch the run's later epochs have already passed.
+    missing = {"not_validated": unvalidated,
+               "not_validated_why": "saved without validation metrics (a run stopped after saving the epoch and "
+                                    "before its validation ended, then resumed): left out of the choice"} if unvalidated else {}
+    if unvalidated:
+        log.warning("%s: checkpoint(s) %s %s; choosing among %s", out_dir, ", ".join(unvalidated),
+                    missing["not_validated_why"], ", ".join(by_epoch))
     link = out_dir / BEST_LINK
     if not link.exists() or link.resolve().name != chosen:  # one best for users and tools alike; atomic
         tmp = out_dir / f".{BEST_LINK}.tmp"
@@ -133,7 +149,7 @@ def choose_checkpoint(out_dir: Path, num_speculative_tokens: int) -> tuple[Path 
         tmp.replace(link)
     return out_dir / chosen, {
         "rule": f"highest offline tau at k={num_speculative_tokens} (validation full_acc), lower validation loss on a tie",
-        "chosen": chosen, "lowest_val_loss": by_loss.name if by_loss else None, "by_epoch": by_epoch}
+        "chosen": chosen, "lowest_val_loss": by_loss.name if by_loss else None, "by_epoch": by_epoch, **missing}
 
 
 def summarize(metrics_path: Path, best: Path, num_speculative_tokens: int | None = None) -> dict:
@@ -244,6 +260,10 @@ def format_summary(summary: dict, out_dir: Path | None = None) -> str:
     epoch = summary.get("best_epoch")
     lines.append(f"best checkpoint : {summary['best_checkpoint']}"
                  + (f"  (epoch {epoch}, lowest val loss)" if epoch is not None else ""))
+    choice = summary.get("checkpoint_choice") or {}
+    if choice.get("not_validated"):
+        lines.append(f"not validated   : checkpoint(s) {', '.join(choice['not_validated'])} "
+                     f"{choice.get('not_validated_why', '')}")
     if summary.get("val_loss") is not None:
         per_step = " ".join(f"{v:.4f}" for v in summary.get("val_loss_per_step", []))
         lines.append(f"val loss        : {summary['val_loss']:.4f}" + (f"   per TTT step: {per_step}" if per_step else ""))

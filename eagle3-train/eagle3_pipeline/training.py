@@ -29,7 +29,15 @@ from .config.resolution import Sources
 from .config.schema import SCRIPTS_DIR, DraftConfig, TrainConfig, load_draft_config, speculators_pass_through
 from .contract import read_manifest, require_equal, require_upstream, require_written_files
 from .errors import ConfigError, ContractError, InputError, Interrupted, StageError
-from .files import DiskFull, atomic_write_text, disk_full_line, is_disk_full
+from .files import (
+    FINGERPRINTS_NAME,
+    DiskFull,
+    atomic_write_text,
+    changed_fingerprints,
+    disk_full_line,
+    fingerprints_problem,
+    is_disk_full,
+)
 from .hidden_states import HS_DIRNAME, hs_file, hs_name, rows_label
 from .machine import NETWORK_FILESYSTEMS, cuda_capabilities, filesystem_type
 from .manifest import ExtractManifest, PrepareManifest, VocabManifest
@@ -124,6 +132,7 @@ def read_upstream(cfg: TrainConfig, target, draft: DraftConfig) -> tuple[Prepare
                               f"run, 02 --rows); train on it with --slice-rows (run_all.sh --slice-rows), or rerun 02 "
                               f"without --rows")
         require_every_row_file(extracted, prepared.counts.rows)
+        require_unchanged_row_files(extracted, prepared.counts.rows)
         if cfg.layer_ids and list(cfg.layer_ids) != extracted.layer_ids[:-1]:
             raise ConfigError(f"--layer-ids {cfg.layer_ids}: stage 02 extracted {extracted.layer_ids[:-1]} (+ the final "
                               f"layer) into {Path(cfg.data) / HS_DIRNAME}; with --hidden-states files the layer ids are "
@@ -168,6 +177,28 @@ def require_every_row_file(extracted: ExtractManifest, rows_total: int) -> None:
     if missing:
         raise ContractError(f"{hs_file(hs_dir, missing[0])}: missing since 02_extract_hidden_states.py wrote it "
                             f"({len(missing)} row file(s) gone: {rows_label(missing)}); rerun 02_extract_hidden_states.py")
+
+
+def require_unchanged_row_files(extracted: ExtractManifest, rows_total: int) -> None:
+    """Stage 02's row files are the ones it wrote: each file's size, sampled bytes and modification time as its
+    fingerprints record (files.write_fingerprints) holds them. A value changed in place to another finite one passes
+    every check the loader makes on a sample (issue 64: 04 trained on it), so a file changed since is refused here in
+    one line naming it, finished run or not, as a changed d2t.npy or row file of 01 is; 02's rerun redoes it (a whole
+    folder copied without mtimes: 02's rerun re-validates it and records it anew). A manifest written before
+    fingerprints records none: nothing to compare (the loader's checks remain)."""
+    hs_dir = extracted.directory
+    script = "02_extract_hidden_states.py"
+    if problem := fingerprints_problem(hs_dir, extracted.fingerprints):
+        raise ContractError(f"{hs_dir / FINGERPRINTS_NAME}: {problem}; rerun {script}")
+    if not extracted.fingerprints:
+        return
+    rows = parse_rows(extracted.selection, rows_total) if extracted.selection else range(rows_total)
+    changed = changed_fingerprints(hs_dir, [hs_name(i) for i in rows]) or {}
+    if changed:
+        name, how = next(iter(changed.items()))
+        more = f"; {len(changed) - 1} other row file(s) too" if len(changed) > 1 else ""
+        raise ContractError(f"{hs_dir / name}: changed since {script} wrote it ({how}{more}); rerun {script} (it redoes "
+                            f"changed files, then this stage trains on them)")
 
 
 def speculators_argv(cfg: TrainConfig, draft: DraftConfig, target_path: str, aux_layer_ids: list[int],

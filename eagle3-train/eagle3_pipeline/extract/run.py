@@ -225,13 +225,47 @@ def staging_dir(cfg: ExtractConfig, hs_dir: Path) -> Path:
     return Path(cfg.staging_dir) if cfg.staging_dir else hs_dir / ".staging"
 
 
-def lock_extraction(hs_dir: Path, world_size: int, rank: int) -> None:
-    """One writer per directory; --world-size > 1: ranks share it, one process per rank."""
+# The settings every rank must share to split the same rows (flag -> ExtractConfig field): each one changes the list of
+# rows the ranks partition (extract.common.partition_indices), so a rank with another value extracts some rows twice and
+# leaves some to no rank.
+RANK_SHARED = {"--max-samples": "max_samples", "--rows": "rows"}
+
+
+def rank_counts(world_size: int, rank: int) -> dict:
+    """What the manifest's counts say of whose they are (manifest.ExtractCounts.counts_of): with several ranks, all
+    but rows and tokens are the writing rank's."""
+    return {"counts_of": f"rank {rank} of {world_size} (rows and tokens: every rank's)"} if world_size > 1 else {}
+
+
+def rank_record_path(hs_dir: Path, world_size: int, rank: int) -> Path:
+    """A live rank's record of the settings its share of the rows depends on (RANK_SHARED), beside its lock."""
+    return hs_dir / f".eagle3.rank{rank}-of-{world_size}.json"
+
+
+def lock_extraction(hs_dir: Path, world_size: int, rank: int, shared: dict | None = None) -> None:
+    """One writer per directory; --world-size > 1: ranks share it, one process per rank. `shared`: this rank's values
+    of RANK_SHARED (by flag), recorded beside its lock and compared with every other live rank's record."""
     if world_size == 1:
         lock_output(hs_dir)
         return
     lock_output(hs_dir, exclusive=False)
     lock_output(hs_dir, lock_file=hs_dir / f".eagle3.rank{rank}-of-{world_size}.lock")
+    if shared is not None:  # written before the others' are read: of two ranks starting at once, one sees the other's
+        atomic_write_json(rank_record_path(hs_dir, world_size, rank), shared)
+        for other in range(world_size):
+            lock = hs_dir / f".eagle3.rank{other}-of-{world_size}.lock"
+            if other == rank or not lock.is_file() or not lock_held_elsewhere(lock):
+                continue  # a rank that has ended is no objection (a rerun may change --max-samples for all)
+            try:
+                theirs = json.loads(rank_record_path(hs_dir, world_size, other).read_text())
+            except (OSError, ValueError):
+                continue  # not written yet: that rank reads this one's record when it gets there
+            for flag, value in shared.items():
+                if flag in theirs and theirs[flag] != value:
+                    raise ConfigError(f"{rank_record_path(hs_dir, world_size, other)}: rank {other} of {world_size} is "
+                                      f"extracting into {hs_dir} now with {flag} {json.dumps(theirs[flag])}, this rank "
+                                      f"with {json.dumps(value)}; every rank needs the same {flag} (each splits the "
+                                      f"same rows), so rerun this rank with that value")
     # Ranks split the rows by --world-size: one started with another would extract some rows twice and some never.
     for lock in sorted(hs_dir.glob(".eagle3.rank*-of-*.lock")):
         other = re.fullmatch(r"\.eagle3\.rank\d+-of-(\d+)\.lock", lock.name)
