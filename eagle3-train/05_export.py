@@ -89,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
               "checkpoint": {"name": checkpoint.name, "model_sha256": model_sha256}},
         verifier_name=verifier, num_speculative_tokens=num_tokens,
         **({"layout": layout} if layout != "speculators" else {}))  # the default keeps older exports' identity
+    # 03's mapping, as 03 wrote it (its manifest and d2t's digest), before "already exported": the export holds the
+    # d2t it was made with, so a mapping changed since makes no rerun a no-op (issue 64's sweep)
+    vocab = trained_vocab(trained, cfg.vocab)
     check_writable_dir(out_dir.parent, "--output")
     refuse_foreign_output(out_dir)
     # The export replaces out_dir as a whole (a rename), so its lock lives beside it.
@@ -102,7 +105,6 @@ def main(argv: list[str] | None = None) -> int:
         print(serve_command(target["path"], out_dir, num_tokens, cfg.tensor_parallel_size, target["is_multimodal_wrapper"]))
         return 0
     refuse_unwritten_entries(out_dir)
-    vocab = trained_vocab(trained, cfg.vocab)
     vocab_dir = vocab.directory
     for line in preflight_export(checkpoint, out_dir):
         log.info("preflight %s", line)
