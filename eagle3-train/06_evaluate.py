@@ -48,7 +48,6 @@ from eagle3_pipeline.eval_report import (
 from eagle3_pipeline.evaluate import VllmSettings, gpu_memory_args, measure_acceptance
 from eagle3_pipeline.export import DRAFT_FILES, k_above_training, lock_draft_for_reading
 from eagle3_pipeline.files import (
-    LOCK_NAME,
     atomic_write_json,
     atomic_write_text,
     check_writable_dir,
@@ -63,6 +62,7 @@ from eagle3_pipeline.stage import (
     data_identity,
     finished,
     log,
+    no_empty_output_left,
     read_own_manifest,
     refuse_unowned,
     retire_manifest,
@@ -167,27 +167,22 @@ def main(argv: list[str] | None = None) -> int:
                                    "--target": (Path(target.path), "the target model's folder")})
     check_writable_dir(out_dir, "--output")
     refuse_unowned(out_dir, "evaluate")
-    created = not out_dir.exists()
-    try:
-        done = finished(out_dir, "evaluate", identity, cfg.overwrite, cfg.check, outputs=(REPORT_JSON,),
-                        damaged=views_only)
-        views = []
-    except ViewsDamaged as damaged:  # report.json as written, only a view of it damaged: drawn again, no engine
-        done, views = True, damaged.names
-    if done:
-        report = already_evaluated(out_dir, cfg.check, views)
-        if report is not None:
-            if not cfg.check:  # the card's section as this report says (a card restored or edited since)
-                done_manifest = read_own_manifest(out_dir)
-                update_card(draft_dir, report, done_manifest.versions, done_manifest.created)
-            return report_outcome(report)
-    try:
+    with no_empty_output_left(out_dir):  # a refused or failed first run leaves no empty --output behind
+        try:
+            done = finished(out_dir, "evaluate", identity, cfg.overwrite, cfg.check, outputs=(REPORT_JSON,),
+                            damaged=views_only)
+            views = []
+        except ViewsDamaged as damaged:  # report.json as written, only a view of it damaged: drawn again, no engine
+            done, views = True, damaged.names
+        if done:
+            report = already_evaluated(out_dir, cfg.check, views)
+            if report is not None:
+                if not cfg.check:  # the card's section as this report says (a card restored or edited since)
+                    done_manifest = read_own_manifest(out_dir)
+                    update_card(draft_dir, report, done_manifest.versions, done_manifest.created)
+                return report_outcome(report)
         return measure(cfg, out_dir, draft_dir, identity, findings, prompts, categories, k, tensor_parallel,
                        template_kwargs, target, exported, trained, prepared, vocab)
-    except BaseException:
-        if created:  # a refused or failed first run leaves no empty --output behind (only its lock was there)
-            remove_if_only_lock(out_dir)
-        raise
 
 
 def measure(cfg, out_dir, draft_dir, identity, findings, prompts, categories, k, tensor_parallel, template_kwargs,
@@ -241,18 +236,6 @@ def measure(cfg, out_dir, draft_dir, identity, findings, prompts, categories, k,
     log.info("report -> %s", out_dir)
     update_card(draft_dir, report, written.versions, written.created)  # the draft's card: its measured section
     return report_outcome(report)
-
-
-def remove_if_only_lock(out_dir: Path) -> None:
-    """The folder this run created, if nothing but its lock file is in it."""
-    try:
-        entries = list(out_dir.iterdir())
-        if all(p.name == LOCK_NAME for p in entries):
-            for p in entries:
-                p.unlink()
-            out_dir.rmdir()
-    except OSError:
-        pass
 
 
 def check_line(findings, num_prompts: int, measurement: str) -> str:
