@@ -31,7 +31,9 @@ from eagle3_pipeline.contract import (
 from eagle3_pipeline.errors import ConfigError, ContractError
 from eagle3_pipeline.export import (
     DRAFT_FILES,
+    check_published,
     choose_checkpoint,
+    followed_output,
     k_above_training,
     lock_file_for,
     require_finite_weights,
@@ -39,6 +41,7 @@ from eagle3_pipeline.export import (
     serve_command,
     verify_draft_dir,
     write_draft_dir,
+    write_sglang_layout,
 )
 from eagle3_pipeline.files import (
     TEMP_MARKER,
@@ -147,58 +150,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def write_sglang_layout(staging: Path, target: dict) -> dict:
-    """The verified speculators-format files in staging rewritten in SGLang's layout (sglang_layout.py): its
-    config.json, the same tensors under its names; speculators' config.py goes (its auto_map class is theirs). The
-    result is checked as 06 checks a draft: the config loads with transformers' AutoConfig, the tensors fit it."""
-    from safetensors.torch import load_file, save_file
-
-    from eagle3_pipeline.verdict import OK, check_weights
-
-    config = json.loads((staging / "config.json").read_text())
-    tensors = load_file(str(staging / "model.safetensors"))
-    out_config = sglang_layout.sglang_config(config)
-    save_file({sglang_layout.sglang_name(name): t for name, t in tensors.items()}, str(staging / "model.safetensors"),
-              metadata={"format": "pt"})
-    (staging / "config.json").write_text(json.dumps(out_config, indent=2) + "\n")
-    (staging / "config.py").unlink(missing_ok=True)
-    from transformers import AutoConfig
-
-    loaded = AutoConfig.from_pretrained(str(staging))
-    view, shapes = sglang_layout.speculators_view(out_config, {sglang_layout.sglang_name(n): list(t.shape)
-                                                               for n, t in tensors.items()})
-    fit = check_weights(view, shapes, target["hidden_size"], target["vocab_size"])
-    if fit.status != OK:
-        raise ContractError(f"{staging / 'model.safetensors'}: the SGLang layout does not fit its config ({fit.detail})")
-    return {"layout": "sglang", "architectures": list(loaded.architectures or [])}
-
-
-def check_published(draft_dir: Path) -> list[str]:
-    """`--check` on a finished export: the folder as a hub user meets it. The card parses and names its base model;
-    the config loads (speculators' config class, or transformers' AutoConfig for the SGLang layout); every file the
-    manifest records is the size and digest written. One line each; a problem is one error line naming the file."""
-    manifest = read_manifest(draft_dir, "export", "--output")
-    front = model_card.check_card(draft_dir / model_card.CARD_NAME)
-    config = json.loads((draft_dir / "config.json").read_text())
-    try:
-        if sglang_layout.is_sglang(config):
-            from transformers import AutoConfig
-
-            loaded = type(AutoConfig.from_pretrained(str(draft_dir))).__name__
-        else:
-            import speculators.models  # noqa: F401  (registers the eagle3 config)
-            from speculators.config import SpeculatorModelConfig
-
-            loaded = type(SpeculatorModelConfig.from_pretrained(str(draft_dir))).__name__
-    except Exception as exc:  # the loaders raise their own types: a key they refuse, a class they lack
-        raise ContractError(f"{draft_dir / 'config.json'}: does not load ({type(exc).__name__}: "
-                            f"{str(exc).splitlines()[0][:160] if str(exc) else ''}); export the draft again") from None
-    require_written_files(manifest, list(manifest.output_files or {}))
-    return [f"05 --check: {draft_dir / model_card.CARD_NAME}: front matter parses, base_model {front['base_model']}",
-            f"05 --check: {draft_dir / 'config.json'}: loads ({loaded})",
-            f"05 --check: {len(manifest.output_files or {})} files as written (sizes and digests of {manifest.path})"]
-
-
 def trained_data(trained: TrainManifest):
     """Stage 01's manifest the training used (for the card), None when it is not where 04 recorded it (a moved work
     directory): the card then says its data section is not filled in."""
@@ -207,19 +158,6 @@ def trained_data(trained: TrainManifest):
     except ContractError as exc:
         log.warning("model card: no data section (%s)", exc)
         return None
-
-
-def followed_output(out_dir: Path) -> Path:
-    """--output given as a symlink to a folder: the export goes into the folder it points to (the link is kept; the
-    export replaces a folder by renames, which a link cannot take). A link to nothing, or to a file, is one line."""
-    if not out_dir.is_symlink():
-        return out_dir
-    target = out_dir.resolve()
-    if not target.is_dir():
-        what = "a file" if target.exists() else "nothing (a dangling link)"
-        raise ConfigError(f"{out_dir}: --output is a symlink to {what} ({target}); give a folder, or a link to one")
-    log.info("%s: a symlink; exporting into the folder it points to, %s", out_dir, target)
-    return target
 
 
 def trained_vocab(trained: TrainManifest, flag: str | None):

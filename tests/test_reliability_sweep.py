@@ -371,7 +371,8 @@ def test_a_copy_changed_one_way_is_refused_or_redone_never_finished_for_nothing(
 # 05 "already exported; nothing to do" over a model.safetensors cut short, --status "finished").
 # Not swept: speculators' links (checkpoint_best, epochN_end: pointers, none of them read; 05 exports the checkpoint
 # 04's manifest names), 02's row files (the cases above), 04's logs/ (records for people, not recorded by digest).
-# 05's card (README.md: outside its digests by design). 04's other records for people (checkpoints.RECORDS: metrics.jsonl, summary.txt, command.txt, plots/) damaged: the
+# 05's card (README.md: outside its digests by design). 04's other records for people (checkpoints.RECORDS:
+# metrics.jsonl, summary.txt, command.txt, plots/) damaged: the
 # run stays finished, with a warning naming the file (no stage reads them to decide or build anything).
 
 OWN_OUTPUTS = {  # stage -> (its output folder from WORK, what a rerun may rewrite, the outcome over a damaged file)

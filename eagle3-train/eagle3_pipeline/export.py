@@ -10,16 +10,20 @@ verifier name and the proposal's speculative token count, and checks the result.
 from __future__ import annotations
 
 import json
+import logging
 import shlex
 import shutil
 from pathlib import Path
 
 import numpy as np
 
-from . import checkpoints
-from .errors import ContractError, InputError, PathError
+from . import checkpoints, model_card, sglang_layout
+from .contract import read_manifest, require_written_files
+from .errors import ConfigError, ContractError, InputError, PathError
 from .files import LockedError, hold_lock, sha256_file
 from .stage import OutputBusy
+
+log = logging.getLogger("eagle3")
 
 # Local imports: torch, safetensors, speculators: imported where the draft is loaded (heavy; 05's --help/--check need none).
 
@@ -147,3 +151,68 @@ def serve_command(target: str, draft_dir: Path, num_speculative_tokens: int, ten
         parts.append("--language-model-only")
     parts += ["--speculative-config", spec]
     return " ".join(shlex.quote(p) for p in parts)
+
+
+def write_sglang_layout(staging: Path, target: dict) -> dict:
+    """The verified speculators-format files in staging rewritten in SGLang's layout (sglang_layout.py): its
+    config.json, the same tensors under its names; speculators' config.py goes (its auto_map class is theirs). The
+    result is checked as 06 checks a draft: the config loads with transformers' AutoConfig, the tensors fit it."""
+    from safetensors.torch import load_file, save_file
+
+    from .verdict import OK, check_weights
+
+    config = json.loads((staging / "config.json").read_text())
+    tensors = load_file(str(staging / "model.safetensors"))
+    out_config = sglang_layout.sglang_config(config)
+    save_file({sglang_layout.sglang_name(name): t for name, t in tensors.items()}, str(staging / "model.safetensors"),
+              metadata={"format": "pt"})
+    (staging / "config.json").write_text(json.dumps(out_config, indent=2) + "\n")
+    (staging / "config.py").unlink(missing_ok=True)
+    from transformers import AutoConfig
+
+    loaded = AutoConfig.from_pretrained(str(staging))
+    view, shapes = sglang_layout.speculators_view(out_config, {sglang_layout.sglang_name(n): list(t.shape)
+                                                               for n, t in tensors.items()})
+    fit = check_weights(view, shapes, target["hidden_size"], target["vocab_size"])
+    if fit.status != OK:
+        raise ContractError(f"{staging / 'model.safetensors'}: the SGLang layout does not fit its config ({fit.detail})")
+    return {"layout": "sglang", "architectures": list(loaded.architectures or [])}
+
+
+def check_published(draft_dir: Path) -> list[str]:
+    """`--check` on a finished export: the folder as a hub user meets it. The card parses and names its base model;
+    the config loads (speculators' config class, or transformers' AutoConfig for the SGLang layout); every file the
+    manifest records is the size and digest written. One line each; a problem is one error line naming the file."""
+    manifest = read_manifest(draft_dir, "export", "--output")
+    front = model_card.check_card(draft_dir / model_card.CARD_NAME)
+    config = json.loads((draft_dir / "config.json").read_text())
+    try:
+        if sglang_layout.is_sglang(config):
+            from transformers import AutoConfig
+
+            loaded = type(AutoConfig.from_pretrained(str(draft_dir))).__name__
+        else:
+            import speculators.models  # noqa: F401  (registers the eagle3 config)
+            from speculators.config import SpeculatorModelConfig
+
+            loaded = type(SpeculatorModelConfig.from_pretrained(str(draft_dir))).__name__
+    except Exception as exc:  # the loaders raise their own types: a key they refuse, a class they lack
+        raise ContractError(f"{draft_dir / 'config.json'}: does not load ({type(exc).__name__}: "
+                            f"{str(exc).splitlines()[0][:160] if str(exc) else ''}); export the draft again") from None
+    require_written_files(manifest, list(manifest.output_files or {}))
+    return [f"05 --check: {draft_dir / model_card.CARD_NAME}: front matter parses, base_model {front['base_model']}",
+            f"05 --check: {draft_dir / 'config.json'}: loads ({loaded})",
+            f"05 --check: {len(manifest.output_files or {})} files as written (sizes and digests of {manifest.path})"]
+
+
+def followed_output(out_dir: Path) -> Path:
+    """--output given as a symlink to a folder: the export goes into the folder it points to (the link is kept; the
+    export replaces a folder by renames, which a link cannot take). A link to nothing, or to a file, is one line."""
+    if not out_dir.is_symlink():
+        return out_dir
+    target = out_dir.resolve()
+    if not target.is_dir():
+        what = "a file" if target.exists() else "nothing (a dangling link)"
+        raise ConfigError(f"{out_dir}: --output is a symlink to {what} ({target}); give a folder, or a link to one")
+    log.info("%s: a symlink; exporting into the folder it points to, %s", out_dir, target)
+    return target
