@@ -19,19 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
-CACHE = REPO / ".cache"
-
-
-def load_testbed_module():
-    spec = importlib.util.spec_from_file_location("bench_testbed_registry", REPO / "bench" / "testbed.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-testbed = load_testbed_module()
+from test_testbed import CACHE, REPO, testbed  # bench/testbed.py, loaded once by its own test file
 
 
 def test_smollm2_stays_the_default_with_its_old_names_and_folder():
