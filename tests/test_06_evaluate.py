@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_reliability_bad_input import recorded_by_02
 
 from eagle3_pipeline.conversations import to_messages
 from eagle3_pipeline.errors import InputError, PreflightError
@@ -88,6 +89,7 @@ def zero_states_draft(llama_run, llama_target, tmp_path_factory) -> Path:
         tensors = load_file(str(path))
         tensors["hidden_states"] = torch.zeros_like(tensors["hidden_states"])
         save_file(tensors, str(path))
+    recorded_by_02(data / "hidden_states")  # as 02's own bytes (a broken extraction): else 04 refuses them as changed
     run_stage("train", "--profile", "cpu-mini", "--target", llama_target, "--data", data, "--vocab", llama_run["vocab"],
               "--output", work / "checkpoints", "--logger", "", env={"EAGLE3_INPUT_CHECKS": "off"})
     run_stage("export", "--profile", "cpu-mini", "--checkpoints", work / "checkpoints", "--output", work / "draft")
