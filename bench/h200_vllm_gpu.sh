@@ -13,7 +13,7 @@
 #   .dev/gguf/gguf-aa, gguf-ab       the SmolLM2 GGUF (98 MB) in two parts of 44 and 50 MiB, one call each beside the
 #                                    repo; reassembled only when its sha256 matches
 # The repo itself travels with every call (~6.3 MiB with bench/data/'s carried chats): make the vLLM bundle with
-# PART_MB=54 (`PART_MB=54 bash ../shared/gpu/vllm-h200/make_bundle.sh .dev/vchunk`), or part00 + the repo exceed 64 MiB.
+# PART_MB=52 (`PART_MB=52 bash ../shared/gpu/vllm-h200/make_bundle.sh .dev/vchunk`), or part00 + the repo (~11 MB) exceed 64 MiB.
 #   .dev/carry/prompts.jsonl.xz      bench/chat_data.py's prompts, built here (Python 3.11.7)
 #   .dev/gguf-NAME/part-aa, -ab, ... another testbed's GGUF (bench/testbed.py's registry, e.g. qwen2.5-coder-0.5b: 469 MiB
 #                                    in 9 parts of <= 54 MiB; `bash bench/h200_vllm_gpu.sh prepare-testbed NAME` here),
@@ -84,7 +84,7 @@ SITE=/root/site
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
 GGUF_SHA256=$(sed -n 's/^GGUF_SHA256 = "\([0-9a-f]*\)".*/\1/p' bench/testbed.py)  # the one pinned digest
 GGUF_DIR=${H200_GGUF_DIR:-/root/gguf}  # where another testbed's GGUF is reassembled (another only for the tests)
-PART_MB=54  # another testbed's GGUF parts: one a call beside the repo (~6.3 MiB) under the device's 64 MiB
+PART_MB=${PART_MB:-50}  # another testbed's GGUF parts: one a call beside the repo (~11 MB) under the device's 64 MiB
 BG_OUT=${H200_BG_OUT:-/root/acceptance-out}  # the detached bench's folder (another only for the tests)
 JOBS=${H200_JOBS_DIR:-/root/jobs}  # the detached jobs' folders (another only for the tests)
 TRAIN_OUT=${H200_TRAIN_OUT:-/root/train-out}
