@@ -74,6 +74,9 @@ class DraftKind:
     cpu: str = ""
     # Target families speculators can build this kind for (None: any). MTP reuses the verifier's native MTP head.
     target_model_types: Optional[tuple[str, ...]] = None
+    # draft_config.json's EAGLE-3 keys (EAGLE3_KEYS) reach speculators: eagle3 only; every other kind trains with
+    # speculators' own defaults for them (schema.py _resolve_derived_defaults)
+    eagle3_settings: bool = False
 
 
 _NOT_LOADED_026 = "vllm 0.26 algos.py registers no such speculators_model_type"
@@ -87,7 +90,7 @@ KINDS: dict[str, DraftKind] = {k.name: k for k in (
         k_rule="chain",
         serving={"0.26": Serving("eagle3", model_file="llama_eagle3.py"),
                  "0.32": Serving("eagle3", model_file="llama_eagle3.py")},
-        cpu_serves=True, cpu="served: stage 06's path (evaluate.py run_engine)",
+        cpu_serves=True, cpu="served: stage 06's path (evaluate.py run_engine)", eagle3_settings=True,
     ),
     DraftKind(
         "peagle", "P-EAGLE: EAGLE-3 drafting k tokens in one pass from mask placeholders (COD-sampled training)",
@@ -153,6 +156,13 @@ KINDS: dict[str, DraftKind] = {k.name: k for k in (
 )}
 
 
+# draft_config.json keys that are EAGLE-3's architecture: passed to speculators for eagle3 only, and part of stage
+# 04's identity only for it. num_layers is passed to another kind only where it is not EAGLE-3's 1 (1 there means the
+# kind's own default: 5 for the dflash family, 1 for peagle).
+EAGLE3_KEYS = ("draft_arch", "ttt_steps", "norm_before_residual", "fc_norm", "norm_before_fc")
+EAGLE3_NUM_LAYERS = 1
+
+
 def kind(name: Optional[str]) -> DraftKind:
     """The kind named `name` (None: the default, eagle3); an unknown name is refused in one line."""
     if name is None:
@@ -178,6 +188,87 @@ def _version_key(vllm_version: str) -> str:
         raise ConfigError(f"vLLM {vllm_version}: the draft kinds were checked against vLLM {' and '.join(VLLM_VERSIONS)}"
                           f"; use one of those or later")
     return known[-1]
+
+
+def served_versions(kind_or_name) -> list[str]:
+    """The VLLM_VERSIONS entries that serve this kind."""
+    k = _as_kind(kind_or_name)
+    return [v for v in VLLM_VERSIONS if k.serving[v].method]
+
+
+def trainable(kind_or_name) -> DraftKind:
+    """A kind stage 04 trains: one a checked vLLM serves (the pipeline hands vLLM a draft it can serve); another is
+    refused in one line that says why."""
+    k = _as_kind(kind_or_name)
+    if not served_versions(k):
+        able = ", ".join(name for name in KINDS if served_versions(name))
+        raise ConfigError(f"speculator_type {k.name}: no vLLM checked ({' and '.join(VLLM_VERSIONS)}) serves a {k.name} "
+                          f"draft ({k.serving[VLLM_VERSIONS[-1]].why_not}), and this pipeline trains drafts vLLM serves: "
+                          f"choose {able}")
+    return k
+
+
+def architecture_flags(kind_or_name, draft, ttt_steps: int) -> tuple[list[str], list[str]]:
+    """The `speculators train` flags of the draft's architecture, (lead, tail): lead after --speculator-type, tail
+    after the shared flags (last but the user's --extra-args). `draft`: the draft config (config/schema.py
+    DraftConfig). eagle3: draft_config.json's EAGLE-3 keys, every one explicit (speculators 0.9.0 resolves an unset
+    --norm-before-fc to true for eagle3; --fc-norm is a bare store_true flag). Another kind: only what the user set
+    for it, num_layers other than EAGLE-3's 1 and block_size; the rest is speculators' default for that kind."""
+    k = _as_kind(kind_or_name)
+    if k.eagle3_settings:
+        lead = ["--draft-arch", draft.draft_arch, "--num-layers", str(draft.num_layers), "--ttt-steps", str(ttt_steps)]
+        tail = [] if draft.norm_before_residual else ["--no-norm-before-residual"]
+        tail += ["--norm-before-fc" if draft.norm_before_fc else "--no-norm-before-fc"]
+        return lead, tail + (["--fc-norm"] if draft.fc_norm else [])
+    lead = [] if draft.num_layers == EAGLE3_NUM_LAYERS else ["--num-layers", str(draft.num_layers)]
+    if draft.block_size is not None:
+        lead += ["--block-size", str(draft.block_size)]
+    return lead, []
+
+
+def num_draft_layers(kind_or_name, num_layers: int) -> int:
+    """The decoder layers a draft of this kind gets from draft_config.json's num_layers (architecture_flags)."""
+    k = _as_kind(kind_or_name)
+    return num_layers if k.eagle3_settings or num_layers != EAGLE3_NUM_LAYERS else k.default_num_layers
+
+
+def block_size_problem(kind_or_name, size: Optional[int]) -> Optional[str]:
+    """Why draft_config.json's block_size cannot be this kind's (None: it can)."""
+    k = _as_kind(kind_or_name)
+    if size is not None and not k.block_draft:
+        return (f"the {k.name} kind has no block (block drafts: {', '.join(n for n, x in KINDS.items() if x.block_draft)})"
+                f"; set block_size to null")
+    return None
+
+
+def layer_indices_problem(kind_or_name, num_layers: int, indices) -> Optional[str]:
+    """Why full_attention_indices are not layers of this kind's draft (None: they are)."""
+    layers = num_draft_layers(kind_or_name, num_layers)
+    bad = [i for i in indices if not 0 <= i < layers]
+    return f"{bad} are not layer indices of a {layers}-layer draft" if bad else None
+
+
+def identity_settings(kind_or_name, settings: dict) -> dict:
+    """The draft config's part of stage 04's identity (`settings`: its dump). eagle3: as before the kinds existed
+    (no speculator_type, no block_size while null), so an old run resumes; another kind: its name and the keys it is
+    trained with, not the EAGLE-3 ones it ignores."""
+    k = _as_kind(kind_or_name)
+    settings = dict(settings)
+    if k.eagle3_settings:
+        settings.pop("speculator_type", None)
+        if settings.get("block_size") is None:
+            settings.pop("block_size", None)
+        return settings
+    return {key: value for key, value in settings.items() if key not in EAGLE3_KEYS}
+
+
+def identity_extra(kind_or_name, ttt_steps: int, mask_token_id: Optional[int]) -> dict:
+    """Stage 04's identity settings besides the draft config's that depend on the kind: eagle3 its TTT steps (as
+    before the kinds existed); a kind that reads a mask token, that token (it is in every input block)."""
+    k = _as_kind(kind_or_name)
+    if k.eagle3_settings:
+        return {"ttt_steps": ttt_steps}
+    return {"mask_token_id": mask_token_id} if k.needs_mask_token else {}
 
 
 def serving(kind_or_name, vllm_version: str) -> Serving:

@@ -242,6 +242,8 @@ class TrainManifest(Manifest):
     stage: Literal["train"] = "train"
     outputs: list[str] | None = None  # what --overwrite may delete (checkpoints.own_outputs)
     draft_config: dict[str, Any] | None = None
+    speculator_type: str | None = None  # the draft kind trained (draft_kinds.py); None: a run before kinds, eagle3
+    mask_token_id: int | None = None  # the --mask-token-id passed
     aux_layer_ids: list[int] | None = None
     draft_vocab_size: int | None = None
     best_checkpoint: CheckpointRef | None = None

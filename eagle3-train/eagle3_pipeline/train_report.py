@@ -256,7 +256,8 @@ def _throughput(curves) -> dict:
 
 def format_summary(summary: dict, out_dir: Path | None = None) -> str:
     """One screen of text: best checkpoint, val loss, per-step accuracies, tau, the epoch table."""
-    lines = ["EAGLE-3 draft training summary" + (f"  ({out_dir})" if out_dir else "")]
+    kind = summary.get("speculator_type") or "eagle3"
+    lines = [f"{'EAGLE-3' if kind == 'eagle3' else kind} draft training summary" + (f"  ({out_dir})" if out_dir else "")]
     epoch = summary.get("best_epoch")
     lines.append(f"best checkpoint : {summary['best_checkpoint']}"
                  + (f"  (epoch {epoch}, lowest val loss)" if epoch is not None else ""))

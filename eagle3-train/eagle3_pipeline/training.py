@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import checkpoints, compat, online, resume
+from . import checkpoints, compat, draft_kinds, online, resume
 from .checkpoints import latest_progress
 from .compat import feature_noise, flex_forward_config, resume_agreement, stall_watch, val_depth
 from .compat import sample_check as checks
@@ -202,16 +202,18 @@ def require_unchanged_row_files(extracted: ExtractManifest, rows_total: int) -> 
 
 
 def speculators_argv(cfg: TrainConfig, draft: DraftConfig, target_path: str, aux_layer_ids: list[int],
-                     draft_vocab_size: int, train_data_ratio: float, mask_token_id: int,
+                     draft_vocab_size: int, train_data_ratio: float, mask_token_id: int | None,
                      hidden_states_storage: str = "dtype", gpu: bool | None = None) -> list[str]:
     """The `speculators train` flags for this run (the full contract with its trainer): the paths, the fields
-    declared with `speculators=` (config/schema.py) verbatim, then what this stage resolves.
+    declared with `speculators=` (config/schema.py) verbatim, then what this stage resolves: the draft kind and its
+    architecture flags (draft_kinds.architecture_flags: draft_config.json's EAGLE-3 keys for eagle3 only).
     `hidden_states_storage`: stage 02's `storage` ("fp8" files are read by speculators' fp8 backend).
     `gpu`: whether this machine trains on CUDA (default: ask torch, `on_gpu`)."""
     gpu = on_gpu() if gpu is None else gpu
     attn, loss = resolve_kernels(cfg, gpu)
     out = Path(cfg.output)
     num_workers = cfg.num_workers if gpu else 0  # CPU: worker processes only compete for 2 cores
+    lead, tail = draft_kinds.architecture_flags(draft.speculator_type, draft, ttt_steps(cfg, draft))
     argv = [
         "--verifier-name-or-path", target_path,
         "--data-path", str(Path(cfg.data)),
@@ -222,16 +224,15 @@ def speculators_argv(cfg: TrainConfig, draft: DraftConfig, target_path: str, aux
         "--t2d-path", str(Path(cfg.vocab) / T2D_NAME),
         "--draft-vocab-size", str(draft_vocab_size),
         "--target-layer-ids", *map(str, aux_layer_ids),
-        "--draft-arch", draft.draft_arch,
-        "--num-layers", str(draft.num_layers),
-        "--ttt-steps", str(ttt_steps(cfg, draft)),
+        "--speculator-type", draft.speculator_type,
+        *lead,
         "--sliding-window", str(draft.sliding_window),
         "--draft-attn-impl", attn,
         "--loss-implementation", loss,
         "--hidden-states-dtype", hidden_states_dtype(cfg, gpu),
         "--num-workers", str(num_workers),
         "--train-data-ratio", repr(train_data_ratio),
-        "--mask-token-id", str(mask_token_id),
+        *(["--mask-token-id", str(mask_token_id)] if mask_token_id is not None else []),
         # files: a missing file is a bug, never silently skipped; online/hybrid: vLLM generates each sample
         *(["--on-missing", "raise"] if cfg.hidden_states == "files" else online_speculators_args(cfg)),
         # Not --save-best: in speculators 0.9.0 it saves only improving epochs (so a resume can
@@ -242,14 +243,50 @@ def speculators_argv(cfg: TrainConfig, draft: DraftConfig, target_path: str, aux
         argv += ["--hidden-states-backend", "fp8"]
     if draft.full_attention_indices:
         argv += ["--full-attention-indices", *map(str, draft.full_attention_indices)]
-    if not draft.norm_before_residual:
-        argv += ["--no-norm-before-residual"]
-    # both norms explicit: speculators 0.9.0 resolves an unset --norm-before-fc to true for eagle3, and --fc-norm
-    # is a bare store_true flag (no --no-fc-norm); a user's --extra-args still come last
-    argv += ["--norm-before-fc" if draft.norm_before_fc else "--no-norm-before-fc"]
-    if draft.fc_norm:
-        argv += ["--fc-norm"]
-    return argv + list(cfg.extra_args)
+    return argv + tail + list(cfg.extra_args)  # a user's --extra-args come last (and so win)
+
+
+def draft_for_run(cfg: TrainConfig) -> DraftConfig:
+    """The draft config this run trains: draft_config.json's, with --speculator-type's kind when given (the
+    manifest's draft_config records it). A kind no checked vLLM serves, or a block_size for a kind without a block,
+    is refused in one line."""
+    draft = load_draft_config(cfg.draft_config, cfg.speculator_type)
+    draft_kinds.trainable(draft.speculator_type)
+    if problem := draft_kinds.block_size_problem(draft.speculator_type, draft.block_size):
+        raise ConfigError(f"{cfg.draft_config}: block_size {draft.block_size}: {problem}")
+    return draft
+
+
+def mask_token(cfg: TrainConfig, draft: DraftConfig, target) -> int:
+    """The --mask-token-id this run passes (draft_kinds.mask_token_id): --mask-token-id, else the one speculators
+    would find in the target's tokenizer (loaded from the target directory, no model). A kind that needs one and
+    finds none is refused in one line; another kind that finds none gets the config's pad token (or 0), as before the
+    kinds existed, which spares speculators loading the processor."""
+    tokenizer = None
+    if cfg.mask_token_id is None:
+        from transformers import AutoTokenizer  # heavy: only a run that trains loads it (argv building needs none)
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(target.path, trust_remote_code=cfg.trust_remote_code)
+        except Exception as exc:  # noqa: BLE001 -- any tokenizer failure: said, or the old fallback
+            if draft_kinds.kind(draft.speculator_type).needs_mask_token:
+                raise ConfigError(f"{target.path}: cannot load the tokenizer ({type(exc).__name__}) to find the mask "
+                                  f"token a {draft.speculator_type} draft needs: pass --mask-token-id ID") from None
+    found = draft_kinds.mask_token_id(draft.speculator_type, tokenizer, cfg.mask_token_id, target.vocab_size)
+    return found if found is not None else (target.text_config.get("pad_token_id") or 0)
+
+
+def check_kind_layers(cfg: TrainConfig, draft: DraftConfig, extracted: ExtractManifest | None, num_layers: int) -> None:
+    """Stage 02 extracted the layers this kind reads (draft_kinds.extraction_layer_ids), unless --layer-ids says which
+    to train on (read_upstream checks those are 02's); a mismatch is refused in one line naming 02's manifest."""
+    if extracted is None or cfg.layer_ids:
+        return
+    wanted = draft_kinds.extraction_layer_ids(draft.speculator_type, num_layers)
+    if list(extracted.layer_ids) != wanted:
+        raise ContractError(f"{extracted.path}: stage 02 extracted layer ids {extracted.layer_ids}, "
+                            f"a {draft.speculator_type} draft reads {wanted} (its aux layers + the final layer); rerun "
+                            f"02_extract_hidden_states.py with --layer-ids {' '.join(map(str, wanted[:-1]))}, or pass "
+                            f"04 --layer-ids {' '.join(map(str, extracted.layer_ids[:-1]))} to train on 02's layers")
 
 
 def fit_val_ttt_steps(cfg: TrainConfig, sources: Sources, draft: DraftConfig):
@@ -279,7 +316,7 @@ def resolved_for_print_config(cfg: TrainConfig, sources: Sources | dict | None =
     notes: dict[str, str] = {}
     sources = sources if isinstance(sources, Sources) else Sources(sources or {})
     try:
-        draft = load_draft_config(cfg.draft_config)
+        draft = load_draft_config(cfg.draft_config, cfg.speculator_type)
     except ConfigError as exc:
         draft, notes["draft_config"] = DraftConfig(), f"? ({exc}; built-in draft defaults shown below)"
     fitted = _prepared_counts(cfg.data) if not cfg.data.startswith("<") else None
@@ -298,15 +335,22 @@ def resolved_for_print_config(cfg: TrainConfig, sources: Sources | dict | None =
         return argv[argv.index(flag) + 1]
 
     device = "CUDA" if gpu else "no CUDA device"
-    if "draft_config" not in notes:  # the draft's norms before the fc projection: what decides its architecture most
+    lead, _ = draft_kinds.architecture_flags(draft.speculator_type, draft, ttt_steps(cfg, draft))
+    if "draft_config" in notes:
+        pass
+    elif draft_kinds.kind(draft.speculator_type).eagle3_settings:  # its norms before the fc projection decide most
         norms = [flag for flag in ("--fc-norm", "--norm-before-fc", "--no-norm-before-fc") if flag in argv]
         notes["draft_config"] = (f"its fc_norm {str(draft.fc_norm).lower()}, norm_before_fc "
                                  f"{str(draft.norm_before_fc).lower()} -> speculators {' '.join(norms)}")
+    else:  # another kind: speculators' own defaults but for what the draft config sets for it
+        notes["draft_config"] = (f"speculator_type {draft.speculator_type}: speculators' own {draft.speculator_type} "
+                                 f"defaults, not its EAGLE-3 keys -> speculators --speculator-type {draft.speculator_type}"
+                                 + "".join(f" {flag}" for flag in lead))
     if cfg.total_seq_len > SMALL_RUN_SEQ_LEN and fitted is None:
         notes["total_seq_len"] = (f"{cfg.total_seq_len}, or {SMALL_RUN_SEQ_LEN} (the longest row if longer) when --data's "
                                   f"rows give fewer than {FEW_OPTIMIZER_STEPS:,} optimizer steps and the value is not "
                                   f"an explicit --total-seq-len (the preflight line says which)")
-    if cfg.ttt_steps is None:
+    if cfg.ttt_steps is None and "--ttt-steps" in argv:
         notes["ttt_steps"] = f"{sent('--ttt-steps')} ({cfg.draft_config}'s ttt_steps)"
     if cfg.val_ttt_steps is None:
         notes["val_ttt_steps"] = (f"{val_ttt_steps(cfg, draft)} (the deeper of the TTT steps and {cfg.draft_config}'s "

@@ -12,6 +12,7 @@ from typing import Any, ClassVar, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from .. import draft_kinds
 from ..compat.flex_forward_config import parse_setting as parse_flex_forward_config
 from ..errors import ConfigError
 from ..hidden_states import FILE_PATTERN, HS_DIRNAME
@@ -255,7 +256,7 @@ class VocabConfig(StageConfig):
 class TrainConfig(StageConfig):
     STAGE: ClassVar[str] = "train"
     DESCRIPTION: ClassVar[str] = (
-        "Stage 04: train the EAGLE-3 draft with speculators' own trainer (flex_attention + fused loss on GPU; "
+        "Stage 04: train the draft (EAGLE-3 unless --speculator-type / draft_config.json say another kind) with speculators' own trainer (flex_attention + fused loss on GPU; "
         "a CPU compatibility layer only when no accelerator exists). Resumes from the last checkpoint."
     )
     EXAMPLE: ClassVar[str] = (
@@ -303,6 +304,17 @@ class TrainConfig(StageConfig):
     draft_config: str = _field(str(DEFAULT_DRAFT_CONFIG), "draft architecture file (layers, TTT steps, window, the norm "
                                                           "before fc: fc_norm per aux state by default, or norm_before_fc)",
                                identity=False)
+    # not identity: recorded resolved (the draft config's speculator_type in the identity, eagle3 left out)
+    speculator_type: Optional[str] = _field(
+        None, "the draft kind speculators trains (--speculator-type; default: draft_config.json's speculator_type, "
+        "eagle3): eagle3, peagle, dflash, dflash2 or dspark (xpress and mtp are refused: no vLLM serves them). Another "
+        "kind than eagle3 gets speculators' own defaults, not draft_config.json's EAGLE-3 keys (draft_arch, ttt_steps, "
+        "the norms); its num_layers (1 = the kind's default) and block_size (null = the kind's) are passed", identity=False)
+    # not identity: recorded resolved (in the identity for a kind that reads a mask token)
+    mask_token_id: Optional[int] = _field(
+        None, "the mask (placeholder) token a peagle or block draft is trained with (default: the target tokenizer's "
+        "mask token, else its first unused embedding row, else its pad/eos/unk token: speculators' own rule)",
+        identity=False)
     epochs: int = _field(10, "training epochs", ge=1, identity=True, speculators="--epochs")
     max_steps: Optional[int] = _field(None, "stop after this many optimizer steps", ge=1, identity=True,
                                       speculators="--max-steps")
@@ -370,6 +382,13 @@ class TrainConfig(StageConfig):
         nnodes = info.data.get("nnodes", 1)
         if value >= nnodes:
             raise ValueError(f"must be in [0, --nnodes {nnodes})")
+        return value
+
+    @field_validator("speculator_type")
+    @classmethod
+    def _a_kind_speculators_trains(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None and value not in draft_kinds.KINDS:
+            raise ValueError(f"speculators 0.9.0 trains {', '.join(draft_kinds.KINDS)}")
         return value
 
     @field_validator("flex_forward_config")
@@ -477,14 +496,19 @@ class DraftConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
     description: str = ""
-    draft_arch: Literal["llama", "qwen3"] = Field("llama", description="speculators --draft-arch")
-    num_layers: int = Field(1, ge=1, description="decoder layers in the draft")
+    speculator_type: str = Field(draft_kinds.DEFAULT_KIND, description="speculators --speculator-type: the draft "
+                                 "kind (eagle3, peagle, dflash, dflash2, dspark; 04 --speculator-type overrides it)")
+    draft_arch: Literal["llama", "qwen3"] = Field("llama", description="speculators --draft-arch (eagle3 only)")
+    num_layers: int = Field(1, ge=1, description="decoder layers in the draft (another kind than eagle3: 1 = that "
+                                                 "kind's own default)")
     hidden_size: Optional[int] = Field(None, gt=0, description="null = the target's; a number must equal it")
     target_vocab_size: Optional[int] = Field(None, gt=0, description="null = the target's; a number must equal it")
     draft_vocab_size: int = Field(32000, gt=0, description="stage 03's default draft vocabulary size")
-    ttt_steps: int = Field(3, ge=1, description="test-time-training steps")
+    ttt_steps: int = Field(3, ge=1, description="test-time-training steps (eagle3 only)")
     sliding_window: int = Field(2048, ge=1, description="draft attention window (tokens)")
     full_attention_indices: list[int] = Field([], description="draft layers with full attention")
+    # a block draft's block (dflash, dflash2, dspark): null = the kind's own default (16 for dflash, 8 otherwise)
+    block_size: Optional[int] = Field(None, ge=2, description="block drafts' --block-size; null = the kind's default")
     norm_before_residual: bool = True
     # EAGLE 3.1's per-layer norms: on the H200 they beat the single concatenation norm in vLLM at 1x data and were
     # level or ahead at 4x, for +2% step cost at Kimi-K2.5's geometry (bench/README.md "Recipe screen")
@@ -497,24 +521,33 @@ class DraftConfig(BaseModel):
     def identity_settings(self) -> dict[str, Any]:
         """The draft's part of stage 04's identity. fc_norm / norm_before_fc only when they differ from what
         speculators 0.9.0 trained before the pipeline passed them (fc_norm false, norm_before_fc true), so a run
-        made before these keys existed resumes with them set to that, and is refused under the new default."""
+        made before these keys existed resumes with them set to that, and is refused under the new default.
+        The kind's part (draft_kinds.identity_settings): an eagle3 draft's identity is the one it had before
+        speculator_type and block_size existed; another kind's names it and leaves out the EAGLE-3 keys."""
         settings = self.model_dump(exclude={"description"})
         if not self.fc_norm and self.norm_before_fc:
             del settings["fc_norm"], settings["norm_before_fc"]
-        return settings
+        return draft_kinds.identity_settings(self.speculator_type, settings)
+
+    @field_validator("speculator_type")
+    @classmethod
+    def _a_kind_speculators_trains(cls, value: str) -> str:
+        if value not in draft_kinds.KINDS:
+            raise ValueError(f"speculators 0.9.0 trains {', '.join(draft_kinds.KINDS)}")
+        return value
 
     @field_validator("full_attention_indices")
     @classmethod
     def _indices_are_layers(cls, value: list[int], info) -> list[int]:
-        layers = info.data.get("num_layers", 1)
-        bad = [i for i in value if not 0 <= i < layers]
-        if bad:
-            raise ValueError(f"{bad} are not layer indices of a {layers}-layer draft")
+        kind = info.data.get("speculator_type", draft_kinds.DEFAULT_KIND)
+        if problem := draft_kinds.layer_indices_problem(kind, info.data.get("num_layers", 1), value):
+            raise ValueError(problem)
         return value
 
 
-def load_draft_config(path: str | Path) -> DraftConfig:
-    """The validated draft config (every key present, defaults filled in)."""
+def load_draft_config(path: str | Path, speculator_type: Optional[str] = None) -> DraftConfig:
+    """The validated draft config (every key present, defaults filled in). `speculator_type`: the kind stage 04's
+    --speculator-type sets instead of the file's (the settings that depend on the kind are checked for it)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: draft config not found (--draft-config)")
@@ -528,6 +561,8 @@ def load_draft_config(path: str | Path) -> DraftConfig:
     unknown = sorted(set(data) - set(DraftConfig.model_fields))
     if unknown:
         raise ConfigError(f"{path}: unknown keys {unknown} (known: {', '.join(DraftConfig.model_fields)})")
+    if speculator_type is not None:
+        data["speculator_type"] = speculator_type
     try:
         draft = DraftConfig(**data)
     except ValidationError as exc:
