@@ -1,0 +1,134 @@
+"""Stage 04 trains other speculators draft kinds than EAGLE-3 (issue 62 item 1): speculators' real trainer on the Kimi
+miniature, a few steps each; the kinds no vLLM serves and a stage 02 of other layers refused in one line; an eagle3
+run's identity as it was before the kinds existed."""
+
+import json
+import shutil
+
+import pytest
+
+from eagle3_pipeline.config import DEFAULT_DRAFT_CONFIG, DraftConfig, TrainConfig, build_config
+from eagle3_pipeline.draft_kinds import EAGLE3_KEYS
+from eagle3_pipeline.training import speculators_argv
+
+from conftest import run_stage
+
+# speculators flags that are EAGLE-3's architecture: another kind gets speculators' own defaults instead
+EAGLE3_FLAGS = ("--ttt-steps", "--draft-arch", "--fc-norm", "--norm-before-fc", "--no-norm-before-fc",
+                "--no-norm-before-residual")
+KIMI_MINI_MASK = 716  # the Kimi miniature's tokenizer: no mask token, 716 tokens < 1024 rows (draft_kinds.find_mask_token)
+
+
+def _train(kimi_run, kimi_target, out, *flags, check=True):
+    return run_stage("train", "--profile", "cpu-mini", "--target", kimi_target, "--data", kimi_run["data"], "--vocab",
+                     kimi_run["vocab"], "--output", out, "--logger", "", *flags, check=check)
+
+
+def _last_line(result) -> str:
+    return result.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("kind,settings", [
+    ("dflash", {"block_size": 4, "num_layers": 2}),  # a small block and 2 layers: seconds on the CPU
+    ("peagle", {}),
+])
+def test_another_kind_trains_with_its_own_defaults_and_the_manifest_records_it(tmp_path, kimi_run, kimi_target, kind,
+                                                                               settings):
+    """--speculator-type overrides draft_config.json's eagle3; the EAGLE-3 keys stay out of the trainer's call, the
+    mask token is the target tokenizer's, and the manifest, identity and checkpoint name the kind."""
+    draft_file = tmp_path / "draft_config.json"
+    draft_file.write_text(json.dumps({**json.loads(DEFAULT_DRAFT_CONFIG.read_text()), **settings}))
+    out = tmp_path / kind
+    _train(kimi_run, kimi_target, out, "--speculator-type", kind, "--draft-config", draft_file,
+           "--epochs", "1", "--max-steps", "2")
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["speculator_type"] == kind == manifest["draft_config"]["speculator_type"]
+    assert manifest["mask_token_id"] == KIMI_MINI_MASK and manifest["summary"]["speculator_type"] == kind
+    settings_id = manifest["identity"]["settings"]
+    assert settings_id["draft_config"]["speculator_type"] == kind and settings_id["mask_token_id"] == KIMI_MINI_MASK
+    assert not set(EAGLE3_KEYS) & set(settings_id["draft_config"]) and "ttt_steps" not in settings_id
+    command = (out / "command.txt").read_text().split()
+    assert command[command.index("--speculator-type") + 1] == kind
+    assert command[command.index("--mask-token-id") + 1] == str(KIMI_MINI_MASK)
+    assert not set(EAGLE3_FLAGS) & set(command), command
+    for key, value in settings.items():  # what the draft config sets for the kind is passed
+        assert command[command.index("--" + key.replace("_", "-")) + 1] == str(value)
+    checkpoint = json.loads((out / "checkpoint_best" / "config.json").read_text())
+    assert checkpoint["speculators_model_type"] == kind and checkpoint.get("mask_token_id") == KIMI_MINI_MASK
+    if "block_size" in settings:
+        assert checkpoint["block_size"] == settings["block_size"]
+    assert f"{kind} draft training summary" in (out / "summary.txt").read_text()
+
+
+@pytest.mark.parametrize("kind", ["xpress", "mtp"])
+def test_a_kind_no_vllm_serves_is_refused_in_one_line(tmp_path, kind):
+    """Before anything is read: the pipeline hands vLLM a draft it can serve."""
+    result = run_stage("train", "--target", tmp_path / "t", "--data", tmp_path / "d", "--vocab", tmp_path / "v",
+                       "--output", tmp_path / "o", "--speculator-type", kind, "--check", check=False)
+    line = _last_line(result)
+    assert result.returncode == 2 and line == result.stderr.strip(), result.stderr
+    assert f"speculator_type {kind}: no vLLM checked (0.26 and 0.32) serves a {kind} draft" in line
+    assert "choose eagle3, peagle, dflash, dflash2, dspark" in line
+    draft_file = tmp_path / "draft_config.json"  # the same from draft_config.json
+    draft_file.write_text(json.dumps({"speculator_type": kind}))
+    result = run_stage("train", "--target", tmp_path / "t", "--data", tmp_path / "d", "--vocab", tmp_path / "v",
+                       "--output", tmp_path / "o", "--draft-config", draft_file, "--check", check=False)
+    assert result.returncode == 2 and f"speculator_type {kind}: no vLLM checked" in _last_line(result)
+
+
+def test_a_block_size_for_a_kind_without_a_block_is_refused_in_one_line(tmp_path):
+    draft_file = tmp_path / "draft_config.json"
+    draft_file.write_text(json.dumps({"block_size": 4}))
+    result = run_stage("train", "--target", tmp_path / "t", "--data", tmp_path / "d", "--vocab", tmp_path / "v",
+                       "--output", tmp_path / "o", "--draft-config", draft_file, "--check", check=False)
+    assert result.returncode == 2 and _last_line(result) == result.stderr.strip()
+    assert _last_line(result).startswith(f"error: {draft_file}: block_size 4: the eagle3 kind has no block")
+
+
+def test_stage_02_of_other_layers_than_the_kind_reads_is_refused_in_one_line(tmp_path, kimi_run, kimi_target):
+    """02 run with --layer-ids 1 3 4: 04 refuses it naming 02's manifest, unless --layer-ids says to train on them."""
+    data = tmp_path / "data"
+    shutil.copytree(kimi_run["data"], data, ignore=shutil.ignore_patterns("hidden_states"))
+    run_stage("extract", "--profile", "cpu-mini", "--target", kimi_target, "--data", data, "--layer-ids", "1", "3", "4")
+    flags = ["--profile", "cpu-mini", "--target", kimi_target, "--data", data, "--vocab", kimi_run["vocab"],
+             "--output", tmp_path / "out", "--speculator-type", "dflash", "--check"]
+    result = run_stage("train", *flags, check=False)
+    manifest = data / "hidden_states" / "manifest.json"
+    assert result.returncode != 0 and _last_line(result) == (
+        f"error: {manifest}: stage 02 extracted layer ids [1, 3, 4, 6], a dflash draft reads [2, 3, 4, 6] (its aux "
+        f"layers + the final layer); rerun 02_extract_hidden_states.py with --layer-ids 2 3 4, or pass 04 --layer-ids "
+        f"1 3 4 to train on 02's layers"), result.stderr[-2000:]
+    run_stage("train", *flags, "--layer-ids", "1", "3", "4")  # stated: trains on 02's layers
+
+
+def test_an_eagle3_run_keeps_the_identity_it_had_before_the_kinds(tmp_path, kimi_run, kimi_target):
+    """The identity an eagle3 run records is the one 04 computed before speculator_type, block_size and
+    --mask-token-id existed (no kind, no mask token in it; the draft config's old keys, ttt_steps), and a draft
+    config without the new keys is the same run: the rerun over the finished run has nothing to do."""
+    manifest = json.loads((kimi_run["checkpoints"] / "manifest.json").read_text())
+    settings = manifest["identity"]["settings"]
+    before_kinds = DraftConfig().model_dump(exclude={"description", "speculator_type", "block_size"})
+    assert settings["draft_config"] == before_kinds and settings["ttt_steps"] == 3
+    assert "mask_token_id" not in settings and "speculator_type" not in json.dumps(manifest["identity"])
+    assert manifest["speculator_type"] == "eagle3"
+    old_file = tmp_path / "draft_config.json"  # a draft config from before the kinds: eagle3
+    old_file.write_text(json.dumps({k: v for k, v in json.loads(DEFAULT_DRAFT_CONFIG.read_text()).items()
+                                    if k not in ("speculator_type", "block_size", "_speculator_type")}))
+    out = tmp_path / "checkpoints"
+    shutil.copytree(kimi_run["checkpoints"], out, symlinks=True)
+    for flags in (["--draft-config", old_file], ["--speculator-type", "eagle3"]):
+        result = _train(kimi_run, kimi_target, out, *flags)
+        assert "already trained with these settings and inputs; nothing to do" in result.stderr, result.stderr[-2000:]
+
+
+def test_only_eagle3_gets_the_eagle3_flags():
+    cfg, _ = build_config(TrainConfig, {"target": "t", "data": "d", "vocab": "v", "output": "o"})
+    eagle3 = speculators_argv(cfg, DraftConfig(), "/t", [2, 30, 58], 32000, 0.9, 163839, gpu=True)
+    assert {"--ttt-steps", "--draft-arch", "--fc-norm", "--no-norm-before-fc"} <= set(eagle3)
+    assert eagle3[eagle3.index("--speculator-type") + 1] == "eagle3" and "--block-size" not in eagle3
+    dflash = speculators_argv(cfg, DraftConfig(speculator_type="dflash"), "/t", [2, 30, 58], 32000, 0.9, 163839, gpu=True)
+    assert not set(EAGLE3_FLAGS) & set(dflash) and "--num-layers" not in dflash and "--block-size" not in dflash
+    assert dflash[dflash.index("--mask-token-id") + 1] == "163839"
+    three = speculators_argv(cfg, DraftConfig(speculator_type="dspark", num_layers=3, block_size=8), "/t", [2, 30, 58],
+                             32000, 0.9, 163839, gpu=True)
+    assert three[three.index("--num-layers") + 1] == "3" and three[three.index("--block-size") + 1] == "8"
