@@ -301,8 +301,10 @@ class TrainConfig(StageConfig):
                                         "the loader workers' states to the log (a hung rank or loader otherwise idles "
                                         "the GPUs silently); the log's 'stall watch' line gives a run's longest wait; "
                                         "0 = off", ge=0, identity=False)
-    draft_config: str = _field(str(DEFAULT_DRAFT_CONFIG), "draft architecture file (layers, TTT steps, window, the norm "
-                                                          "before fc: fc_norm per aux state by default, or norm_before_fc)",
+    draft_config: str = _field(str(DEFAULT_DRAFT_CONFIG), "draft architecture file: speculator_type (the kind, eagle3 by "
+                                                          "default), layers, window; EAGLE-3's TTT steps and norm before fc "
+                                                          "(fc_norm per aux state by default, or norm_before_fc); a block "
+                                                          "draft's block_size (null = the kind's)",
                                identity=False)
     # not identity: recorded resolved (the draft config's speculator_type in the identity, eagle3 left out)
     speculator_type: Optional[str] = _field(
@@ -334,7 +336,7 @@ class TrainConfig(StageConfig):
     lr: float = _field(1e-3, "learning rate", gt=0, allow_inf_nan=False, identity=True, speculators="--lr")
     optimizer: Literal["muon", "adamw"] = _field("adamw", "optimizer (Muon's ~113 TFLOP per step is 41 percent of a Kimi-size step at 8K tokens)", identity=True, speculators="--optimizer")
     # not identity: recorded resolved (this flag, else the draft config's)
-    ttt_steps: Optional[int] = _field(None, "test-time-training steps (default: draft_config.json's)", ge=1, identity=False)
+    ttt_steps: Optional[int] = _field(None, "EAGLE-3 test-time-training steps (default: draft_config.json's)", ge=1, identity=False)
     # not identity: validation only (recorded resolved: the manifest's summary has one full_acc per step validated)
     val_ttt_steps: Optional[int] = _field(None, "TTT steps validation unrolls, so the offline acceptance length covers "
                                                 "the served k (default: the deeper of the training TTT steps and "
