@@ -196,3 +196,47 @@ def test_a_kind_measured_to_serve_on_the_cpu_has_a_method_in_vllm_032():
         if info.cpu_serves:
             assert dk.served_method(info, "0.32.0")
         assert info.cpu, info.name  # every kind says what the CPU build did
+
+
+def test_stage_04_trains_only_the_kinds_a_checked_vllm_serves():
+    for name in ("eagle3", "peagle", "dflash", "dflash2", "dspark"):
+        assert dk.trainable(name).name == name
+    for name in ("xpress", "mtp"):
+        with pytest.raises(ConfigError) as err:
+            dk.trainable(name)
+        assert f"no vLLM checked (0.26 and 0.32) serves a {name} draft" in one_line(err)
+
+
+class _Draft:
+    """draft_config.json's settings as config/schema.py DraftConfig holds them (its defaults)."""
+    draft_arch, num_layers, ttt_steps, norm_before_residual, fc_norm, norm_before_fc = "llama", 1, 3, True, True, False
+    block_size = None
+
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
+
+
+def test_only_eagle3_reads_the_eagle3_keys_and_another_kind_gets_its_own_defaults():
+    lead, tail = dk.architecture_flags("eagle3", _Draft(), 5)
+    assert lead == ["--draft-arch", "llama", "--num-layers", "1", "--ttt-steps", "5"]
+    assert tail == ["--no-norm-before-fc", "--fc-norm"]
+    assert dk.architecture_flags("eagle3", _Draft(norm_before_residual=False, fc_norm=False, norm_before_fc=True), 3)[1] \
+        == ["--no-norm-before-residual", "--norm-before-fc"]
+    for name in ("peagle", "dflash", "dflash2", "dspark"):  # EAGLE-3's values: the kind's own defaults
+        assert dk.architecture_flags(name, _Draft(), 3) == ([], [])
+    assert dk.architecture_flags("dflash", _Draft(num_layers=2, block_size=4), 3) == (
+        ["--num-layers", "2", "--block-size", "4"], [])
+    assert dk.num_draft_layers("dflash", 1) == 5 and dk.num_draft_layers("dflash", 2) == 2
+    assert dk.num_draft_layers("eagle3", 1) == 1 and dk.num_draft_layers("peagle", 1) == 1
+    assert dk.block_size_problem("dflash", 4) is None and dk.block_size_problem("dflash", None) is None
+    assert "no block" in dk.block_size_problem("peagle", 4)
+    assert dk.layer_indices_problem("dflash", 1, [4]) is None and dk.layer_indices_problem("eagle3", 1, [1])
+
+
+def test_an_eagle3_identity_is_the_one_before_the_kinds_another_names_its_kind():
+    before = {"draft_arch": "llama", "num_layers": 1, "ttt_steps": 3, "fc_norm": True}
+    assert dk.identity_settings("eagle3", {**before, "speculator_type": "eagle3", "block_size": None}) == before
+    assert dk.identity_extra("eagle3", 3, 716) == {"ttt_steps": 3}  # the mask token is not part of an eagle3 run
+    dflash = dk.identity_settings("dflash", {**before, "speculator_type": "dflash", "block_size": 4})
+    assert dflash == {"num_layers": 1, "speculator_type": "dflash", "block_size": 4}
+    assert dk.identity_extra("dflash", 3, 716) == {"mask_token_id": 716}
