@@ -233,7 +233,7 @@ def preflight_train(cfg, draft, target, draft_vocab: int, out_dir: Path, total_t
     GPUs vs --nproc (none visible with --nproc > 1: refused before any rank starts), memory for
     verifier head + draft, hidden-state read speed (`total_tokens`: the prepared dataset's), versions.
     `draft`: the DraftConfig; `nproc_given`: --nproc was an explicit flag (`nproc_source` says where it came from)."""
-    saved, trainable = draft_parameters(target.hidden_size, target.vocab_size, draft_vocab, draft.num_layers)
+    saved, trainable = draft_parameters(target.hidden_size, target.vocab_size, draft_vocab, draft.draft_layers)
     per_checkpoint = checkpoint_bytes(cfg, draft, target, draft_vocab)
     checkpoints = max(cfg.epochs - epochs_done, 1)  # >= 1: the interrupted/ save of a stop
     left = f" ({epochs_done} of {cfg.epochs} epochs already saved)" if epochs_done else ""

@@ -85,7 +85,7 @@ def draft_parameters(hidden_size: int, target_vocab: int, draft_vocab: int, num_
 def checkpoint_bytes(cfg, draft, target, draft_vocab: int) -> int:
     """One speculators checkpoint on disk: the draft (a DraftConfig) in bf16 + the optimizer state of its
     trainable part."""
-    saved, trainable = draft_parameters(target.hidden_size, target.vocab_size, draft_vocab, draft.num_layers)
+    saved, trainable = draft_parameters(target.hidden_size, target.vocab_size, draft_vocab, draft.draft_layers)
     return saved * CHECKPOINT_BYTES + trainable * CHECKPOINT_BYTES * OPTIMIZER_STATES[cfg.optimizer]
 
 

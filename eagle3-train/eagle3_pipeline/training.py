@@ -271,7 +271,8 @@ def mask_token(cfg: TrainConfig, draft: DraftConfig, target) -> int:
         except Exception as exc:  # noqa: BLE001 -- any tokenizer failure: said, or the old fallback
             if draft_kinds.kind(draft.speculator_type).needs_mask_token:
                 raise ConfigError(f"{target.path}: cannot load the tokenizer ({type(exc).__name__}) to find the mask "
-                                  f"token a {draft.speculator_type} draft needs: pass --mask-token-id ID") from None
+                                  f"token a {draft.speculator_type} draft needs: pass --mask-token-id ID (or "
+                                  f"--trust-remote-code where its tokenizer needs its own code)") from None
     found = draft_kinds.mask_token_id(draft.speculator_type, tokenizer, cfg.mask_token_id, target.vocab_size)
     return found if found is not None else (target.text_config.get("pad_token_id") or 0)
 

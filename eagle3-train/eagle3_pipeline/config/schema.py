@@ -531,6 +531,11 @@ class DraftConfig(BaseModel):
             del settings["fc_norm"], settings["norm_before_fc"]
         return draft_kinds.identity_settings(self.speculator_type, settings)
 
+    @property
+    def draft_layers(self) -> int:
+        """The decoder layers the draft gets (num_layers, or for another kind than eagle3 at 1 its default)."""
+        return draft_kinds.num_draft_layers(self.speculator_type, self.num_layers)
+
     @field_validator("speculator_type")
     @classmethod
     def _a_kind_speculators_trains(cls, value: str) -> str:
