@@ -2,7 +2,9 @@
 
 speculators 0.9.0 trains seven kinds from the same hidden-state files; vLLM serves some of them. Every fact a stage
 needs about a kind lives here, so that no script branches on the kind: 02 asks which target layers to extract
-(`extraction_layer_ids`), 04 which mask token to pass (`mask_token_id`), 05 and 06 how vLLM serves the draft
+(`extraction_layer_ids`), 04 whether it trains the kind (`trainable`: a vLLM serves it), which flags draft_config.json
+gives it (`architecture_flags`: EAGLE-3's keys for eagle3 only), which mask token to pass (`mask_token_id`) and what
+enters its identity (`identity_settings`, `identity_extra`: an eagle3 run's as before the kinds), 05 and 06 how vLLM serves the draft
 (`served_method`, `num_speculative_tokens`, `speculative_config`) and where its checkpoint keeps its layer ids
 (`draft_layer_ids`), 06's verdict how many positions the draft was trained for (`trained_positions`).
 
