@@ -4,7 +4,9 @@
 Takes stage 04's best (or chosen) checkpoint, writes a self-contained speculators-format
 draft directory (config.json naming the verifier, model.safetensors with d2t/t2d), loads it
 back with speculators to verify it, writes its model card (README.md, from the run's records:
-eagle3_pipeline/model_card.py) and prints the `vllm serve` command. `--layout sglang` writes the
+eagle3_pipeline/model_card.py) and prints the `vllm serve` command. The draft's kind (its config's
+speculators_model_type: eagle3, peagle, dflash, dflash2, dspark) sets how vLLM serves it (method, k, P-EAGLE's
+parallel drafting: eagle3_pipeline/draft_kinds.py). `--layout sglang` writes the
 same weights in the layout SGLang's EAGLE-3 loader reads (eagle3_pipeline/sglang_layout.py), which vLLM
 loads too. `--check` on a finished export also checks the folder as a hub user meets it (card, config, every
 file's digest). Run with --help for flags and an example.
@@ -12,48 +14,35 @@ file's digest). Run with --help for flags and an example.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
 from eagle3_pipeline import model_card, sglang_layout
-from eagle3_pipeline.config import DraftConfig, ExportConfig, build_parser
+from eagle3_pipeline.config import ExportConfig, build_parser
 from eagle3_pipeline.config.resolution import resolve_parsed
-from eagle3_pipeline.contract import (
-    input_record,
-    manifest_path,
-    read_manifest,
-    read_recorded_input,
-    require_written_files,
-    write_manifest,
-)
-from eagle3_pipeline.errors import ConfigError, ContractError
+from eagle3_pipeline.contract import input_record, manifest_path, read_manifest, require_written_files, write_manifest
 from eagle3_pipeline.export import (
     DRAFT_FILES,
     check_published,
     choose_checkpoint,
     followed_output,
-    k_above_training,
     lock_file_for,
+    refuse_foreign_output,
+    refuse_unwritten_entries,
+    remove_stale_exports,
     require_finite_weights,
     require_unchanged,
     serve_command,
+    serving_plan,
+    trained_vocab,
     verify_draft_dir,
+    write_card,
     write_draft_dir,
     write_sglang_layout,
 )
-from eagle3_pipeline.files import (
-    TEMP_MARKER,
-    atomic_path,
-    atomic_write_text,
-    check_writable_dir,
-    output_record,
-    parse_writer_tag,
-    remove_path,
-    sha256_file,
-)
-from eagle3_pipeline.manifest import ExportManifest, TrainManifest, parse_manifest
+from eagle3_pipeline.files import atomic_path, atomic_write_text, check_writable_dir, sha256_file
+from eagle3_pipeline.manifest import ExportManifest, parse_manifest
 from eagle3_pipeline.preflight import preflight_export
 from eagle3_pipeline.stage import config_fingerprint, finished, lock_output, log, stage_identity, stage_main
 from eagle3_pipeline.vocab import D2T_NAME
@@ -78,14 +67,15 @@ def main(argv: list[str] | None = None) -> int:
         lock_output(ckpt_dir, exclusive=False)
     checkpoint = choose_checkpoint(ckpt_dir, cfg.checkpoint, trained.best_checkpoint.name)
     require_written_files(trained, [f"{checkpoint.name}/{name}" for name in ("config.json", "model.safetensors")])
+    # The draft's kind (its config.json; stage 04's record must agree), k and how vLLM serves it (draft_kinds.py).
+    plan = serving_plan(checkpoint, trained, cfg.num_speculative_tokens, out_dir)
     if layout == "sglang":  # what SGLang's loader cannot build is refused before anything is written
-        sglang_layout.require_servable(json.loads((checkpoint / "config.json").read_text()), str(checkpoint / "config.json"))
+        sglang_layout.require_servable(plan.trained_config, str(checkpoint / "config.json"))
     model_sha256 = sha256_file(checkpoint / "model.safetensors")
-    target = trained.target
-    num_tokens = cfg.num_speculative_tokens or DraftConfig(**trained.draft_config).num_speculative_tokens
+    target, num_tokens = trained.target, plan.k
     verifier = cfg.verifier_name or target["path"]
-    if note := k_above_training(num_tokens, trained.draft_config):
-        log.warning("note: %s", note)
+    if plan.note:
+        log.warning("note: %s", plan.note)
     inputs = {"train": input_record(trained), "checkpoint": str(checkpoint.resolve())}
     identity = stage_identity(
         cfg, {"train": trained.content_sha256,
@@ -105,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
             print(line)
     if done:
         log.info("%s: already exported from this checkpoint; nothing to do", out_dir)
-        print(serve_command(target["path"], out_dir, num_tokens, cfg.tensor_parallel_size, target["is_multimodal_wrapper"]))
+        print(serve_command(target["path"], plan.speculative_config, cfg.tensor_parallel_size,
+                            target["is_multimodal_wrapper"]))
         return 0
     refuse_unwritten_entries(out_dir)
     vocab_dir = vocab.directory
@@ -121,26 +112,21 @@ def main(argv: list[str] | None = None) -> int:
         write_draft_dir(checkpoint, staging, verifier, num_tokens)
         require_unchanged(checkpoint / "model.safetensors", staging / "model.safetensors", model_sha256)
         require_finite_weights(staging / "model.safetensors", checkpoint / "model.safetensors")  # never a NaN draft
-        check = verify_draft_dir(staging, d2t, trained.aux_layer_ids, target["path"])
-        speculators_config = json.loads((staging / "config.json").read_text())
+        check = verify_draft_dir(staging, d2t, trained.aux_layer_ids, target["path"], plan.kind) | plan.record()
         if layout == "sglang":
             check.update(write_sglang_layout(staging, target))
-        command = serve_command(target["path"], out_dir, num_tokens, cfg.tensor_parallel_size,
+        command = serve_command(target["path"], plan.speculative_config, cfg.tensor_parallel_size,
                                 target["is_multimodal_wrapper"])
         atomic_write_text(staging / "serve_command.txt", command + "\n")
         # The model card, from the run's own records (model_card.py); listed in the manifest outside output_files.
-        card_text = model_card.render_card(model_card.card_facts(
-            verifier_name=verifier, layout=layout, checkpoint=checkpoint.name, num_speculative_tokens=num_tokens,
-            tensor_parallel_size=cfg.tensor_parallel_size, draft_config=speculators_config, trained=trained,
-            prepared=trained_data(trained), vocab=vocab, draft_dir=out_dir.resolve()))
-        atomic_write_text(staging / model_card.CARD_NAME, card_text)
+        card = write_card(staging, plan=plan, verifier=verifier, layout=layout, checkpoint=checkpoint.name,
+                          tensor_parallel_size=cfg.tensor_parallel_size, trained=trained, vocab=vocab,
+                          draft_dir=out_dir.resolve())
         # 4. Contract (inside the directory before it appears under its final name).
         write_manifest(staging, ExportManifest(
             identity=identity, config=cfg.model_dump(), config_sha256=config_fingerprint(cfg), inputs=inputs,
             target=target, verifier_name=verifier, checkpoint=checkpoint.name, num_speculative_tokens=num_tokens,
-            verified=check, serve_command=command, layout=layout,
-            card={"name": model_card.CARD_NAME, "written": output_record(staging, [model_card.CARD_NAME])[
-                model_card.CARD_NAME]}),
+            verified=check, serve_command=command, layout=layout, card=card),
             outputs=sorted(p.name for p in staging.iterdir() if p.is_file() and not p.name.startswith(".")
                            and p.name != model_card.CARD_NAME))
     log.info("exported %s (%s, %d params) -> %s", checkpoint.name, check["class"], check["parameters"], out_dir)
@@ -148,64 +134,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"card: {out_dir.resolve() / model_card.CARD_NAME}")
     print(f"serve: {command}")
     return 0
-
-
-def trained_data(trained: TrainManifest):
-    """Stage 01's manifest the training used (for the card), None when it is not where 04 recorded it (a moved work
-    directory): the card then says its data section is not filled in."""
-    try:
-        return read_recorded_input(trained, "prepare", None, "--data", relation="trained on")
-    except ContractError as exc:
-        log.warning("model card: no data section (%s)", exc)
-        return None
-
-
-def trained_vocab(trained: TrainManifest, flag: str | None):
-    """Stage 03's output that stage 04 trained with: --vocab, else the (resolved) path 04 recorded,
-    checked by content either way (a moved work directory needs --vocab, never a guess from the cwd)."""
-    vocab = read_recorded_input(trained, "vocab", flag, "--vocab", relation="trained with")
-    require_written_files(vocab, [D2T_NAME])
-    return vocab
-
-
-def refuse_foreign_output(out_dir: Path) -> None:
-    """The export replaces out_dir as a whole: never a directory this stage did not write."""
-    if not out_dir.exists():
-        return
-    if out_dir.is_dir() and not any(out_dir.iterdir()):
-        return
-    manifest = manifest_path(out_dir)
-    stage = parse_manifest(manifest, hint="choose another --output").stage if manifest.is_file() else None
-    if stage != "export":
-        raise ConfigError(f"{out_dir}: exists and is not an export made by 05_export.py (it would be replaced "
-                          f"as a whole); choose another --output")
-
-
-def refuse_unwritten_entries(out_dir: Path) -> None:
-    """Redoing an export replaces out_dir as a whole: what a user put in it (notes, bench results) would go with
-    it, so an entry the export's manifest does not list (`output_files`) is refused, named."""
-    manifest = manifest_path(out_dir)
-    parsed = parse_manifest(manifest) if manifest.is_file() else None
-    recorded = parsed.output_files if parsed is not None else None
-    if recorded is None:  # nothing there, or no record of what was written to tell a user's file by
-        return
-    card = (parsed.card or {}).get("name")  # the card: 05's file, outside output_files (06 and users edit it)
-    extra = sorted(p.name for p in out_dir.iterdir() if p.name not in recorded and p.name not in (manifest.name, card))
-    if extra:
-        raise ConfigError(f"{out_dir / extra[0]}: not written by 05_export.py ({len(extra)} such entr"
-                          f"{'y' if len(extra) == 1 else 'ies'}), and redoing the export replaces {out_dir} as a "
-                          f"whole; move them out or choose another --output")
-
-
-def remove_stale_exports(out_dir: Path) -> None:
-    """Temp copies a killed export left beside out_dir (`.NAME.tmp-PID@HOST`, `.NAME.old.tmp-PID@HOST`)."""
-    if not out_dir.parent.is_dir():
-        return
-    for prefix in (f".{out_dir.name}{TEMP_MARKER}", f".{out_dir.name}.old{TEMP_MARKER}"):
-        for stale in out_dir.parent.glob(prefix + "*"):
-            if parse_writer_tag(stale.name[len(prefix):]) is not None:
-                log.info("removing %s, left by an export that was killed", stale)
-                remove_path(stale)
 
 
 if __name__ == "__main__":

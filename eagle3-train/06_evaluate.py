@@ -1,16 +1,18 @@
 #!/usr/bin/env python3
 """Stage 06: the exported draft's acceptance in vLLM on the user's prompts, and a verdict on it.
 
-Serves the target with stage 05's draft (method eagle3, k and tensor parallel size from stage 05 unless
-given) and, on the same prompts, the target alone. The prompts (a jsonl of OpenAI messages, optional
-`category`) are rendered with the chat template and template kwargs stage 01 trained with. Reports tau
-(1 + accepted/drafts), acceptance per draft position and tau per category with standard errors, and
-output tokens/s with and without the draft (report.json, report.txt, report.png). A tau at or below
+Serves the target with stage 05's draft (the speculative_config its kind needs: eagle3, peagle, dflash, and on a
+GPU dflash2 and dspark, eagle3_pipeline/draft_kinds.py; k and tensor parallel size from stage 05 unless given)
+and, on the same prompts, the target alone. The prompts (a jsonl of OpenAI messages, optional `category`) are
+rendered with the chat template and template kwargs stage 01 trained with. Reports tau (1 + accepted/drafts),
+acceptance per draft position 1..k (positions the draft never trained marked) and tau per category with standard
+errors, and output tokens/s with and without the draft (report.json, report.txt, report.png). A tau at or below
 --min-tau, a first-position acceptance below --min-first-acceptance, or a draft not served as trained (a d2t
 or aux layer ids other than stages 03/04's, whatever its tau) exits 6 with one line naming the likely causes
-the stage checked itself (eagle3_pipeline/verdict.py). A draft vLLM cannot serve (its files
-cut short, weights that do not fit the target, another method, a --max-model-len above the target's) is
-refused in one line before any engine starts; an engine that still fails is one line quoting vLLM's reason.
+the stage checked itself (eagle3_pipeline/verdict.py). A draft vLLM cannot serve (its files cut short, weights
+that do not fit the target, another method, a kind the installed vLLM cannot serve, a --max-model-len above the
+target's) is refused in one line before any engine starts; an engine that still fails is one line quoting vLLM's
+reason.
 Run with --help for flags and an example.
 """
 
@@ -18,8 +20,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-
-import numpy as np
 
 from eagle3_pipeline.chat_rows import ChatTokenizer
 from eagle3_pipeline.config import EvaluateConfig, resolve_stage_config
@@ -30,30 +30,22 @@ from eagle3_pipeline.contract import (
     require_written_files,
     write_manifest,
 )
-from eagle3_pipeline.errors import ConfigError, ContractError, DraftRejected, PreflightError
+from eagle3_pipeline.errors import ConfigError, ContractError, PreflightError
 from eagle3_pipeline.eval_prompts import render_prompts
 from eagle3_pipeline.eval_report import (
     REPORT_JSON,
-    REPORT_PNG,
-    REPORT_TEXT,
     ViewsDamaged,
     already_evaluated,
     build_report,
-    format_report,
     refuse_output_inside,
+    report_outcome,
     update_card,
     views_only,
-    write_plot,
+    write_report_files,
 )
-from eagle3_pipeline.evaluate import VllmSettings, gpu_memory_args, measure_acceptance
-from eagle3_pipeline.export import DRAFT_FILES, k_above_training, lock_draft_for_reading
-from eagle3_pipeline.files import (
-    atomic_write_json,
-    atomic_write_text,
-    check_writable_dir,
-    file_fingerprint,
-    remove_stale_temps,
-)
+from eagle3_pipeline.evaluate import measure_acceptance, stage_settings
+from eagle3_pipeline.export import DRAFT_FILES, evaluation_plan, lock_draft_for_reading
+from eagle3_pipeline.files import check_writable_dir, file_fingerprint, remove_stale_temps
 from eagle3_pipeline.machine import probe_gpus
 from eagle3_pipeline.manifest import EvaluateManifest
 from eagle3_pipeline.preflight import preflight_evaluate
@@ -70,19 +62,8 @@ from eagle3_pipeline.stage import (
     stage_main,
 )
 from eagle3_pipeline.target import load_target_info, max_model_len_limit
-from eagle3_pipeline.verdict import (
-    PROBLEM,
-    check_d2t,
-    check_layer_ids,
-    check_method,
-    check_template,
-    check_weights,
-    read_draft,
-    verdict,
-)
+from eagle3_pipeline.verdict import check_line, read_draft, refuse_blocking, self_checks, verdict
 from eagle3_pipeline.vocab import D2T_NAME
-
-METHOD = "eagle3"  # what vLLM is asked to serve the draft as (the method check compares the draft's config with it)
 
 
 @stage_main
@@ -108,31 +89,24 @@ def main(argv: list[str] | None = None) -> int:
     # The draft's two files, whole (a half-written export is one line naming the file), the bytes 05 wrote (its
     # manifest's sizes and digests: one byte changed since is refused, naming the file), and the limit vLLM
     # would enforce on --max-model-len: all refused here, before any engine starts.
-    draft_config, draft_shapes, d2t = read_draft(draft_dir)
+    draft = read_draft(draft_dir)
     require_written_files(exported, DRAFT_FILES)
+    # The draft's kind, how the vLLM here serves it (a kind it cannot serve: one line) and k (export.py).
+    plan = evaluation_plan(draft_dir, draft[0], trained, exported, cfg.num_speculative_tokens, bool(probe_gpus()))
+    log.info("%s", plan.line)
     model_limit = max_model_len_limit(target)
     if model_limit is not None and cfg.max_model_len > model_limit:
         raise ConfigError(f"--max-model-len {cfg.max_model_len}: above the target's limit of {model_limit} tokens "
                           f"({Path(target.path) / 'config.json'}); vLLM refuses it: pass at most {model_limit}")
-    k = cfg.num_speculative_tokens or draft_speculative_tokens(draft_config) or exported.num_speculative_tokens
-    tensor_parallel = cfg.tensor_parallel_size or exported.config["tensor_parallel_size"]
-    if note := k_above_training(k, trained.draft_config):
-        log.warning("note: %s", note)
+    k, tensor_parallel = plan.k, cfg.tensor_parallel_size or exported.config["tensor_parallel_size"]
+    if plan.note:
+        log.warning("note: %s", plan.note)
     trained_kwargs = json.loads(prepared.config.get("chat_template_kwargs") or "{}")
     template_kwargs = json.loads(cfg.chat_template_kwargs) if cfg.chat_template_kwargs else trained_kwargs
 
     require_written_files(vocab, [D2T_NAME])  # stage 03's mapping the d2t check compares with: as 03 wrote it
     # The causes of "acceptance ~1" that the files show, checked before any engine starts (verdict.py).
-    findings = [
-        check_layer_ids(draft_config, target.num_layers, trained.aux_layer_ids),
-        check_d2t(d2t, vocab_d2t(vocab.directory), str(vocab.directory / D2T_NAME)),
-        check_method(draft_config, METHOD),
-        check_template(template_kwargs, trained_kwargs, target.tokenizer_sha256, prepared.target["tokenizer_sha256"]),
-        check_weights(draft_config, draft_shapes, target.hidden_size, target.vocab_size),
-    ]
-    for finding in findings:
-        (log.warning if finding.status == "problem" else log.info)("self-check %s: %s: %s", finding.check,
-                                                                    finding.status, finding.detail)
+    findings = self_checks(draft, plan, target, trained, vocab, prepared, template_kwargs, trained_kwargs)
     # Rendered as stage 01 rendered its rows: its tokenizer, end-of-turn tokens and (unless given) template kwargs.
     chat = ChatTokenizer(tokenizer_dir or target.path, cfg.trust_remote_code, template_kwargs,
                          prepared.config.get("end_of_turn_tokens") or [])
@@ -147,17 +121,7 @@ def main(argv: list[str] | None = None) -> int:
               # the draft's own bytes (cheap fingerprints): a draft edited in place is another input
               "draft_files": {name: file_fingerprint(draft_dir / name) for name in DRAFT_FILES}},
         num_speculative_tokens=k, tensor_parallel_size=tensor_parallel, chat_template_kwargs=template_kwargs)
-    # A draft vLLM cannot serve (another method, layer ids outside the target, weights that do not fit) stops
-    # here: the engine would end in a traceback, or measure nothing worth a verdict.
-    blocking = [f for f in findings if f.blocks and f.status == PROBLEM]
-    if blocking:
-        if cfg.check:
-            print(check_line(findings, len(prompts), "not measured: vLLM cannot serve this draft"))
-        first = blocking[0]
-        # another method is the verdict's own cause (tau exactly 1 in vLLM): the verdict's exit code, 6
-        error = DraftRejected if first.check == "method" else ContractError
-        raise error(f"{draft_dir / first.file}: vLLM cannot serve this draft ({first.check}: {first.detail}); "
-                    f"no engine was started: export the draft for this target again (05_export.py)")
+    refuse_blocking(findings, draft_dir, cfg.check, len(prompts))  # what vLLM cannot serve: no engine
 
     # The report is never written inside an input's folder: rerunning that stage with --overwrite deletes it.
     refuse_output_inside(out_dir, {"--draft": (draft_dir, "stage 05's output"),
@@ -181,11 +145,11 @@ def main(argv: list[str] | None = None) -> int:
                     done_manifest = read_own_manifest(out_dir)
                     update_card(draft_dir, report, done_manifest.versions, done_manifest.created)
                 return report_outcome(report)
-        return measure(cfg, out_dir, draft_dir, identity, findings, prompts, categories, k, tensor_parallel,
+        return measure(cfg, out_dir, draft_dir, identity, findings, prompts, categories, plan, tensor_parallel,
                        template_kwargs, target, exported, trained, prepared, vocab)
 
 
-def measure(cfg, out_dir, draft_dir, identity, findings, prompts, categories, k, tensor_parallel, template_kwargs,
+def measure(cfg, out_dir, draft_dir, identity, findings, prompts, categories, plan, tensor_parallel, template_kwargs,
             target, exported, trained, prepared, vocab) -> int:
     try:
         preflight = preflight_evaluate(target, tensor_parallel)
@@ -203,63 +167,30 @@ def measure(cfg, out_dir, draft_dir, identity, findings, prompts, categories, k,
     remove_stale_temps(out_dir)
     retire_manifest(out_dir)  # an old report (--overwrite) stops being finished only now
     written = write_manifest(out_dir, EvaluateManifest(complete=False, identity=identity))  # logs/ is this stage's from here
-    extra = {"tensor_parallel_size": tensor_parallel, "trust_remote_code": cfg.trust_remote_code}
-    if target.is_multimodal_wrapper:
-        extra["language_model_only"] = True  # Kimi-K2.5: text only, no vision tower (as the serve command)
-    if probe_gpus():
-        extra.update(gpu_memory_args(cfg.gpu_memory_utilization, cfg.kv_cache_memory_gib))
-    settings = VllmSettings(max_tokens=cfg.max_tokens, max_model_len=cfg.max_model_len, dtype=cfg.dtype,
-                            max_num_seqs=cfg.max_num_seqs, kv_cache_gib=cfg.cpu_kv_cache_gib, seed=cfg.seed,
-                            enforce_eager=cfg.enforce_eager, warmup_prompts=1, temperature=cfg.temperature,
-                            extra_engine_args=extra)
+    settings = stage_settings(cfg, target, tensor_parallel, bool(probe_gpus()))
     measured = measure_acceptance(target.path, {"draft": str(draft_dir.resolve())}, [p.token_ids for p in prompts],
-                                  groups=categories, ks=(k,), settings=settings, log_dir=out_dir / "logs",
-                                  log=lambda line: log.info("%s", line), with_baseline=cfg.baseline)
+                                  groups=categories, ks=(plan.k,), settings=settings, log_dir=out_dir / "logs",
+                                  log=lambda line: log.info("%s", line), with_baseline=cfg.baseline,
+                                  speculative_config=plan.speculative_config)
     spec = next(iter(measured["runs"].values()))["spec_decode"]
-    judged = verdict(spec, findings, cfg.min_tau, cfg.min_first_acceptance)
-    report = build_report(measured, draft=str(draft_dir.resolve()), target=target.path, k=k,
+    judged = verdict(spec, findings, cfg.min_tau, cfg.min_first_acceptance, plan.positions)
+    report = build_report(measured, draft=str(draft_dir.resolve()), target=target.path, k=plan.k,
                           tensor_parallel_size=tensor_parallel, prompts_file=str(Path(cfg.prompts).resolve()),
-                          categories=categories, template_kwargs=template_kwargs, verdict=judged)
+                          categories=categories, template_kwargs=template_kwargs, verdict=judged, kind=plan.kind.name)
 
     # 4. Outputs, then 5. the contract (last: the directory is finished only once manifest.json exists).
-    atomic_write_json(out_dir / REPORT_JSON, report)
-    atomic_write_text(out_dir / REPORT_TEXT, format_report(report) + "\n")
-    outputs = [REPORT_JSON, REPORT_TEXT] + ([REPORT_PNG] if write_plot(report, out_dir / REPORT_PNG) else [])
+    outputs = write_report_files(out_dir, report)
     written = write_manifest(out_dir, EvaluateManifest(
         identity=identity, config=cfg.model_dump(), config_sha256=config_fingerprint(cfg), target=exported.target,
         inputs={"export": input_record(exported), "train": input_record(trained), "prepare": input_record(prepared),
                 "vocab": input_record(vocab), "prompts": str(Path(cfg.prompts).resolve())},
-        draft=str(draft_dir.resolve()), num_speculative_tokens=k, tensor_parallel_size=tensor_parallel,
+        draft=str(draft_dir.resolve()), num_speculative_tokens=plan.k, tensor_parallel_size=tensor_parallel,
         chat_template_kwargs=template_kwargs, prompts=len(prompts), mean_acceptance_length=spec["mean_acceptance_length"],
         mean_acceptance_length_stderr=spec["mean_acceptance_length_stderr"], verdict=judged),
         outputs=outputs)  # output_files: the one record of written files every stage keeps (run_all --status reads it)
     log.info("report -> %s", out_dir)
     update_card(draft_dir, report, written.versions, written.created)  # the draft's card: its measured section
     return report_outcome(report)
-
-
-def check_line(findings, num_prompts: int, measurement: str) -> str:
-    checks = "; ".join(f"{f.check} {f.status}" for f in findings)
-    return f"06 --check: ran the self-checks ({checks}) and rendered {num_prompts} prompts; tau in vLLM {measurement}"
-
-
-def report_outcome(report: dict) -> int:
-    """Print the report's screen; a failed verdict is the stage's error line (exit 6)."""
-    print(format_report(report))
-    if not report["verdict"]["passed"]:
-        raise DraftRejected(report["verdict"]["line"])
-    return 0
-
-
-def draft_speculative_tokens(draft_config: dict) -> int | None:
-    """k as the draft's config proposes it (speculators_config.proposal_methods, what stage 05 wrote)."""
-    methods = (draft_config.get("speculators_config") or {}).get("proposal_methods") or [{}]
-    return methods[0].get("speculative_tokens")
-
-
-def vocab_d2t(vocab_dir: Path) -> np.ndarray | None:
-    path = vocab_dir / D2T_NAME
-    return np.load(path) if path.is_file() else None
 
 
 if __name__ == "__main__":

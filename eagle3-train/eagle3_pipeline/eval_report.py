@@ -15,8 +15,8 @@ from pathlib import Path
 
 from . import model_card
 from .contract import write_manifest
-from .errors import ConfigError
-from .files import atomic_path, atomic_write_text, sha256_file
+from .errors import ConfigError, DraftRejected
+from .files import atomic_path, atomic_write_json, atomic_write_text, sha256_file
 from .stage import log, read_own_manifest
 
 # Local imports: matplotlib: imported where the plot is drawn (heavy, optional).
@@ -25,8 +25,9 @@ REPORT_JSON, REPORT_TEXT, REPORT_PNG = "report.json", "report.txt", "report.png"
 
 
 def build_report(measured: dict, *, draft: str, target: str, k: int, tensor_parallel_size: int, prompts_file: str,
-                 categories: list[str], template_kwargs: dict, verdict: dict) -> dict:
-    """The JSON record: the draft's run, the baseline's (or None), per category side by side, and the verdict."""
+                 categories: list[str], template_kwargs: dict, verdict: dict, kind: str = "eagle3") -> dict:
+    """The JSON record: the draft's run, the baseline's (or None), per category side by side, and the verdict.
+    `kind`: the draft's kind (draft_kinds.py); the speculative_config vLLM served it with is the run's."""
     run = next(iter(measured["runs"].values()))
     baseline = measured.get("baseline")
     by_category = {}
@@ -43,7 +44,8 @@ def build_report(measured: dict, *, draft: str, target: str, k: int, tensor_para
             "baseline_tokens_per_s": alone["tokens_per_s"] if alone else None,
         }
     return {
-        "draft": draft, "target": target, "num_speculative_tokens": k, "tensor_parallel_size": tensor_parallel_size,
+        "draft": draft, "draft_kind": kind, "speculative_config": run.get("speculative_config"), "target": target,
+        "num_speculative_tokens": k, "tensor_parallel_size": tensor_parallel_size,
         "prompts": {"file": prompts_file, "count": len(categories),
                     "categories": {c: categories.count(c) for c in sorted(set(categories))}},
         "chat_template_kwargs": template_kwargs, "settings": measured["settings"],
@@ -65,16 +67,20 @@ def format_report(report: dict) -> str:
     """One screen: the run, tau, per position, per category, tokens/s, the self-checks, the verdict."""
     spec, settings = report["spec_decode"], report["settings"]
     sampling = "greedy" if settings["temperature"] == 0 else f"temperature {settings['temperature']}"
+    kind = report.get("draft_kind", "eagle3")
+    untrained = set(report["verdict"].get("positions", {}).get("untrained") or [])
     lines = [
-        f"draft {report['draft']} (k={report['num_speculative_tokens']}) on {report['target']} "
+        f"draft {report['draft']} ({'' if kind == 'eagle3' else kind + ', '}k={report['num_speculative_tokens']}) on "
+        f"{report['target']} "
         f"(TP {report['tensor_parallel_size']})",
         f"prompts: {report['prompts']['count']} from {report['prompts']['file']}, chat_template_kwargs "
         f"{report['chat_template_kwargs']}, {sampling}, max_tokens {settings['max_tokens']}",
         f"tau (mean acceptance length, 1 + accepted/drafts): {spec['mean_acceptance_length']:.3f} ± "
         f"{spec['mean_acceptance_length_stderr']:.3f} over {spec['num_drafts']} drafts",
         "acceptance by draft position: " + "   ".join(
-            f"{i + 1}: {_pct(p)} ± {_pct(se)}"
-            for i, (p, se) in enumerate(zip(spec["acceptance_rate_per_pos"], spec["acceptance_rate_per_pos_stderr"]))),
+            f"{i + 1}{'*' if i + 1 in untrained else ''}: {_pct(p)} ± {_pct(se)}"
+            for i, (p, se) in enumerate(zip(spec["acceptance_rate_per_pos"], spec["acceptance_rate_per_pos_stderr"])))
+        + ("   (* never trained)" if untrained else ""),
         "",
         f"{'category':<16} {'prompts':>7} {'tau':>15} {'pos-1':>7} {'tokens/s draft':>15} {'alone':>8}",
     ]
@@ -96,6 +102,21 @@ def format_report(report: dict) -> str:
     lines.append("self-checks: " + "; ".join(f"{f['check']} {f['status']}" for f in report["verdict"]["findings"]))
     lines.append(report["verdict"]["line"])
     return "\n".join(lines)
+
+
+def write_report_files(out_dir: Path, report: dict) -> list[str]:
+    """report.json, report.txt and (with matplotlib) report.png into out_dir; returns the names written."""
+    atomic_write_json(Path(out_dir) / REPORT_JSON, report)
+    atomic_write_text(Path(out_dir) / REPORT_TEXT, format_report(report) + "\n")
+    return [REPORT_JSON, REPORT_TEXT] + ([REPORT_PNG] if write_plot(report, Path(out_dir) / REPORT_PNG) else [])
+
+
+def report_outcome(report: dict) -> int:
+    """Print the report's screen; a failed verdict is the stage's error line (exit 6)."""
+    print(format_report(report))
+    if not report["verdict"]["passed"]:
+        raise DraftRejected(report["verdict"]["line"])
+    return 0
 
 
 def write_plot(report: dict, path: Path) -> Path | None:

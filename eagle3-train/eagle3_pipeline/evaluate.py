@@ -1,11 +1,12 @@
-"""Acceptance length tau of an EAGLE-3 draft measured in vLLM: the one home of this measurement (stage 06
-and bench/acceptance.py both call it).
+"""Acceptance length tau of a draft measured in vLLM: the one home of this measurement (stage 06
+and bench/acceptance.py both call it). EAGLE-3 by default; a draft of another kind (draft_kinds.py) is served with
+the speculative_config its kind needs (method dflash, eagle3 + parallel_drafting, ...: `speculative_config`).
 
 tau is the mean number of tokens one target forward pass produces with speculative decoding: the
 accepted draft tokens plus the one token the target always contributes (the correction at the first
 mismatch, or the bonus token when every draft token was accepted). It decides the speed-up.
 
-The target and the exported draft are loaded with `speculative_config={"method": "eagle3", ...}`,
+The target and the exported draft are loaded with `speculative_config={"method": "eagle3", ...}` (or the kind's),
 prompts are generated (greedy unless `VllmSettings.temperature`), and vLLM's own spec-decode counters
 are read back through `LLM.get_metrics()`:
 
@@ -177,7 +178,7 @@ def _timed_pass(llm, requests: list, labels: list[str], greedy, with_draft: bool
 
 def run_engine(target_dir: str, draft_dir: str | None, num_speculative_tokens: int,
                prompts: list[list[int]], settings: VllmSettings, groups: list[str] | None = None,
-               timed_repeats: int = 1) -> dict:
+               timed_repeats: int = 1, speculative_config: dict | None = None) -> dict:
     """One engine, in this process: greedy generation on `prompts`, timed, with counters.
 
     `groups` (one label per prompt, e.g. the prompt's kind) adds `by_group`: each group is
@@ -185,6 +186,8 @@ def run_engine(target_dir: str, draft_dir: str | None, num_speculative_tokens: i
     `timed_repeats` > 1 times the whole generation that many times in the one engine
     (`repeat_tokens_per_s`): a small target's pass over the prompts lasts seconds, so one
     timing scatters by several percent while the engine's start costs a minute.
+    `speculative_config`: the draft's method and its kind's other keys (draft_kinds.speculative_config; None:
+    eagle3); its model and k are `draft_dir` and `num_speculative_tokens`.
     Call it through `run_engine_isolated` unless this process runs nothing else with vLLM.
     """
     from vllm import LLM, SamplingParams
@@ -204,6 +207,7 @@ def run_engine(target_dir: str, draft_dir: str | None, num_speculative_tokens: i
     if draft_dir is not None:
         engine_args["speculative_config"] = {
             "method": "eagle3",
+            **(speculative_config or {}),
             "model": draft_dir,
             "num_speculative_tokens": num_speculative_tokens,
         }
@@ -223,6 +227,7 @@ def run_engine(target_dir: str, draft_dir: str | None, num_speculative_tokens: i
     result = {
         "draft": draft_dir,
         "num_speculative_tokens": num_speculative_tokens if draft_dir else 0,
+        "speculative_config": engine_args.get("speculative_config"),
         "num_prompts": len(prompts),
         "prompt_tokens": sum(len(p) for p in prompts),
         "generated_tokens": sum(len(g) for g in generated),  # one pass's
@@ -251,6 +256,19 @@ def gpu_memory_args(gpu_memory_utilization: float, kv_cache_memory_gib: float | 
     if kv_cache_memory_gib:
         args["kv_cache_memory_bytes"] = int(kv_cache_memory_gib * 2**30)
     return args
+
+
+def stage_settings(cfg, target, tensor_parallel_size: int, on_gpu: bool) -> VllmSettings:
+    """Stage 06's engine settings from its config (EvaluateConfig): the same for the draft and the target alone."""
+    extra = {"tensor_parallel_size": tensor_parallel_size, "trust_remote_code": cfg.trust_remote_code}
+    if target.is_multimodal_wrapper:
+        extra["language_model_only"] = True  # Kimi-K2.5: text only, no vision tower (as the serve command)
+    if on_gpu:
+        extra.update(gpu_memory_args(cfg.gpu_memory_utilization, cfg.kv_cache_memory_gib))
+    return VllmSettings(max_tokens=cfg.max_tokens, max_model_len=cfg.max_model_len, dtype=cfg.dtype,
+                        max_num_seqs=cfg.max_num_seqs, kv_cache_gib=cfg.cpu_kv_cache_gib, seed=cfg.seed,
+                        enforce_eager=cfg.enforce_eager, warmup_prompts=1, temperature=cfg.temperature,
+                        extra_engine_args=extra)
 
 
 # vLLM's reasons with a remedy the user can act on, by a phrase of the reason
@@ -358,7 +376,7 @@ def _wait_engine(proc: subprocess.Popen) -> int:
 def run_engine_isolated(target_dir, draft_dir, num_speculative_tokens, prompts,
                         settings: VllmSettings, log_path: str | os.PathLike | None = None,
                         env: Mapping[str, str] | None = None, groups: list[str] | None = None,
-                        timed_repeats: int = 1) -> dict:
+                        timed_repeats: int = 1, speculative_config: dict | None = None) -> dict:
     """`run_engine` in a fresh Python process (its own process group, dying with this one); vLLM's output goes to
     `log_path`. An engine that fails raises `EngineFailed` quoting vLLM's reason from that log."""
     package_parent = str(Path(__file__).resolve().parents[1])  # eagle3-train/, for a bare clone
@@ -372,6 +390,7 @@ def run_engine_isolated(target_dir, draft_dir, num_speculative_tokens, prompts,
             "settings": asdict(settings),
             "groups": groups,
             "timed_repeats": timed_repeats,
+            "speculative_config": speculative_config,
         }))
         child_env = dict(os.environ)
         child_env["PYTHONPATH"] = os.pathsep.join(
@@ -466,7 +485,7 @@ def measure_acceptance(target_dir, drafts: Mapping[str, str], prompts: list[list
                        groups: list[str] | None = None, ks: Sequence[int] = (1, 2, 3),
                        settings: VllmSettings | None = None, log_dir: str | os.PathLike | None = None,
                        log=print, baseline: tuple[dict, list[list[int]]] | None = None, jobs: int = 1,
-                       with_baseline: bool = True) -> dict:
+                       with_baseline: bool = True, speculative_config: Mapping | None = None) -> dict:
     """Baseline (no draft) plus every (draft, k): tau, per-position acceptance, tokens/s.
 
     `prompts`: token ids (already rendered with the chat template); `groups`: one label per prompt (its
@@ -476,6 +495,7 @@ def measure_acceptance(target_dir, drafts: Mapping[str, str], prompts: list[list
     comparing each run with the baseline; `with_baseline=False` serves no target alone (no tokens/s without
     the draft, no agreement: "baseline" is None). `jobs` engines run at once after the baseline (on one GPU
     each needs a fixed KV cache, `kv_cache_memory_bytes`); their tokens/s then include each other's load.
+    `speculative_config`: every draft's method and kind keys (run_engine; None: eagle3).
     """
     settings = settings or VllmSettings()
     kinds = groups
@@ -497,7 +517,8 @@ def measure_acceptance(target_dir, drafts: Mapping[str, str], prompts: list[list
         baseline, reference = baseline
     def one(label: str, draft_dir: str, k: int) -> dict:
         name = f"{label}-k{k}"
-        result = run_engine_isolated(target_dir, draft_dir, k, prompts, settings, _log_path(name), groups=kinds)
+        result = run_engine_isolated(target_dir, draft_dir, k, prompts, settings, _log_path(name), groups=kinds,
+                                     speculative_config=dict(speculative_config) if speculative_config else None)
         generated = result.pop("generated_token_ids")
         if baseline is not None:
             result["agreement_with_baseline"] = agreement(reference, generated)

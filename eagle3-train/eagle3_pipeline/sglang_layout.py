@@ -59,6 +59,10 @@ def sglang_problems(config: dict) -> list[str]:
 
 
 def require_servable(config: dict, where: str) -> None:
+    kind = config.get("speculators_model_type") or "eagle3"
+    if kind != "eagle3":  # another kind (draft_kinds.py): no SGLang layout at all, whatever its other keys
+        raise ConfigError(f"{where}: --layout sglang writes EAGLE-3 drafts only (SGLang's LlamaForCausalLMEagle3), "
+                          f"this is a {kind} draft: export it with --layout speculators (vLLM serves it)")
     if problems := sglang_problems(config):
         raise ConfigError(f"{where}: --layout sglang: SGLang's EAGLE-3 loader (LlamaForCausalLMEagle3) does not build "
                           f"{'; '.join(problems)}; this draft serves in vLLM (--layout speculators), or train one "

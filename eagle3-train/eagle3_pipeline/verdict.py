@@ -1,5 +1,11 @@
 """Stage 06's verdict: a draft whose acceptance in vLLM is ~1 fails loudly, naming the causes it can check.
 
+Every kind speculators 0.9.0 trains that vLLM serves (eagle3, peagle, dflash, dflash2, dspark: draft_kinds.py) is
+judged alike: tau and acceptance per position 1..k (a block is verified left to right like a chain), which of those
+positions the draft was trained for (draft_kinds.verdict_positions), and the as-trained checks below, each reading
+the keys the draft's kind keeps (its layer ids: `eagle_aux_hidden_state_layer_ids` for eagle3/peagle,
+`aux_hidden_state_layer_ids` for the DFlash family).
+
 "Training converged, acceptance ~1" is the most common report against EAGLE-3 trainers. Its causes, and
 which of them can be checked from the files alone (`self_checks`, run before any engine starts):
 - aux layer ids: the draft's `eagle_aux_hidden_state_layer_ids` outside the target's layers, or not the
@@ -29,14 +35,17 @@ as its speculators-format twin, sglang_layout.speculators_view); a file missing,
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
-from . import sglang_layout
-from .errors import ContractError
+from . import draft_kinds, sglang_layout
+from .errors import ContractError, DraftRejected
 from .files import safetensors_problem
+
+log = logging.getLogger("eagle3")
 
 # Local imports: safetensors: where the draft's weights are read.
 
@@ -59,11 +68,13 @@ class Finding:
         return asdict(self)
 
 
-def check_layer_ids(draft_config: dict, target_layers: int, trained_ids: list[int] | None) -> Finding:
-    ids = draft_config.get("eagle_aux_hidden_state_layer_ids")
+def check_layer_ids(draft_config: dict, target_layers: int, trained_ids: list[int] | None, kind=None) -> Finding:
+    """The aux layer ids under the key the draft's kind (a draft_kinds.DraftKind; None: eagle3) keeps them."""
+    kind = kind or draft_kinds.kind(None)
+    ids = draft_kinds.draft_layer_ids(kind, draft_config)
     if not ids:
-        return Finding("layer ids", PROBLEM, "draft config.json has no eagle_aux_hidden_state_layer_ids "
-                                             "(vLLM would feed its own default layers)")
+        return Finding("layer ids", PROBLEM, f"draft config.json has no {kind.layer_ids_key} "
+                                             f"(vLLM would feed its own default layers)")
     outside = [i for i in ids if not 0 < i < target_layers]
     if outside:
         return Finding("layer ids", PROBLEM, f"aux layer ids {ids}: {outside} not inside the target's "
@@ -93,23 +104,37 @@ def check_d2t(draft_d2t: np.ndarray | None, vocab_d2t: np.ndarray | None, vocab_
     return Finding("d2t", OK, f"d2t equals stage 03's {vocab_file}")
 
 
-def check_method(draft_config: dict, method: str) -> Finding:
+def check_method(draft_config: dict, method: str, kind=None, kind_method: str | None = None) -> Finding:
+    """The draft's config is the kind (a draft_kinds.DraftKind; None: eagle3) served with `method`, the one vLLM
+    serves that kind with (`kind_method`; None: the kind's name), and holds the mask token a kind that needs one
+    is served with (vLLM reads config.json's mask_token_id)."""
+    kind = kind or draft_kinds.kind(None)
+    kind_method = kind_method or kind.name
     model_type = draft_config.get("speculators_model_type")
-    if model_type != "eagle3" or method != "eagle3":
+    if model_type != kind.name or method != kind_method:
+        needs = ("an EAGLE-3 draft needs both 'eagle3'" if kind.name == "eagle3" == kind_method else
+                 f"a {kind.name} draft needs speculators_model_type {kind.name!r} served as {kind_method!r}")
         return Finding("method", PROBLEM, f"draft config speculators_model_type {model_type!r}, served with method "
-                                          f"{method!r}; an EAGLE-3 draft needs both 'eagle3'", blocks=True)
-    return Finding("method", OK, "eagle3 (config and serving)")
+                                          f"{method!r}; {needs}", blocks=True)
+    if kind.needs_mask_token and draft_config.get("mask_token_id") is None:
+        return Finding("method", PROBLEM, f"draft config.json has no mask_token_id, which vLLM serves a {kind.name} "
+                                          f"draft with (its placeholder token)", blocks=True)
+    if kind.name == "eagle3":
+        return Finding("method", OK, "eagle3 (config and serving)")
+    return Finding("method", OK, f"{kind.name} served as {method} (config and serving)")
 
 
 def check_weights(draft_config: dict, shapes: dict[str, list[int]], target_hidden_size: int,
-                  target_vocab_size: int) -> Finding:
+                  target_vocab_size: int, kind=None) -> Finding:
     """The draft's tensors (name -> shape, from its safetensors header) against its config and the target, as
-    vLLM's EAGLE-3 loader will need them: a draft trained for another target, or weights copied from one."""
+    vLLM's loader will need them: a draft trained for another target, or weights copied from one. Every kind
+    speculators trains keeps these tensors (fc over the aux states, the decoder layers, norm, lm_head, d2t/t2d);
+    `kind` (None: eagle3) says where its config keeps the aux layer ids."""
     layer = draft_config.get("transformer_layer_config") or {}
     hidden, vocab = layer.get("hidden_size"), layer.get("vocab_size")
     draft_vocab = draft_config.get("draft_vocab_size") or vocab
     fed = draft_config.get("target_hidden_size") or hidden  # the width of the target's hidden states it reads
-    aux = len(draft_config.get("eagle_aux_hidden_state_layer_ids") or []) or 3
+    aux = len(draft_kinds.draft_layer_ids(kind or draft_kinds.kind(None), draft_config) or []) or 3
     problems = []
     if vocab != target_vocab_size:
         problems.append(f"config.json vocab_size {vocab}, the target's {target_vocab_size}")
@@ -214,8 +239,27 @@ def check_template(used_kwargs: dict, trained_kwargs: dict, tokenizer_sha256: st
     return Finding("template", OK, f"stage 01's chat template and kwargs {trained_kwargs}")
 
 
-def verdict(spec: dict, findings: list[Finding], min_tau: float, min_first_acceptance: float) -> dict:
-    """{"passed", "line", "findings"} from a `evaluate.summarize_spec_decode` summary and the self-checks."""
+def positions_line(positions: dict | None) -> str:
+    """The positions a draft served at k was not trained for, as the verdict line's tail ("" when none)."""
+    untrained = (positions or {}).get("untrained") or []
+    if not untrained:
+        return ""
+    span = f"{untrained[0]}..{untrained[-1]}" if len(untrained) > 1 else str(untrained[0])
+    return f"; positions {span} of {len(positions['positions'])} never trained"
+
+
+def verdict(spec: dict, findings: list[Finding], min_tau: float, min_first_acceptance: float,
+            positions: dict | None = None) -> dict:
+    """{"passed", "line", "findings"} from a `evaluate.summarize_spec_decode` summary and the self-checks.
+    `positions`: draft_kinds.verdict_positions for the served k (recorded as "positions"; untrained ones named)."""
+    judged = _verdict(spec, findings, min_tau, min_first_acceptance)
+    if positions is not None:
+        judged["line"] += positions_line(positions)
+        judged["positions"] = positions
+    return judged
+
+
+def _verdict(spec: dict, findings: list[Finding], min_tau: float, min_first_acceptance: float) -> dict:
     tau, stderr = spec["mean_acceptance_length"], spec["mean_acceptance_length_stderr"]
     rates = spec["acceptance_rate_per_pos"]
     first = rates[0] if rates else 0.0
@@ -243,3 +287,46 @@ def verdict(spec: dict, findings: list[Finding], min_tau: float, min_first_accep
                 + (f"; not checked: {', '.join(unchecked)}" if unchecked else "")
                 + f"; so likely {' or '.join(UNCHECKABLE_CAUSES)}")
     return {"passed": False, "line": line, "findings": [f.as_dict() for f in findings]}
+
+
+def self_checks(draft: tuple[dict, dict, np.ndarray | None], plan, target, trained, vocab, prepared,
+                template_kwargs: dict, trained_kwargs: dict) -> list[Finding]:
+    """Stage 06's checks of the files, before any engine starts: `draft` is read_draft's (config, shapes, d2t),
+    `plan` export.evaluation_plan's (the kind, the method it is served with); the manifests are 04's, 03's, 01's.
+    Each finding is logged (a problem as a warning)."""
+    from .vocab import D2T_NAME
+
+    config, shapes, d2t = draft
+    vocab_file = Path(vocab.directory) / D2T_NAME
+    findings = [
+        check_layer_ids(config, target.num_layers, trained.aux_layer_ids, plan.kind),
+        check_d2t(d2t, np.load(vocab_file) if vocab_file.is_file() else None, str(vocab_file)),
+        check_method(config, plan.speculative_config["method"], plan.kind, plan.kind_method),
+        check_template(template_kwargs, trained_kwargs, target.tokenizer_sha256, prepared.target["tokenizer_sha256"]),
+        check_weights(config, shapes, target.hidden_size, target.vocab_size, plan.kind),
+    ]
+    for finding in findings:
+        (log.warning if finding.status == PROBLEM else log.info)("self-check %s: %s: %s", finding.check,
+                                                                  finding.status, finding.detail)
+    return findings
+
+
+def check_line(findings: list[Finding], num_prompts: int, measurement: str) -> str:
+    """06 --check's summary line."""
+    checks = "; ".join(f"{f.check} {f.status}" for f in findings)
+    return f"06 --check: ran the self-checks ({checks}) and rendered {num_prompts} prompts; tau in vLLM {measurement}"
+
+
+def refuse_blocking(findings: list[Finding], draft_dir: Path, check: bool, num_prompts: int) -> None:
+    """A draft vLLM cannot serve (another method, layer ids outside the target, weights that do not fit) stops
+    before any engine: it would end in a traceback, or measure nothing worth a verdict. Another method is the
+    verdict's own cause (tau exactly 1 in vLLM): the verdict's exit code, 6."""
+    blocking = [f for f in findings if f.blocks and f.status == PROBLEM]
+    if not blocking:
+        return
+    if check:
+        print(check_line(findings, num_prompts, "not measured: vLLM cannot serve this draft"))
+    first = blocking[0]
+    error = DraftRejected if first.check == "method" else ContractError
+    raise error(f"{Path(draft_dir) / first.file}: vLLM cannot serve this draft ({first.check}: {first.detail}); "
+                f"no engine was started: export the draft for this target again (05_export.py)")
