@@ -29,7 +29,6 @@ from eagle3_pipeline.stage import lock_output, log, stage_main
 from eagle3_pipeline.target import load_target_info
 from eagle3_pipeline.train_run import already_done, finish_run, plan_run, run_trainer
 from eagle3_pipeline.training import (
-    check_kind_layers,
     draft_for_run,
     fit_seq_len_to_run,
     fit_val_ttt_steps,
@@ -65,9 +64,9 @@ def train(cfg: TrainConfig, sources, here: nodes.Presence | None) -> int:
     draft = draft_for_run(cfg)  # the kind: draft_config.json or --speculator-type
     target = load_target_info(cfg.target)
 
-    # 2. Contracts: one target, one prepared dataset, states and vocab both built from it; the layers the kind reads.
+    # 2. Contracts: one target, one prepared dataset, states and vocab both built from it. Every kind trains on the
+    # aux layers 02 extracted (speculators' --target-layer-ids): one extraction serves every kind (draft_kinds.layer_ids).
     prepared, extracted, vocab = read_upstream(cfg, target, draft)
-    check_kind_layers(cfg, draft, extracted, target.num_layers)
     # --slice-rows: this invocation trains one run position of a sliced run (eagle3_pipeline/slices.py)
     sliced = slices.check_position(cfg, prepared, extracted) if cfg.slice_rows is not None else None
     # Few optimizer steps: smaller steps (NOTES.md, "Acceptance length"). Before the identity, which records it.

@@ -85,20 +85,21 @@ def test_a_block_size_for_a_kind_without_a_block_is_refused_in_one_line(tmp_path
     assert _last_line(result).startswith(f"error: {draft_file}: block_size 4: the eagle3 kind has no block")
 
 
-def test_stage_02_of_other_layers_than_the_kind_reads_is_refused_in_one_line(tmp_path, kimi_run, kimi_target):
-    """02 run with --layer-ids 1 3 4: 04 refuses it naming 02's manifest, unless --layer-ids says to train on them."""
+def test_every_kind_trains_on_the_layers_02_extracted_and_other_layer_ids_are_refused_in_one_line(
+        tmp_path, kimi_run, kimi_target):
+    """02 run with --layer-ids 1 3 4: a dflash draft trains on them without repeating them (speculators'
+    --target-layer-ids from 02's manifest, as for eagle3: one extraction serves every kind); 04 --layer-ids other than
+    02's is refused in one line naming 02's states."""
     data = tmp_path / "data"
     shutil.copytree(kimi_run["data"], data, ignore=shutil.ignore_patterns("hidden_states"))
     run_stage("extract", "--profile", "cpu-mini", "--target", kimi_target, "--data", data, "--layer-ids", "1", "3", "4")
     flags = ["--profile", "cpu-mini", "--target", kimi_target, "--data", data, "--vocab", kimi_run["vocab"],
              "--output", tmp_path / "out", "--speculator-type", "dflash", "--check"]
-    result = run_stage("train", *flags, check=False)
-    manifest = data / "hidden_states" / "manifest.json"
-    assert result.returncode != 0 and _last_line(result) == (
-        f"error: {manifest}: stage 02 extracted layer ids [1, 3, 4, 6], a dflash draft reads [2, 3, 4, 6] (its aux "
-        f"layers + the final layer); rerun 02_extract_hidden_states.py with --layer-ids 2 3 4, or pass 04 --layer-ids "
-        f"1 3 4 to train on 02's layers"), result.stderr[-2000:]
-    run_stage("train", *flags, "--layer-ids", "1", "3", "4")  # stated: trains on 02's layers
+    assert run_stage("train", *flags, check=False).returncode == 0
+    result = run_stage("train", *flags, "--layer-ids", "2", "3", "4", check=False)
+    assert result.returncode != 0 and _last_line(result).startswith(
+        f"error: --layer-ids [2, 3, 4]: stage 02 extracted [1, 3, 4] (+ the final layer) into {data / 'hidden_states'}"
+    ), result.stderr[-2000:]
 
 
 def test_an_eagle3_run_keeps_the_identity_it_had_before_the_kinds(tmp_path, kimi_run, kimi_target):

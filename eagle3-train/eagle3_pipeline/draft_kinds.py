@@ -1,8 +1,8 @@
 """Draft kinds: what each `speculators train --speculator-type` needs from the stages, in one place (issue 62).
 
 speculators 0.9.0 trains seven kinds from the same hidden-state files; vLLM serves some of them. Every fact a stage
-needs about a kind lives here, so that no script branches on the kind: 02 asks which target layers to extract
-(`extraction_layer_ids`), 04 whether it trains the kind (`trainable`: a vLLM serves it), which flags draft_config.json
+needs about a kind lives here, so that no script branches on the kind: the target layers it reads (`layer_ids`:
+the same for every kind vLLM serves, so 02 extracts once for all; 04's online mode asks it), 04 whether it trains the kind (`trainable`: a vLLM serves it), which flags draft_config.json
 gives it (`architecture_flags`: EAGLE-3's keys for eagle3 only), which mask token to pass (`mask_token_id`) and what
 enters its identity (`identity_settings`, `identity_extra`: an eagle3 run's as before the kinds), 05 and 06 how vLLM serves the draft
 (`served_method`, `num_speculative_tokens`, `speculative_config`) and where its checkpoint keeps its layer ids
@@ -386,13 +386,6 @@ def layer_ids(kind_or_name, num_layers: int) -> list[int]:
     if k.name == "mtp":
         return [num_layers]
     return default_aux_layer_ids(num_layers)
-
-
-def extraction_layer_ids(kind_or_name, num_layers: int) -> list[int]:
-    """What stage 02 extracts: the aux layers plus the final layer L. Every kind's files need that last slot:
-    speculators' reader takes slots [:-1] as the aux states and [-1] as the verifier's last hidden state
-    (train/data.py), from which the trainer computes the target logits. (mtp's only aux layer is L itself.)"""
-    return layer_ids(kind_or_name, num_layers) + [num_layers]
 
 
 def draft_layer_ids(kind_or_name, draft_config: dict) -> Optional[list[int]]:

@@ -277,19 +277,6 @@ def mask_token(cfg: TrainConfig, draft: DraftConfig, target) -> int:
     return found if found is not None else (target.text_config.get("pad_token_id") or 0)
 
 
-def check_kind_layers(cfg: TrainConfig, draft: DraftConfig, extracted: ExtractManifest | None, num_layers: int) -> None:
-    """Stage 02 extracted the layers this kind reads (draft_kinds.extraction_layer_ids), unless --layer-ids says which
-    to train on (read_upstream checks those are 02's); a mismatch is refused in one line naming 02's manifest."""
-    if extracted is None or cfg.layer_ids:
-        return
-    wanted = draft_kinds.extraction_layer_ids(draft.speculator_type, num_layers)
-    if list(extracted.layer_ids) != wanted:
-        raise ContractError(f"{extracted.path}: stage 02 extracted layer ids {extracted.layer_ids}, "
-                            f"a {draft.speculator_type} draft reads {wanted} (its aux layers + the final layer); rerun "
-                            f"02_extract_hidden_states.py with --layer-ids {' '.join(map(str, wanted[:-1]))}, or pass "
-                            f"04 --layer-ids {' '.join(map(str, extracted.layer_ids[:-1]))} to train on 02's layers")
-
-
 def fit_val_ttt_steps(cfg: TrainConfig, sources: Sources, draft: DraftConfig):
     """(config, note): a --val-ttt-steps below the TTT steps training runs becomes those steps (speculators validates
     at least at training's depth), said in a note and recorded as run, not as asked."""
