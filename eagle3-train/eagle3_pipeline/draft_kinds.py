@@ -1,12 +1,13 @@
 """Draft kinds: what each `speculators train --speculator-type` needs from the stages, in one place (issue 62).
 
 speculators 0.9.0 trains seven kinds from the same hidden-state files; vLLM serves some of them. Every fact a stage
-needs about a kind lives here, so that no script branches on the kind: the target layers it reads (`layer_ids`:
-the same for every kind vLLM serves, so 02 extracts once for all; 04's online mode asks it), 04 whether it trains the kind (`trainable`: a vLLM serves it), which flags draft_config.json
-gives it (`architecture_flags`: EAGLE-3's keys for eagle3 only), which mask token to pass (`mask_token_id`) and what
-enters its identity (`identity_settings`, `identity_extra`: an eagle3 run's as before the kinds), 05 and 06 how vLLM serves the draft
-(`served_method`, `num_speculative_tokens`, `speculative_config`) and where its checkpoint keeps its layer ids
-(`draft_layer_ids`), 06's verdict how many positions the draft was trained for (`trained_positions`).
+needs about a kind lives here, so that no script branches on the kind: the target layers it reads (`layer_ids`: the
+same for every kind vLLM serves, so 02 extracts once for all; 04's online mode asks it), 04 whether it trains the kind
+(`trainable`: a vLLM serves it), which flags draft_config.json gives it (`architecture_flags`: EAGLE-3's keys for
+eagle3 only), which mask token to pass (`mask_token_id`) and what enters its identity (`identity_settings`,
+`identity_extra`: an eagle3 run's as before the kinds), 05 and 06 how vLLM serves the draft (`served_method`,
+`num_speculative_tokens`, `speculative_config`) and where its checkpoint keeps its layer ids (`draft_layer_ids`),
+06's verdict how many positions the draft was trained for (`trained_positions`).
 
 Sources (read from the wheels; the path is relative to site-packages, or to the unzipped vllm-0.26.0 CUDA wheel):
 - speculators 0.9.0: train/config/schema.py `_resolve_derived_defaults` (num_layers, draft_arch, loss, block size),
