@@ -29,6 +29,7 @@ import datetime as dt
 import gzip
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -248,14 +249,72 @@ def window_complete(metrics: Path, warmup: int, steps: int) -> bool:
     return len(logged) >= 2 and max(logged) - min(logged) >= steps
 
 
+# A log line that names why a run failed, most telling first: the OOM itself, then a Python exception line (not the
+# launchers' wrappers around it), then a stage's one-line `error:`, then any line that says error/killed.
+_OOM = re.compile(r"out of memory|OutOfMemoryError", re.IGNORECASE)
+_EXCEPTION = re.compile(r"^\s*(?:\[rank\d+\]:?\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt))(?::\s.*|:?\s*)$")
+_WRAPPERS = ("ChildFailedError", "CalledProcessError")
+_ERRORISH = re.compile(r"\berror\b|\bkilled\b|\bfatal\b|\btimed? ?out\b", re.IGNORECASE)
+
+
+def last_error_line(log_text: str, limit: int = 500) -> str | None:
+    """The last meaningful error line of a run's log (e.g. `torch.OutOfMemoryError: CUDA out of memory. Tried to
+    allocate ...`): the last line saying out of memory, else the last exception line that is not a launcher's
+    wrapper (torchrun's ChildFailedError), else the last `error: ...` line (a stage's own), else the last line that
+    says error or killed, else the last non-empty line; None for an empty log. Cut to `limit` characters."""
+    lines = [line.strip() for line in log_text.splitlines() if line.strip()]
+    if not lines:
+        return None
+
+    def exception(line: str) -> bool:
+        match = _EXCEPTION.match(line)
+        return bool(match) and not match.group(1).endswith(_WRAPPERS)
+
+    for test in (lambda line: bool(_OOM.search(line)) and (exception(line) or "CUDA out of memory" in line),
+                 lambda line: bool(_OOM.search(line)), exception, lambda line: line.startswith("error:"),
+                 lambda line: bool(_ERRORISH.search(line)), lambda line: True):
+        found = next((line for line in reversed(lines) if test(line)), None)
+        if found:
+            return found[:limit]
+    return None
+
+
+def failed_run(outcome: dict, why: str, metrics_files: list[Path], log: Path | None) -> dict:
+    """The record of a run that gave no measured window (an OOM, a crash, a timeout): why, the log's last error
+    line, the peak GPU memory nvidia-smi saw while it lasted (`outcome`'s) and the trainer's own peak from any
+    step it logged before failing."""
+    text = log.read_text(errors="replace") if log is not None and log.is_file() else ""
+    record = {**outcome, "failed": True, "failure": f"{why} (exit {outcome.get('exit')})",
+              "error": last_error_line(text) or why, **({"log": str(log)} if log is not None else {})}
+    records = [r for p in metrics_files if p.is_file() for r in _read_metrics_safely(p)]
+    allocated = [r["max_memory_allocated"] for r in records if r.get("max_memory_allocated")]
+    if allocated:
+        record["max_memory_allocated_gib"] = max(allocated) / 2**30
+    record["logged_steps"] = sum(1 for r in records if r.get("profile"))
+    return record
+
+
+def _read_metrics_safely(path: Path) -> list[dict]:
+    try:
+        return list(read_metrics(path))
+    except (OSError, ValueError):
+        return []
+
+
 def summarize(name: str, outcome: dict, metrics: Path, world: int, warmup: int,
-              flops_per_token: float, peak_tflops: float) -> dict:
+              flops_per_token: float | None, peak_tflops: float, log: Path | None = None) -> dict:
+    """A run's figures over its measured window; a run without one (no metrics, or under two logged steps after the
+    warm-up: an OOM, a crash, a timeout) becomes a failed record (failed_run) and the bench goes on. MFU only where a
+    FLOP count applies (`flops_per_token` None: the kind has no FLOP model here)."""
     per_rank = sorted(metrics.parent.glob(metrics.name + ".rank*")) or (
         [metrics] if metrics.is_file() else [])
     if not per_rank:
-        return {**outcome, "error": "no metrics written (see the run's log)"}
-    summaries = [throughput.summarize_train_metrics(read_metrics(p),
-                                                    warmup_steps=warmup) for p in per_rank]
+        return failed_run(outcome, "no metrics written", [], log)
+    try:
+        summaries = [throughput.summarize_train_metrics(read_metrics(p),
+                                                        warmup_steps=warmup) for p in per_rank]
+    except (OSError, ValueError, KeyError) as exc:
+        return failed_run(outcome, str(exc), per_rank, log)
     first = summaries[0]
     # Our child writes one file per rank; 04_train writes rank 0's only (all ranks run the
     # same step on the same number of tokens under DDP).
@@ -263,7 +322,7 @@ def summarize(name: str, outcome: dict, metrics: Path, world: int, warmup: int,
     return {
         **outcome, **first, "gpus": world, "tokens_per_s": tokens_per_s,
         "tokens_per_s_per_gpu": tokens_per_s / world,
-        "mfu": tokens_per_s / world * flops_per_token / (peak_tflops * 1e12),
+        "mfu": (tokens_per_s / world * flops_per_token / (peak_tflops * 1e12)) if flops_per_token else None,
     }
 
 
@@ -444,7 +503,7 @@ def main() -> None:
             outcome = launch(name, command, gpus=gpus, log=run_dir / "log.txt",
                              timeout=args.run_timeout)
         runs[name] = summarize(name, outcome, metrics, spec["gpus"], spec["warmup"],
-                               run_flops.get(name, flops).total, peak["peak_tflops"])
+                               run_flops.get(name, flops).total, peak["peak_tflops"], log=run_dir / "log.txt")
         if name in run_flops:
             runs[name]["draft_vocab_size"] = report["draft_vocab_flops_per_token"][name]["draft_vocab_size"]
         runs[name]["command"] = shlex.join(command)
@@ -466,7 +525,7 @@ def main() -> None:
     # 4. Ratio, MFU, read bandwidth, table.
     if "tokens_per_s" in runs.get("plain", {}) and "tokens_per_s" in runs.get("ours", {}):
         report["ratio"] = runs["ours"]["tokens_per_s"] / runs["plain"]["tokens_per_s"]
-        report["mfu"] = runs["ours"]["mfu"]
+        report["mfu"] = runs["ours"].get("mfu")
     for name, pairs in input_check_pairs(plan, runs).items():  # --loader-check alternate
         report.setdefault("input_checks_pairs", {})[name] = pairs
         _print_pairs(name, pairs)
@@ -787,14 +846,19 @@ def _print_flops(flops: throughput.FlopCount) -> None:
 
 def _print_run(name: str, run: dict) -> None:
     if "error" in run or "tokens_per_s" not in run:
-        print(f"[{name}] FAILED: {run}", flush=True)
+        print(f"[{name}] FAILED ({run.get('failure', 'no figures')}): {run.get('error')}; GPU memory peak "
+              f"{run.get('peak_gpu_memory_used_gib', 0):.1f} GiB (nvidia-smi)", flush=True)
         return
     split = run["step_split_ms"]
-    print(f"[{name}] {run['tokens_per_s']:,.0f} tokens/s  MFU {run['mfu']:.1%}  step "
+    print(f"[{name}] {run['tokens_per_s']:,.0f} tokens/s  MFU {_fmt_mfu(run.get('mfu'))}  step "
           f"{split.get('step_ms', 0):.0f} ms (fetch {split.get('fetch_ms', 0):.0f} fwd "
           f"{split.get('fwd_ms', 0):.0f} bwd {split.get('bwd_ms', 0):.0f} opt "
           f"{split.get('opt_ms', 0):.0f})  peak alloc {run['max_memory_allocated_gib']:.1f} GiB "
           f"(nvidia-smi {run['peak_gpu_memory_used_gib']:.1f})", flush=True)
+
+
+def _fmt_mfu(mfu: float | None) -> str:
+    return "none" if mfu is None else f"{mfu:.1%}"
 
 
 def _print_table(report: dict) -> None:
@@ -805,11 +869,12 @@ def _print_table(report: dict) -> None:
           f"{'fetch':>7}{'fwd':>6}{'bwd':>6}{'opt':>6}{'alloc GiB':>10}{'read GB/s':>10}")
     for name, run in report["runs"].items():
         if "tokens_per_s" not in run or "step_split_ms" not in run:
-            print(f"{name:<14} failed")
+            print(f"{name:<14} failed: {run.get('error')} (nvidia-smi peak "
+                  f"{run.get('peak_gpu_memory_used_gib', 0):.1f} GiB)")
             continue
         s = run["step_split_ms"]
         print(f"{name:<14}{run['gpus']:>5}{run['tokens_per_step']:>10.0f}{run['tokens_per_s']:>11,.0f}"
-              f"{run['mfu']:>7.1%}{s.get('step_ms', 0):>9.0f}{s.get('fetch_ms', 0):>7.0f}"
+              f"{_fmt_mfu(run.get('mfu')):>7}{s.get('step_ms', 0):>9.0f}{s.get('fetch_ms', 0):>7.0f}"
               f"{s.get('fwd_ms', 0):>6.0f}{s.get('bwd_ms', 0):>6.0f}{s.get('opt_ms', 0):>6.0f}"
               f"{run['max_memory_allocated_gib']:>10.1f}{run.get('read_gb_per_s_per_gpu', 0):>10.2f}")
     if "ratio" in report:

@@ -433,3 +433,50 @@ def test_a_04_runs_recorded_draft_is_what_04_resolves_with_its_norm_flags(tmp_pa
     # the landed Kimi file's "fc-norm" run: today's ours over the legacy draft config
     assert bench.run_draft(args, ["--draft-config", str(legacy_file), "--extra-args=--fc-norm",
                                   "--extra-args=--no-norm-before-fc"]) == landed
+
+
+OOM_LINE = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 15.62 GiB. GPU 0 has a total capacity of "
+            "79.19 GiB of which 3.12 GiB is free.")
+
+
+def test_a_run_without_logged_steps_is_recorded_with_its_error_and_peak_memory(tmp_path):
+    """A run that failed (here an OOM at its first step: one logged step before the warm-up, none after) is a record
+    with the log's OOM line, why, and the GPU memory peak, not a ValueError that aborts the bench."""
+    bench = _bench_module()
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(json.dumps({"global_step": 0, "time": 1.0, "max_memory_allocated": 70 * 2**30,
+                                   "profile": {"tokens_per_s": 1.0, "step_ms": 1.0}}) + "\n")
+    log = tmp_path / "log.txt"
+    log.write_text("\n".join([
+        "[rank0]: Traceback (most recent call last):", "[rank0]:   File \"x.py\", line 3, in <module>",
+        f"[rank0]: {OOM_LINE}", OOM_LINE,
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+        "error: training stopped: rank 0 (node 0) failed: OutOfMemoryError; rerun the same command to resume", ""]))
+    outcome = {"exit": 1, "wall_s": 80.0, "peak_gpu_memory_used_gib": 78.9}
+    run = bench.summarize("ours-vocab-64000", outcome, metrics, 1, 3, 1e9, 700.0, log=log)
+    assert run["failed"] and run["error"] == OOM_LINE
+    assert run["failure"] == "need at least 2 logged steps after warm-up, got 0 (exit 1)"
+    assert run["peak_gpu_memory_used_gib"] == 78.9 and run["max_memory_allocated_gib"] == 70.0
+    assert run["logged_steps"] == 1 and "tokens_per_s" not in run and run["log"] == str(log)
+    # no metrics at all (a crash before the first step), a timeout: the last meaningful line of the log
+    log.write_text("loading\nTraceback (most recent call last):\nRuntimeError: NCCL hung\n  (see above)\n")
+    run = bench.summarize("ours-dflash", {"exit": "timeout", "peak_gpu_memory_used_gib": 3.0},
+                          tmp_path / "none.jsonl", 1, 3, None, 700.0, log=log)
+    assert run["error"] == "RuntimeError: NCCL hung" and run["failure"] == "no metrics written (exit timeout)"
+    assert bench.last_error_line("step 1\nstep 2\n") == "step 2" and bench.last_error_line("") is None
+    assert bench.last_error_line("a\nerror: 04 refused the config\nexit\n") == "error: 04 refused the config"
+    # the table and the run line print a failed run and go on
+    bench._print_run("ours-dflash", run)
+    bench._print_table({"gpu": "H100", "torch": "2", "commit": "x", "date": "d", "bf16_matmul": {"peak_tflops": 700},
+                        "flops_per_token": {"total": 1e9}, "runs": {"ours-dflash": run}})
+
+
+def test_a_kind_run_without_a_flop_model_has_no_mfu(tmp_path):
+    bench = _bench_module()
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"global_step": s, "time": float(s), "max_memory_allocated": 2**30,
+                                           "profile": {"tokens_per_s": 100.0, "step_ms": 1000.0}}) + "\n"
+                               for s in range(0, 8)))
+    run = bench.summarize("ours-dflash", {"exit": 0, "peak_gpu_memory_used_gib": 2.0}, metrics, 1, 2, None, 700.0)
+    assert run["tokens_per_s"] == pytest.approx(100.0) and run["mfu"] is None
+    bench._print_run("ours-dflash", {**run, "step_split_ms": {}})

@@ -413,7 +413,7 @@ class ExportConfig(StageConfig):
     vocab: Optional[str] = _field(None, "stage 03's output the training used (default: the path stage 04 recorded; "
                                         "needed after moving the work directory); checked by content", identity=False)
     verifier_name: Optional[str] = _field(None, "verifier path/name written into the draft config (default: the target path used in training)", identity=True)
-    num_speculative_tokens: Optional[int] = _field(None, "draft tokens per step in the printed command (default: draft_config.json's)", ge=1, identity=False)
+    num_speculative_tokens: Optional[int] = _field(None, "draft tokens per step in the printed command (default: an eagle3 draft draft_config.json's; a block draft its block - 1, P-EAGLE its trained depths: draft_kinds.num_speculative_tokens)", ge=1, identity=False)
     tensor_parallel_size: int = _field(8, "tensor parallel size in the printed vLLM command", ge=1, identity=True)
     overwrite: bool = _field(False, "replace an export made with other settings or from another checkpoint (never a "
                                     "directory that is not an export)", identity=False)
@@ -423,7 +423,7 @@ class ExportConfig(StageConfig):
 class EvaluateConfig(StageConfig):
     STAGE: ClassVar[str] = "evaluate"
     DESCRIPTION: ClassVar[str] = (
-        "Stage 06: serve the target with the exported draft in vLLM (method eagle3) and alone, on chat prompts "
+        "Stage 06: serve the target with the exported draft in vLLM (its kind's method: eagle3, dflash, ...) and alone, on chat prompts "
         "rendered as stage 01 rendered its rows; report tau (1 + accepted/drafts), per-position acceptance and tau "
         "per category with standard errors, and tokens/s with and without the draft (report.json, report.txt, "
         "report.png). A tau at or below --min-tau, a first-position acceptance below --min-first-acceptance, or a "
