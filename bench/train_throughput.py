@@ -16,6 +16,8 @@ One invocation, on one GPU machine, on the same data:
     python bench/train_throughput.py --runs ours --ours-variant '48k=--total-seq-len 49152'  # 04_train + flags
     python bench/train_throughput.py --runs --trace   # where ours' step time goes, per GPU kernel
     python bench/train_throughput.py --runs ours --draft-vocabs 64000 163840   # ours at other draft vocabularies
+    python bench/train_throughput.py --runs ours --draft-vocabs 64000 163840 --ours-seq-len 16384   # 80 GB card
+    python bench/train_throughput.py --runs ours --kinds dflash peagle dspark   # each draft kind's step at Kimi width
     python bench/train_throughput.py --cold-warm      # ours from files not in page cache vs cached, bf16 and fp8
 
 Random data: the numbers say how fast, never how well (bench/README.md, "Training throughput").
@@ -343,6 +345,11 @@ def main() -> None:
                         help="also run ours with a draft vocabulary of N tokens each (its own stage 03 output over the "
                              "same data; N >= the target's = the whole vocabulary, d2t all zero): runs ours-vocab-N, "
                              "each with its FLOP count and MFU at that width (issue 61: 32000 64000 163840)")
+    parser.add_argument("--ours-seq-len", type=int, default=None, metavar="N",
+                        help="tokens per step of every 04_train run (ours, --ours-variant runs unless their flags set "
+                             "--total-seq-len, --draft-vocabs, --kinds, --ddp, --trace, --cold-warm); default: the "
+                             "--ours-profile's total_seq_len (04's default where it sets none). E.g. 16384 on an 80 GB "
+                             "card, so the 64K and 163,840 draft vocabularies run beside 32K at the same step")
     parser.add_argument("--ddp", type=int, default=0, help="also run ours on N GPUs (torchrun)")
     parser.add_argument("--distinct-files", type=int, default=48,
                         help="distinct hidden-state files (rows beyond share them by hard link)")
@@ -418,6 +425,7 @@ def main() -> None:
         return cold_warm(args, work, verifier, geometry, report)
     # Each run logs every log_freq steps; size the data for the longest run.
     plan = _plan_runs(args)
+    report["ours_seq_len"] = ours_seq_len_record(args)  # the 04 runs' tokens per step (a run's own flag wins)
     rows_needed = max(p["rows"] for p in plan.values())
     if not (data / "dataset_info.json").is_file() or _dataset_rows(data) < rows_needed:
         info = throughput.write_synthetic_prepared_dataset(
@@ -508,6 +516,7 @@ def main() -> None:
             runs[name]["draft_vocab_size"] = report["draft_vocab_flops_per_token"][name]["draft_vocab_size"]
         runs[name]["command"] = shlex.join(command)
         runs[name]["device_prefetch"] = spec["prefetch"]
+        runs[name]["planned_tokens_per_step"] = spec["total_seq_len"]  # the packing asked (--total-seq-len)
         if spec.get("via_04"):
             runs[name]["input_checks"] = spec.get("input_checks", True)
             # what it trained (bench/acceptance.py's projection prices each screen class by the run of its draft)
@@ -559,12 +568,13 @@ def cold_warm(args: argparse.Namespace, work: Path, verifier: Path, geometry, re
 
     resolved = _resolved_04_config(args)
     read_ahead = int(resolved.get("num_workers", 8)) * int(resolved.get("prefetch_factor", 2))
-    seq_len = kimi_run_seq_len(args.ours_profile)
+    seq_len = ours_seq_len(args)
     rows_per_step = max(seq_len // ROW_TOKENS, 1)
     log_freq = int(resolved.get("log_freq", 10))  # the profile's: each logged step synchronises the GPU
     skip = args.warmup_steps + 3 * read_ahead
     rows = int((skip + args.cold_warm_steps + 2 * log_freq + 4) * rows_per_step / 0.9) + 2  # 0.9: the validation split
     states = ("warm", "cold") if args.cold_warm_order == "warm-first" else ("cold", "warm")
+    report["ours_seq_len"] = ours_seq_len_record(args)
     report["cold_warm_settings"] = {"tokens_per_step": seq_len, "read_ahead_batches": read_ahead, "skipped_steps": skip,
                                     "window_steps": args.cold_warm_steps, "rows": rows, "log_freq": log_freq,
                                     "distinct_files": args.cold_warm_files, "order": list(states)}
@@ -689,7 +699,7 @@ def _plan_runs(args: argparse.Namespace) -> dict[str, dict]:
         flags = spec["flags"]
         if spec.get("via_04"):  # 04_train's resolved config, unless the run's own flags set it
             log_freq = int(resolved.get("log_freq", 50))  # unknown: allow up to 50
-            seq = kimi_run_seq_len(args.ours_profile)
+            seq = ours_seq_len(args)
             if "--total-seq-len" not in flags:  # a new list: runs share their flag lists
                 spec["flags"] = flags = [*flags, "--total-seq-len", str(seq)]
         else:  # speculators' defaults
@@ -698,7 +708,7 @@ def _plan_runs(args: argparse.Namespace) -> dict[str, dict]:
         seq = int(flags[flags.index("--total-seq-len") + 1]) if "--total-seq-len" in flags else seq
         warmup = -(-args.warmup_steps // log_freq) * log_freq
         stop = warmup + max(-(-args.steps // log_freq), 1) * log_freq
-        spec.update(warmup=warmup, stop=stop, log_freq=log_freq,
+        spec.update(warmup=warmup, stop=stop, log_freq=log_freq, total_seq_len=seq,
                     rows=int((stop + 3) * max(seq // ROW_TOKENS, 1) * spec["gpus"] / 0.9) + 2)
     return specs
 
@@ -763,6 +773,21 @@ def _print_pairs(name: str, pairs: dict) -> None:
                                            "mean_cost_adjacent") if pairs[key] is not None}
     print(f"[{name}] input checks cost: " + ", ".join(f"{key} {100 * value:.2f}%" for key, value in figures.items()),
           flush=True)
+
+
+def ours_seq_len(args: argparse.Namespace) -> int:
+    """Tokens per step of the bench's 04_train runs: --ours-seq-len, else the profile's (kimi_run_seq_len)."""
+    given = getattr(args, "ours_seq_len", None)
+    if given is not None and given < ROW_TOKENS:
+        raise SystemExit(f"--ours-seq-len {given}: at least one {ROW_TOKENS}-token row per step")
+    return int(given) if given is not None else kimi_run_seq_len(args.ours_profile)
+
+
+def ours_seq_len_record(args: argparse.Namespace) -> dict:
+    """The report's record of the 04 runs' tokens per step and where it came from."""
+    given = getattr(args, "ours_seq_len", None)
+    return {"tokens_per_step": ours_seq_len(args),
+            "source": "--ours-seq-len" if given is not None else f"profile {args.ours_profile}"}
 
 
 def kimi_run_seq_len(profile: str) -> int:

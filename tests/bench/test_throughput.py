@@ -480,3 +480,27 @@ def test_a_kind_run_without_a_flop_model_has_no_mfu(tmp_path):
     run = bench.summarize("ours-dflash", {"exit": 0, "peak_gpu_memory_used_gib": 2.0}, metrics, 1, 2, None, 700.0)
     assert run["tokens_per_s"] == pytest.approx(100.0) and run["mfu"] is None
     bench._print_run("ours-dflash", {**run, "step_split_ms": {}})
+
+
+def test_ours_seq_len_sets_every_04_runs_tokens_per_step(monkeypatch):
+    """--ours-seq-len N: ours, the --draft-vocabs runs, the DDP run and an ours-variant without its own
+    --total-seq-len train N tokens per step (a variant's own flag wins; plain keeps speculators' 8192)."""
+    import argparse
+
+    bench = _bench_module()
+    monkeypatch.setattr(bench, "_resolved_04_config", lambda args: {"log_freq": "10", "total_seq_len": "32768"})
+    args = argparse.Namespace(runs=["plain", "ours"], variant=[], ddp=2, ours_via="04_train", ours_profile="h200-8x",
+                              ours_variant=["lr=--lr 2e-3", "48k=--total-seq-len 49152"], warmup_steps=2, steps=8,
+                              draft_vocabs=[64000, 163840], ours_seq_len=16384)
+    plan = bench._plan_runs(args)
+    for name in ("ours", "lr", "ours-vocab-64000", "ours-vocab-163840", "ours-2gpu"):
+        assert plan[name]["flags"][-2:] == ["--total-seq-len", "16384"] and plan[name]["total_seq_len"] == 16384
+        assert plan[name]["rows"] == int(23 * 8 * plan[name]["gpus"] / 0.9) + 2  # 8 rows of 2048 per step
+    assert plan["48k"]["total_seq_len"] == 49152 and plan["plain"]["total_seq_len"] == 8192
+    assert bench.ours_seq_len_record(args) == {"tokens_per_step": 16384, "source": "--ours-seq-len"}
+    args.ours_seq_len = None  # the profile's, as before
+    assert bench._plan_runs(args)["ours"]["total_seq_len"] == 32768
+    assert bench.ours_seq_len_record(args) == {"tokens_per_step": 32768, "source": "profile h200-8x"}
+    args.ours_seq_len = 1000
+    with pytest.raises(SystemExit, match="at least one 2048-token row"):
+        bench._plan_runs(args)
