@@ -350,6 +350,11 @@ def main() -> None:
                              "--total-seq-len, --draft-vocabs, --kinds, --ddp, --trace, --cold-warm); default: the "
                              "--ours-profile's total_seq_len (04's default where it sets none). E.g. 16384 on an 80 GB "
                              "card, so the 64K and 163,840 draft vocabularies run beside 32K at the same step")
+    parser.add_argument("--kinds", nargs="+", default=[], metavar="KIND",
+                        help="also one 04_train run per draft kind after the EAGLE-3 runs (ours-KIND: --speculator-type "
+                             "KIND with its own speculators defaults, the mask token Kimi's [PAD]), each with tokens/s, "
+                             "step ms and peak memory; FLOP count and MFU only for eagle3 (the FLOP model counts "
+                             "EAGLE-3's draft; none for the others). Issue 62: dflash peagle dspark dflash2")
     parser.add_argument("--ddp", type=int, default=0, help="also run ours on N GPUs (torchrun)")
     parser.add_argument("--distinct-files", type=int, default=48,
                         help="distinct hidden-state files (rows beyond share them by hard link)")
@@ -402,6 +407,7 @@ def main() -> None:
     if args.child == "_child":
         args.train_argv = [a for a in args.train_argv if a != "--"]
         return run_child(args)
+    kind_names(args.kinds)  # a kind 04 does not train: refused in one line before anything is measured
 
     import torch
 
@@ -510,8 +516,13 @@ def main() -> None:
                            f"--nproc-per-node={spec['gpus']}", *command[1:]]
             outcome = launch(name, command, gpus=gpus, log=run_dir / "log.txt",
                              timeout=args.run_timeout)
+        flop_total = run_flops.get(name, flops).total if has_flop_model(spec) else None
         runs[name] = summarize(name, outcome, metrics, spec["gpus"], spec["warmup"],
-                               run_flops.get(name, flops).total, peak["peak_tflops"], log=run_dir / "log.txt")
+                               flop_total, peak["peak_tflops"], log=run_dir / "log.txt")
+        if spec.get("kind"):  # --kinds: which kind, and whether a FLOP count applies
+            runs[name]["speculator_type"] = spec["kind"]
+            runs[name]["flops_per_token"] = (flops.as_dict() if flop_total else
+                                             f"none: benchlib.throughput counts EAGLE-3's draft, not {spec['kind']}'s")
         if name in run_flops:
             runs[name]["draft_vocab_size"] = report["draft_vocab_flops_per_token"][name]["draft_vocab_size"]
         runs[name]["command"] = shlex.join(command)
@@ -521,7 +532,7 @@ def main() -> None:
             runs[name]["input_checks"] = spec.get("input_checks", True)
             # what it trained (bench/acceptance.py's projection prices each screen class by the run of its draft)
             try:
-                runs[name]["draft"] = run_draft(args, spec["flags"])
+                runs[name]["draft"] = run_draft(args, spec["flags"], spec.get("kind"))
             except ConfigError as exc:  # 04 refused the same config: the run failed and prices nothing
                 runs[name]["draft"] = None
                 print(f"[{name}] its draft: {exc}", flush=True)
@@ -675,6 +686,9 @@ def _plan_runs(args: argparse.Namespace) -> dict[str, dict]:
         specs[f"ours-vocab-{size}"] = {"via_04": True, "flags": [], "prefetch": True, "gpus": 1, "draft_vocab": size}
     if args.ddp > 1:
         specs[f"ours-{args.ddp}gpu"] = {**ours, "gpus": args.ddp}
+    for kind in kind_names(getattr(args, "kinds", [])):  # after the EAGLE-3 runs: 04 with each kind's own defaults
+        specs[f"ours-{kind}"] = {"via_04": True, "prefetch": True, "gpus": 1, "kind": kind,
+                                 "flags": ["--speculator-type", kind, "--mask-token-id", str(MASK_TOKEN_ID)]}
     checks = getattr(args, "loader_check", "on")
     for name in [n for n, spec in specs.items() if spec.get("via_04")]:
         if checks == "off":
@@ -711,6 +725,26 @@ def _plan_runs(args: argparse.Namespace) -> dict[str, dict]:
         spec.update(warmup=warmup, stop=stop, log_freq=log_freq, total_seq_len=seq,
                     rows=int((stop + 3) * max(seq // ROW_TOKENS, 1) * spec["gpus"] / 0.9) + 2)
     return specs
+
+
+def kind_names(kinds: list[str]) -> list[str]:
+    """--kinds: each a kind stage 04 trains (draft_kinds.trainable), once each in order; another refused in one line."""
+    from eagle3_pipeline import draft_kinds
+
+    for name in kinds:
+        try:
+            draft_kinds.trainable(name)
+        except ConfigError as exc:
+            raise SystemExit(f"--kinds {name}: {exc}") from None
+    return list(dict.fromkeys(kinds))
+
+
+def has_flop_model(spec: dict) -> bool:
+    """benchlib.throughput's FLOP count is EAGLE-3's draft (fc, a Llama layer per TTT step, the draft lm_head): it
+    applies to the eagle3 runs only, not to another kind's (a block of mask tokens through 5 Qwen3 layers, ...)."""
+    from eagle3_pipeline import draft_kinds
+
+    return spec.get("kind") is None or draft_kinds.kind(spec["kind"]).eagle3_settings
 
 
 def alternate_run_names(name: str, pairs: int, *, off_first: bool = False) -> list[tuple[str, bool]]:
@@ -800,9 +834,10 @@ def kimi_run_seq_len(profile: str) -> int:
     return int(load_profile(profile).get("train", {}).get("total_seq_len", default))
 
 
-def run_draft(args: argparse.Namespace, flags: list[str]) -> dict:
+def run_draft(args: argparse.Namespace, flags: list[str], kind: str | None = None) -> dict:
     """The draft a 04_train run with `flags` trains: the draft config 04 resolves (the profile's, or the flags'
-    --draft-config) with the norm flags among its --extra-args applied as speculators reads them."""
+    --draft-config) with the norm flags among its --extra-args applied as speculators reads them; a --kinds run's
+    with its `speculator_type` (its EAGLE-3 keys are not passed to speculators: draft_kinds.architecture_flags)."""
     from eagle3_pipeline.config import DEFAULT_DRAFT_CONFIG, load_draft_config
 
     resolved = _resolved_04_config(args, flags)
@@ -810,6 +845,8 @@ def run_draft(args: argparse.Namespace, flags: list[str]) -> dict:
                                             else DEFAULT_DRAFT_CONFIG)
     extra = resolved["extra_args"] if "extra_args" in resolved else screen.extra_args_of(flags)
     draft = load_draft_config(path).model_dump(exclude={"description"})
+    if kind is not None:
+        draft["speculator_type"] = kind
     return screen.trained_draft(draft, extra)
 
 

@@ -504,3 +504,41 @@ def test_ours_seq_len_sets_every_04_runs_tokens_per_step(monkeypatch):
     args.ours_seq_len = 1000
     with pytest.raises(SystemExit, match="at least one 2048-token row"):
         bench._plan_runs(args)
+
+
+def test_bench_plans_one_04_run_per_kind_after_the_eagle3_runs(monkeypatch):
+    """Issue 62 item 3: --kinds KIND... adds ours-KIND, 04 with --speculator-type KIND (its own defaults; the mask token
+    Kimi's [PAD], the head-only verifier has no tokenizer), at --ours-seq-len; a kind 04 does not train is refused."""
+    import argparse
+
+    bench = _bench_module()
+    monkeypatch.setattr(bench, "_resolved_04_config", lambda args: {"log_freq": "10", "total_seq_len": "32768"})
+    args = argparse.Namespace(runs=["plain", "ours"], variant=[], ddp=0, ours_via="04_train", ours_profile="h200-8x",
+                              ours_variant=[], warmup_steps=2, steps=8, draft_vocabs=[64000],
+                              kinds=["dflash", "peagle", "dspark", "dflash2", "dflash"], ours_seq_len=16384)
+    plan = bench._plan_runs(args)
+    assert list(plan) == ["plain", "ours", "ours-vocab-64000", "ours-dflash", "ours-peagle", "ours-dspark",
+                          "ours-dflash2"]
+    mask = str(throughput.KIMI_K25_TEXT_CONFIG["pad_token_id"])
+    assert plan["ours-dflash"]["flags"] == ["--speculator-type", "dflash", "--mask-token-id", mask,
+                                            "--total-seq-len", "16384"]
+    assert plan["ours-dspark"]["via_04"] and plan["ours-dspark"]["kind"] == "dspark" and plan["ours-dspark"]["gpus"] == 1
+    # the FLOP model is EAGLE-3's: eagle3 runs get a count and MFU, the other kinds none
+    assert bench.has_flop_model(plan["ours"]) and bench.has_flop_model(plan["ours-vocab-64000"])
+    assert not any(bench.has_flop_model(plan[f"ours-{k}"]) for k in ("dflash", "peagle", "dspark", "dflash2"))
+    assert bench.has_flop_model({"kind": "eagle3"})
+    for bad in ("xpress", "medusa"):
+        args.kinds = [bad]
+        with pytest.raises(SystemExit, match=f"--kinds {bad}: "):
+            bench._plan_runs(args)
+
+
+def test_a_kind_runs_recorded_draft_names_its_kind(tmp_path):
+    import argparse
+
+    from benchlib import screen
+
+    bench = _bench_module()
+    args = argparse.Namespace(workdir=tmp_path, ours_profile="h200-8x")
+    draft = bench.run_draft(args, ["--speculator-type", "dflash", "--mask-token-id", "163839"], "dflash")
+    assert draft == {**screen.landed_draft(), "speculator_type": "dflash"}
