@@ -691,8 +691,7 @@ def screen_curves(work: Path, sizes, names, ks, timing: dict, positions: dict, w
             step_s, why = sc.timing_for(timing, f"{f}x/{sc.cost_class(n)}", packing)
             if why:
                 log(f"  {f}x/{n}: no equal-GPU-time x: {why}")
-            points = [sc.offline_point(e, costs[e], offline_estimate(read_val_metrics(ckpts / str(e)))["full_acc"],
-                                       positions[dataset], ks, step_s)
+            points = [screen_point(n, e, costs[e], ckpts / str(e), positions[dataset], ks, step_s)
                       for e in sorted(costs) if whole or (ckpts / str(e) / "val_metrics.json").is_file()]
             if points:
                 curves.setdefault(str(f), {})[n] = {"recipe": sc.resolve_recipe(n), "cost_class": sc.cost_class(n),
@@ -701,6 +700,50 @@ def screen_curves(work: Path, sizes, names, ks, timing: dict, positions: dict, w
                                                     **({"timing_note": why} if why else {}),
                                                     "checkpoints": str(ckpts), "points": points}
     return curves
+
+
+def screen_point(name: str, epoch: int, cost: dict, checkpoint: Path, positions: int, ks, step_s) -> dict:
+    """One epoch's offline point: tau at `ks` from the validation's full_acc_i chain (EAGLE-3); a draft kind's
+    validation has none (no offline tau: vLLM measures it), its own figures kept as `kind_offline`."""
+    val = read_val_metrics(checkpoint)
+    if not sc.kind_of(name):
+        return sc.offline_point(epoch, cost, offline_estimate(val)["full_acc"], positions, ks, step_s)
+    return {**sc.offline_point(epoch, cost, [], positions, ks, step_s), "kind_offline": sc.kind_offline(val)}
+
+
+def kind_serving(checkpoint: Path, cpu: bool) -> dict:
+    """How the vLLM in use serves a kind draft's checkpoint (eagle3_pipeline.draft_serving, as stage 06 asks it):
+    {"kind", "k" (the kind's served k: a block draft's block - 1), "method", "speculative_config"}, or
+    {"kind", "not_measured": the one-line reason} where this vLLM (or its CPU build) cannot serve it."""
+    from eagle3_pipeline import draft_serving
+    from eagle3_pipeline.errors import StageError
+
+    config_file = checkpoint / "config.json"
+    try:
+        config = json.loads(config_file.read_text())
+        kind = draft_serving.draft_kind(config, config_file)
+        vllm = draft_serving.vllm_version()
+        draft_serving.require_servable_here(kind, vllm, on_gpu=not cpu)
+        k = draft_serving.served_k(kind, config, None, None, vllm)
+        spec = draft_serving.speculative_config(kind, checkpoint, config, k, vllm)
+    except (StageError, OSError, ValueError) as exc:
+        return {"kind": draft_serving.config_kind_name(config) if "config" in locals() else None,
+                "not_measured": str(exc).splitlines()[0] if str(exc) else type(exc).__name__}
+    return {"kind": kind.name, "k": k, "method": spec["method"], "vllm": vllm,
+            "speculative_config": {key: v for key, v in spec.items() if key != "model"}}
+
+
+def measure_kind(bench, label: str, draft: str, serving: dict, settings: VllmSettings, known) -> dict:
+    """A kind draft in vLLM at its served k, with its speculative_config (method, parallel_drafting, ...): the
+    library's measure_acceptance (benchlib.acceptance's passes no speculative_config) on the bench's prompts."""
+    from benchlib.acceptance import prompt_kinds, prompt_token_ids
+    from eagle3_pipeline import evaluate
+
+    prompts_path = bench.work / "chat" / "eval_prompts.jsonl"
+    return evaluate.measure_acceptance(bench.target, {label: draft}, prompt_token_ids(bench.target, prompts_path),
+                                       groups=prompt_kinds(prompts_path), ks=[serving["k"]], settings=settings,
+                                       log_dir=bench.logs, log=log, baseline=known, jobs=1,
+                                       speculative_config=serving["speculative_config"])
 
 
 def screen_chat_dir(name: str, source: Path, work: Path) -> Path:
@@ -888,10 +931,12 @@ def run_screen(args, bench: Bench, target: dict, started: float, load_start) -> 
     cache = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
     vllm: dict[str, dict] = {}
     vllm_equal: dict[str, dict] = {}
+    vllm_kinds: dict[str, dict] = {}  # per size the kind recipes: their served k, method, per-position acceptance, or why not
     speed_drafts: dict[str, dict[str, str]] = {}  # per size the drafts measured here: the speed phase's (--screen-speed-rounds)
     k_top = max(args.ks)
     for size, by_name in curves.items():
         data_runs = [n for n in by_name if "data" in recipes[n]]
+        kind_runs = [n for n in by_name if recipes[n].get("kind")]
         always = list(dict.fromkeys(["ours", sc.PLAIN, *data_runs, *(sc.data_base(n) for n in data_runs)]))
         order = [n for n, _ in sc.ranking(by_name, min(k_top, args.screen_val_depth)) if n not in always]
         chosen = [*always, *order[:args.screen_vllm_top]] if args.screen_vllm_top else []
@@ -903,6 +948,16 @@ def run_screen(args, bench: Bench, target: dict, started: float, load_start) -> 
                 equal_epochs[n] = sc.equal_steps_epoch(by_name[n], sc.last_point(base)["steps"])
                 if equal_epochs[n] != args.screen_epochs - 1:
                     drafts[f"{n}@e{equal_epochs[n]}"] = str(Path(by_name[n]["checkpoints"]) / str(equal_epochs[n]))
+        # the kinds: each at its own served k with its speculative_config, whatever --screen-vllm-top (no offline tau
+        # ranks them); one this vLLM cannot serve is recorded as not measured, with the reason
+        kind_drafts = {n: str(Path(by_name[n]["checkpoints"]) / str(args.screen_epochs - 1)) for n in kind_runs}
+        for n in kind_runs:
+            drafts.pop(n, None)
+        serving = {n: kind_serving(Path(d), bench.cpu) for n, d in kind_drafts.items()}
+        for n, how in serving.items():
+            if "not_measured" in how:
+                vllm_kinds.setdefault(size, {})[n] = how
+                log(f"  {size}x/{n}: not measured in vLLM: {how['not_measured']}")
         todo = {n: d for n, d in drafts.items() if cache.get(f"{size}x/{n}-k{k_top}", {}).get("stamp") != draft_stamp(d)}
         known = (cache["baseline"], cache["baseline_token_ids"]) if "baseline" in cache else None
 
@@ -922,16 +977,48 @@ def run_screen(args, bench: Bench, target: dict, started: float, load_start) -> 
                 failed[f"{size}x/{n} vllm"] = f"{type(measured).__name__}: {str(measured)[-400:]}"
                 continue
             cache[f"{size}x/{n}-k{k_top}"] = {"stamp": draft_stamp(drafts[n]), "run": measured["runs"][f"{n}-k{k_top}"]}
+        kind_todo = {n: d for n, d in kind_drafts.items() if "k" in serving[n]
+                     and cache.get(f"{size}x/{n}-k{serving[n]['k']}", {}).get("stamp") != draft_stamp(d)}
+        if kind_todo and known is None:  # the target alone once, with the first kind (no EAGLE-3 draft measured yet)
+            first = next(iter(kind_todo))
+            try:
+                measured = measure_kind(bench, first, kind_todo.pop(first), serving[first], settings, None)
+            except (RuntimeError, OSError) as exc:  # an engine that failed: recorded, the screen goes on
+                failed[f"{size}x/{first} vllm"] = f"{type(exc).__name__}: {str(exc)[-400:]}"
+            else:
+                cache["baseline"], cache["baseline_token_ids"] = measured["baseline"], measured["baseline_token_ids"]
+                cache[f"{size}x/{first}-k{serving[first]['k']}"] = {
+                    "stamp": draft_stamp(kind_drafts[first]), "run": measured["runs"][f"{first}-k{serving[first]['k']}"]}
+                known = (cache["baseline"], cache["baseline_token_ids"])
+        kind_outcome = in_dependency_order({n: ((), lambda done, n=n, d=d: measure_kind(bench, n, d, serving[n], settings,
+                                                                                       known))
+                                            for n, d in kind_todo.items()}, args.jobs)
+        for n, measured in kind_outcome.items():
+            if isinstance(measured, BaseException):
+                failed[f"{size}x/{n} vllm"] = f"{type(measured).__name__}: {str(measured)[-400:]}"
+                continue
+            k_n = serving[n]["k"]
+            cache[f"{size}x/{n}-k{k_n}"] = {"stamp": draft_stamp(kind_drafts[n]), "run": measured["runs"][f"{n}-k{k_n}"]}
         tmp = cache_path.with_name(cache_path.name + ".tmp")
         tmp.write_text(json.dumps(cache, default=str))
         os.replace(tmp, cache_path)
 
-        def taus_of(label: str) -> dict | None:
-            entry = cache.get(f"{size}x/{label}-k{k_top}")
+        def taus_of(label: str, k_run: int = k_top) -> dict | None:
+            entry = cache.get(f"{size}x/{label}-k{k_run}")
             if not entry:
                 return None
-            taus = lc.checkpoint_taus({k_top: entry["run"]}, [k for k in (3, 5, k_top) if k <= k_top])
+            taus = lc.checkpoint_taus({k_run: entry["run"]}, [k for k in (3, 5, k_run) if k <= k_run])
             return {k: v for k, v in taus.items() if k != "by_kind"}
+
+        for n, how in serving.items():  # the kinds: tau at their served k (and 3, 5 below it), per-position acceptance
+            if "k" not in how or not (taus := taus_of(n, how["k"])):
+                continue
+            vllm.setdefault(size, {})[n] = taus
+            spec = cache[f"{size}x/{n}-k{how['k']}"]["run"]["spec_decode"]
+            vllm_kinds.setdefault(size, {})[n] = {**how, "tau": taus[str(how["k"])],
+                                                  "acceptance_rate_per_pos": spec.get("acceptance_rate_per_pos"),
+                                                  "num_drafts": spec.get("num_drafts"),
+                                                  "speed": "not measured: the speed phase serves EAGLE-3 drafts at --ks"}
 
         for n in drafts:
             if "@e" not in n and (taus := taus_of(n)):
@@ -992,7 +1079,8 @@ def run_screen(args, bench: Bench, target: dict, started: float, load_start) -> 
     report_ks = [k for k in (3, 5) if k <= args.screen_val_depth] or [args.screen_val_depth]
     agreement = {}
     for size, measured in vllm.items():
-        both = [n for n in measured if str(k_top) in measured[n] and n in curves[size] and "data" not in recipes[n]]
+        both = [n for n in measured if str(k_top) in measured[n] and n in curves[size] and "data" not in recipes[n]
+                and not recipes[n].get("kind")]
         agreement[size] = {"k": k_top, "recipes": both, "spearman": sc.spearman(
             [sc.last_point(curves[size][n])["tau"][str(k_top)]["tau"] for n in both],
             [measured[n][str(k_top)]["tau"] for n in both])}
@@ -1052,11 +1140,31 @@ def run_screen(args, bench: Bench, target: dict, started: float, load_start) -> 
     }
     if speed:
         results["speed"] = speed
+    vllm_kinds = {**earlier.get("vllm_kinds", {}), **vllm_kinds} if earlier else vllm_kinds
+    if vllm_kinds:
+        results["vllm_kinds"] = vllm_kinds
+        for line in format_vllm_kinds(vllm_kinds):
+            log(line)
     if kimi:
         results["projection"] = kimi
     write_results(output, results)
     log(f"wrote {output}")
     return 0
+
+
+def format_vllm_kinds(vllm_kinds: dict) -> list[str]:
+    """The kind recipes in vLLM: each at its served k (method), tau and per-position acceptance, or why not measured."""
+    lines = []
+    for size, by_name in vllm_kinds.items():
+        lines.append(f"draft kinds at {size}x data in vLLM (each at its served k; EAGLE-3 recipes at --ks above):")
+        for n, entry in by_name.items():
+            if "not_measured" in entry:
+                lines.append(f"  {n:<10} not measured: {entry['not_measured']}")
+                continue
+            per_pos = [round(x, 3) for x in entry.get("acceptance_rate_per_pos") or []]
+            lines.append(f"  {n:<10} k={entry['k']} ({entry['method']}) tau {entry['tau']['tau']:.3f}"
+                         f"±{entry['tau']['tau_stderr']:.3f}, per position {per_pos}")
+    return lines
 
 
 SCREEN_SPEED = "speed-screen.json"
@@ -1087,8 +1195,8 @@ def measured_drafts(work: Path, sizes, k: int) -> dict[str, dict[str, str]]:
     for size in map(str, sizes):
         for key, entry in cache.items():
             label = key.removeprefix(f"{size}x/").removesuffix(f"-k{k}")
-            if not key.startswith(f"{size}x/") or not key.endswith(f"-k{k}") or "@e" in label:
-                continue
+            if not key.startswith(f"{size}x/") or not key.endswith(f"-k{k}") or "@e" in label or sc.kind_of(label):
+                continue  # a kind recipe's engine ran at its own k with its own method: not the speed phase's EAGLE-3
             path = entry["stamp"].rsplit("@", 1)[0]
             if Path(path).is_dir() and draft_stamp(path) == entry["stamp"]:
                 out.setdefault(size, {})[label] = path
@@ -1440,7 +1548,9 @@ def main() -> int:
     screen.add_argument("--screen-recipes", nargs="+", default=sc.DEFAULT_SCREEN,
                         help="recipe names (benchlib/screen.py SCREEN_RECIPES), 'a+b' combines two; ours and plain "
                              "always run; data:NAME trains on --screen-chat NAME's answers to the size's prompts, "
-                             "prompts-2x on twice the prompts (the next size's dataset)")
+                             "prompts-2x on twice the prompts (the next size's dataset); dflash, peagle, dspark, dflash2: "
+                             "stage 04 --speculator-type KIND (its own defaults), measured in vLLM at the kind's served "
+                             "k; 'kinds' = those the vLLM in use serves")
     screen.add_argument("--screen-data", type=int, nargs="+", default=[1], help="data sizes (multiples of --train-conversations)")
     screen.add_argument("--screen-epochs", type=int, default=6, help="epochs of every screened recipe")
     screen.add_argument("--screen-val-depth", type=int, default=5,
@@ -1480,6 +1590,10 @@ def main() -> int:
                              "column, the equal-time ratio at Kimi-K2.5 geometry (trained tokens / the cost class's "
                              "Kimi tokens/s); with --screen, --screen-records, --screen-report or --curves-report")
     args = parser.parse_args()
+    if args.screen_recipes:  # `kinds`: the kind recipes the vLLM in use serves (dflash2 from 0.32 on)
+        from eagle3_pipeline import draft_serving
+
+        args.screen_recipes = sc.expand_recipes(args.screen_recipes, draft_serving.vllm_version())
     if args.screen_speed_rounds < 0:
         parser.error("--screen-speed-rounds: a number of rounds, 0 or more")
     if args.screen_speed_repeats < 1:

