@@ -12,8 +12,8 @@ draft's files and draft_kinds.py, which holds every fact about a kind.
   runner) refused in one line before any engine starts.
 - `untrained_note`: the positions a draft served at k was never trained for (draft_kinds.verdict_positions).
 
-Facts of my own beside draft_kinds' (kept here, not in the module the training side edits): a kind's display name
-(the part of its summary before the colon) and the word for its trained positions (by its k_rule).
+Two words for people are made here from draft_kinds' facts: a kind's display name (its summary before the colon)
+and the word for its trained positions (by its k_rule).
 """
 
 from __future__ import annotations
