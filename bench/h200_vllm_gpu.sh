@@ -16,7 +16,7 @@
 # PART_MB=52 (`PART_MB=52 bash ../shared/gpu/vllm-h200/make_bundle.sh .dev/vchunk`), or part00 + the repo (~11 MB) exceed 64 MiB.
 #   .dev/carry/prompts.jsonl.xz      bench/chat_data.py's prompts, built here (Python 3.11.7)
 #   .dev/gguf-NAME/part-aa, -ab, ... another testbed's GGUF (bench/testbed.py's registry, e.g. qwen2.5-coder-0.5b: 469 MiB
-#                                    in 9 parts of <= 54 MiB; `bash bench/h200_vllm_gpu.sh prepare-testbed NAME` here),
+#                                    in 10 parts of <= 50 MiB; `bash bench/h200_vllm_gpu.sh prepare-testbed NAME` here),
 #                                    one part a call beside the repo (carry .dev/gguf-NAME/part-aa, then `stash
 #                                    .dev/gguf-NAME/part-aa`: it lands in /root/stash/gguf-NAME/); reassembled only when
 #                                    its sha256 matches
