@@ -933,6 +933,7 @@ def run_screen(args, bench: Bench, target: dict, started: float, load_start) -> 
     vllm_equal: dict[str, dict] = {}
     vllm_kinds: dict[str, dict] = {}  # per size the kind recipes: their served k, method, per-position acceptance, or why not
     speed_drafts: dict[str, dict[str, str]] = {}  # per size the drafts measured here: the speed phase's (--screen-speed-rounds)
+    speed_kinds: dict[str, dict[str, dict]] = {}  # per size the kinds: each measured one's serving + draft, or why not
     k_top = max(args.ks)
     for size, by_name in curves.items():
         data_runs = [n for n in by_name if "data" in recipes[n]]
@@ -957,6 +958,7 @@ def run_screen(args, bench: Bench, target: dict, started: float, load_start) -> 
         for n, how in serving.items():
             if "not_measured" in how:
                 vllm_kinds.setdefault(size, {})[n] = how
+                speed_kinds.setdefault(size, {})[n] = how
                 log(f"  {size}x/{n}: not measured in vLLM: {how['not_measured']}")
         todo = {n: d for n, d in drafts.items() if cache.get(f"{size}x/{n}-k{k_top}", {}).get("stamp") != draft_stamp(d)}
         known = (cache["baseline"], cache["baseline_token_ids"]) if "baseline" in cache else None
@@ -1018,7 +1020,8 @@ def run_screen(args, bench: Bench, target: dict, started: float, load_start) -> 
             vllm_kinds.setdefault(size, {})[n] = {**how, "tau": taus[str(how["k"])],
                                                   "acceptance_rate_per_pos": spec.get("acceptance_rate_per_pos"),
                                                   "num_drafts": spec.get("num_drafts"),
-                                                  "speed": "not measured: the speed phase serves EAGLE-3 drafts at --ks"}
+                                                  "speed": "not measured: no speed phase (--screen-speed-rounds 0)"}
+            speed_kinds.setdefault(size, {})[n] = {**how, "draft": kind_drafts[n]}
 
         for n in drafts:
             if "@e" not in n and (taus := taus_of(n)):
@@ -1069,10 +1072,15 @@ def run_screen(args, bench: Bench, target: dict, started: float, load_start) -> 
     speed = {}
     if args.screen_speed_rounds:
         try:
-            speed = screen_speed(args, bench, speed_drafts, settings)
+            speed = screen_speed(args, bench, speed_drafts, settings, speed_kinds)
         except (RuntimeError, OSError) as exc:  # an engine that failed: the rest of the screen is still written
             failed["speed"] = f"{type(exc).__name__}: {str(exc)[-400:]}"
             log(f"  FAILED speed: {failed['speed']}")
+            for size, by_name in speed_kinds.items():
+                for n in by_name:
+                    if isinstance(vllm_kinds.get(size, {}).get(n, {}).get("speed"), str):
+                        vllm_kinds[size][n]["speed"] = f"not measured: the speed phase failed: {failed['speed'][:200]}"
+        kinds_speed(vllm_kinds, speed)
     t_speed = time.perf_counter() - started - t_train - t_vllm - t_timing
 
     # 6. the tables, offline against vLLM, and the curves JSON's own check of the same (issue 37 item 1)
@@ -1162,17 +1170,24 @@ def format_vllm_kinds(vllm_kinds: dict) -> list[str]:
                 lines.append(f"  {n:<10} not measured: {entry['not_measured']}")
                 continue
             per_pos = [round(x, 3) for x in entry.get("acceptance_rate_per_pos") or []]
-            lines.append(f"  {n:<10} k={entry['k']} ({entry['method']}) tau {entry['tau']['tau']:.3f}"
-                         f"±{entry['tau']['tau_stderr']:.3f}, per position {per_pos}")
+            speed = entry.get("speed")
+            tau = entry.get("tau")
+            lines.append(f"  {n:<10} k={entry['k']} ({entry['method']}) "
+                         + (f"tau {tau['tau']:.3f}±{tau['tau_stderr']:.3f}, per position {per_pos}" if tau else "tau -")
+                         + (f"; {speed['median_tokens_per_s']:.1f} tokens/s, x{speed['speedup_median']:.2f} the target "
+                            f"alone" if isinstance(speed, dict) else f"; speed {speed}" if speed else ""))
     return lines
 
 
 SCREEN_SPEED = "speed-screen.json"
 
 
-def screen_speed(args, bench: Bench, drafts_by_size: dict[str, dict[str, str]], settings: VllmSettings) -> dict:
-    """The speed phase (benchlib/speed.py) per data size on its drafts, --screen-speed-rounds rounds at each --ks;
-    each finished engine kept in WORK/speed-screen.json, so a rerun runs only the rounds still missing."""
+def screen_speed(args, bench: Bench, drafts_by_size: dict[str, dict[str, str]], settings: VllmSettings,
+                 kinds_by_size: dict[str, dict[str, dict]] | None = None) -> dict:
+    """The speed phase (benchlib/speed.py) per data size on its drafts, --screen-speed-rounds rounds at each --ks, and
+    on its kind drafts (kinds_by_size: label -> kind_serving's dict + "draft"), each at its served k with its
+    speculative_config; each finished engine kept in WORK/speed-screen.json, so a rerun runs only the rounds still
+    missing. A size with only kinds none of which can be served starts no engine (not even the baseline)."""
     cache_path = bench.work / SCREEN_SPEED
     cache = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
 
@@ -1180,10 +1195,31 @@ def screen_speed(args, bench: Bench, drafts_by_size: dict[str, dict[str, str]], 
         atomic_write_text(cache_path, json.dumps(entries))
 
     serving = sp.serving_settings(settings, bench.cpu)
-    return {size: sp.measure_speed(bench.target, drafts, bench.work / "chat" / "eval_prompts.jsonl", args.ks,
-                                   args.screen_speed_rounds, serving, draft_stamp, cache, save, bench.logs, log,
-                                   key_prefix=f"{size}x/", repeats=args.screen_speed_repeats)
-            for size, drafts in drafts_by_size.items() if drafts}
+    kinds_by_size = kinds_by_size or {}
+    out = {}
+    for size in dict.fromkeys([*drafts_by_size, *kinds_by_size]):
+        drafts, kinds = drafts_by_size.get(size, {}), kinds_by_size.get(size, {})
+        if not drafts and not sp.kind_plan(kinds)[0]:
+            continue
+        out[size] = sp.measure_speed(bench.target, drafts, bench.work / "chat" / "eval_prompts.jsonl", args.ks,
+                                     args.screen_speed_rounds, serving, draft_stamp, cache, save, bench.logs, log,
+                                     key_prefix=f"{size}x/", repeats=args.screen_speed_repeats, kinds=kinds or None)
+    return out
+
+
+def kinds_speed(vllm_kinds: dict, speed: dict) -> None:
+    """Each kind's serving speed into its `vllm_kinds` entry (`speed`: the speed phase's summary at its served k, with
+    the k and method; or "not measured: REASON" where this vLLM cannot serve it or its engine failed)."""
+    for size, block in speed.items():
+        for n, by_k in block.get("by_kind", {}).items():
+            kind = block["kinds"][n]
+            entry = vllm_kinds.setdefault(size, {}).setdefault(n, {key: kind.get(key) for key in
+                                                                  ("kind", "k", "method", "speculative_config")})
+            entry["speed"] = {"k": kind["k"], "method": kind["method"], **by_k[str(kind["k"])]}
+        for n, reason in block.get("kinds_not_measured", {}).items():
+            entry = vllm_kinds.get(size, {}).get(n)
+            if entry is not None and "not_measured" not in entry:  # a kind measured for tau whose speed engine failed
+                entry["speed"] = f"not measured: {reason}"  # (one this vLLM cannot serve: its entry already says why)
 
 
 def measured_drafts(work: Path, sizes, k: int) -> dict[str, dict[str, str]]:
@@ -1196,7 +1232,7 @@ def measured_drafts(work: Path, sizes, k: int) -> dict[str, dict[str, str]]:
         for key, entry in cache.items():
             label = key.removeprefix(f"{size}x/").removesuffix(f"-k{k}")
             if not key.startswith(f"{size}x/") or not key.endswith(f"-k{k}") or "@e" in label or sc.kind_of(label):
-                continue  # a kind recipe's engine ran at its own k with its own method: not the speed phase's EAGLE-3
+                continue  # a kind recipe's engine ran at its own k with its own method: measured_kind_drafts
             path = entry["stamp"].rsplit("@", 1)[0]
             if Path(path).is_dir() and draft_stamp(path) == entry["stamp"]:
                 out.setdefault(size, {})[label] = path
@@ -1205,13 +1241,42 @@ def measured_drafts(work: Path, sizes, k: int) -> dict[str, dict[str, str]]:
     return out
 
 
+def measured_kind_drafts(work: Path, sizes, cpu: bool, carried: dict | None = None) -> dict[str, dict[str, dict]]:
+    """The kind drafts the screen measured in vLLM in `work` (vllm-screen.json entries SIZEx/KIND-kK of a kind recipe,
+    at whatever k), per size: each label -> kind_serving's dict (asked again: the vLLM in use) + "draft"; a draft
+    retrained since is left out, said in the log. The kinds the carried results file records as not measured in vLLM
+    (`vllm_kinds`: the vLLM could not serve them) come along with their reason, so the speed block says why."""
+    cache_path = work / "vllm-screen.json"
+    cache = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
+    out: dict[str, dict[str, dict]] = {}
+    for size in map(str, sizes):
+        for key, entry in cache.items():
+            if not key.startswith(f"{size}x/") or "-k" not in key:
+                continue
+            label = key.removeprefix(f"{size}x/").rsplit("-k", 1)[0]
+            if "@e" in label or not sc.kind_of(label) or label in out.get(size, {}):
+                continue
+            path = entry["stamp"].rsplit("@", 1)[0]
+            if Path(path).is_dir() and draft_stamp(path) == entry["stamp"]:
+                out.setdefault(size, {})[label] = {**kind_serving(Path(path), cpu), "draft": path}
+            else:
+                log(f"  speed: {key} left out: {path} is not the draft vLLM measured (missing or retrained since)")
+        for label, entry in ((carried or {}).get("vllm_kinds", {}).get(size) or {}).items():
+            if "not_measured" in entry and label not in out.get(size, {}):
+                out.setdefault(size, {})[label] = {"kind": entry.get("kind"), "not_measured": entry["not_measured"]}
+    return out
+
+
 def run_screen_speed_only(args, bench: Bench, started: float, load_start) -> int:
-    """--screen-speed-only: the speed phase on the drafts a --screen in this --work trained and measured in vLLM (no
-    data, no training, no tau engine); its `speed` merged into the screen's results file."""
+    """--screen-speed-only: the speed phase on the drafts a --screen in this --work trained and measured in vLLM, the
+    draft kinds among them at their served k (no data, no training, no tau engine); its `speed` merged into the
+    screen's results file, each kind's into its `vllm_kinds` entry."""
     output = screen_output(args, bench)
     k_top = max(args.ks)
     drafts = measured_drafts(bench.work, args.screen_data, k_top)
-    if not drafts:
+    carried = carried_screen(output, args.testbed)
+    kinds = measured_kind_drafts(bench.work, args.screen_data, bench.cpu, carried)
+    if not drafts and not any(sp.kind_plan(by_name)[0] for by_name in kinds.values()):
         raise SystemExit(f"bench-acceptance --screen-speed-only: {bench.work / 'vllm-screen.json'}: no draft measured in "
                          f"vLLM at k={k_top} for --screen-data {' '.join(map(str, args.screen_data))} (run --screen "
                          f"first in this --work)")
@@ -1219,11 +1284,13 @@ def run_screen_speed_only(args, bench: Bench, started: float, load_start) -> int
         raise SystemExit(f"bench-acceptance --screen-speed-only: {bench.work / 'chat' / 'eval_prompts.jsonl'}: missing "
                          f"(run --screen first in this --work)")
     settings = vllm_settings(args, bench)
-    speed = screen_speed(args, bench, drafts, settings)
+    speed = screen_speed(args, bench, drafts, settings, kinds)
     for line in sp.format_speed(speed):
         log(line)
-    results = carried_screen(output, args.testbed) or {"benchmark": f"screen-{args.testbed}"}
+    results = carried or {"benchmark": f"screen-{args.testbed}"}
     results["speed"] = {**results.get("speed", {}), **speed}
+    if any("by_kind" in block for block in speed.values()):
+        kinds_speed(results.setdefault("vllm_kinds", {}), speed)
     results.setdefault("invocations", []).append({
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "speed_only": True,
         "command": shlex.join([sys.executable, *sys.argv]), "commit": git_commit(), "data_sizes": args.screen_data,
@@ -1569,15 +1636,17 @@ def main() -> int:
                         help="print the screen table of a hold's unpacked records (its runs' epochs so far); runs nothing")
     screen.add_argument("--screen-speed-rounds", type=int, default=0, metavar="R",
                         help="after the tau and timing phases, vLLM output tokens/s of each draft measured in vLLM and "
-                             "of the target alone at each --ks: one engine at a time, a warm-up generate then "
+                             "of the target alone at each --ks (a draft kind at its served k, with its "
+                             "speculative_config): one engine at a time, a warm-up generate then "
                              "--screen-speed-repeats timed ones, R rounds in rotated order (benchlib/speed.py); 0: off")
     screen.add_argument("--screen-speed-repeats", type=int, default=3, metavar="N",
                         help="timed passes over the prompts per speed engine (one lasts seconds on a GPU, the engine's "
                              "start a minute: repeats make each round's figure steadier at little cost)")
     screen.add_argument("--screen-speed-only", action="store_true",
                         help="only the speed phase (--screen-speed-rounds, default 3 here) on the drafts a --screen "
-                             "in this --work measured in vLLM at max(--ks); trains nothing; merges `speed` into the "
-                             "results file")
+                             "in this --work measured in vLLM at max(--ks), and its draft kinds measured at their "
+                             "served k; trains nothing; merges `speed` (and the kinds' speed in `vllm_kinds`) into "
+                             "the results file")
     screen.add_argument("--screen-report", type=Path, default=None, metavar="FILE",
                         help="print a screen results file's tables again (recomputed from its curves and vLLM values); "
                              "with --kimi-costs add the projection and rewrite FILE (or --output); runs nothing")

@@ -11,6 +11,11 @@ single timing scatters by percents; the repeats cost little); on a GPU with CUDA
 (serving_settings). At temperature 0 the rounds generate
 the same tokens, so tau must be equal across rounds: the summary records whether it was (and whether the outputs
 were), a check on the measurement itself.
+
+The draft kinds (issue 62: dflash, peagle, dspark, dflash2) are served the same way, one engine each at the kind's
+served k with its own speculative_config (method, parallel_drafting for P-EAGLE: acceptance.kind_serving), in the same
+rounds and against the same baseline (`by_kind`); a kind the vLLM in use cannot serve starts no engine and is recorded
+in `kinds_not_measured` with its one-line reason, as is a kind whose engine failed (the EAGLE-3 figures still come).
 """
 
 from __future__ import annotations
@@ -33,9 +38,26 @@ def rotated(names: Sequence[str], round_index: int) -> list[str]:
     return [*names[start:], *names[:start]]
 
 
-def engine_names(drafts: Mapping[str, str], ks: Sequence[int]) -> dict[str, tuple[str | None, int]]:
-    """Every engine of a round: the baseline, then each draft at each k (label-kK), as (draft dir, k)."""
-    return {BASELINE: (None, 0), **{f"{label}-k{k}": (path, k) for label, path in drafts.items() for k in ks}}
+def engine_names(drafts: Mapping[str, str], ks: Sequence[int],
+                 kinds: Mapping[str, Mapping] | None = None) -> dict[str, tuple[str | None, int]]:
+    """Every engine of a round: the baseline, then each draft at each k (label-kK), then each servable kind draft at
+    its own served k only (label-kK; kind_plan's entries), as (draft dir, k)."""
+    return {BASELINE: (None, 0), **{f"{label}-k{k}": (path, k) for label, path in drafts.items() for k in ks},
+            **{f"{label}-k{kind['k']}": (kind["draft"], kind["k"]) for label, kind in (kinds or {}).items()}}
+
+
+def kind_plan(kinds: Mapping[str, Mapping]) -> tuple[dict[str, dict], dict[str, str]]:
+    """The kind drafts' part of the plan: each label's serving (acceptance.kind_serving's dict plus "draft": its
+    checkpoint) -> ({label: {draft, kind, k, method, speculative_config}} to serve, {label: reason} not to: the vLLM
+    in use cannot serve it, no engine)."""
+    serve, not_measured = {}, {}
+    for label, how in kinds.items():
+        if "not_measured" in how or "k" not in how or not how.get("draft"):
+            not_measured[label] = how.get("not_measured") or "no served k or no checkpoint"
+            continue
+        serve[label] = {"draft": str(how["draft"]), "kind": how.get("kind"), "k": int(how["k"]), "method": how.get("method"),
+                        "speculative_config": dict(how.get("speculative_config") or {})}
+    return serve, not_measured
 
 
 def outputs_digest(token_ids: Sequence[Sequence[int]]) -> str:
@@ -81,15 +103,21 @@ def serving_settings(settings: VllmSettings, cpu: bool) -> VllmSettings:
 
 def measure_speed(target_dir, drafts: Mapping[str, str], prompts_path, ks: Sequence[int], rounds: int,
                   settings: VllmSettings, stamp: Callable[[str], str], cache: dict, save: Callable[[dict], None],
-                  log_dir: Path | None = None, log=print, key_prefix: str = "", repeats: int = 1) -> dict:
+                  log_dir: Path | None = None, log=print, key_prefix: str = "", repeats: int = 1,
+                  kinds: Mapping[str, Mapping] | None = None) -> dict:
     """`rounds` rounds of every engine (engine_names) one at a time, rotated; `cache` holds each finished (engine,
-    round) under key_prefix + engine name with the draft's `stamp` and the settings, so a rerun runs only what is
-    missing (`save` writes it after each engine). Returns the speed block: per draft and k the summary, and the
-    baseline's."""
+    round) under key_prefix + engine name with the draft's `stamp` and the settings (a kind's also with its
+    speculative_config), so a rerun runs only what is missing (`save` writes it after each engine). Returns the speed
+    block: per draft and k the summary, and the baseline's. `kinds`: the kind drafts (label -> kind_serving's dict
+    with "draft"), each served at its own k with its speculative_config (`by_kind`, `kinds`); one that cannot be
+    served, or whose engine failed, goes to `kinds_not_measured` with its one-line reason. An EAGLE-3 draft's or the
+    baseline's failed engine raises, as before."""
     prompts = prompt_token_ids(target_dir, prompts_path)
     # the untimed warm-up generate is every prompt once (run_engine generates settings.warmup_prompts of them first)
     warm = dataclasses.replace(settings, warmup_prompts=len(prompts))
-    engines = engine_names(drafts, ks)
+    served_kinds, kinds_not_measured = kind_plan(kinds or {})
+    engines = engine_names(drafts, ks, served_kinds)
+    spec_of = {f"{label}-k{kind['k']}": (label, kind["speculative_config"]) for label, kind in served_kinds.items()}
     names = list(engines)
     same = json.dumps({"settings": dataclasses.asdict(warm), "prompts": outputs_digest(prompts),
                        **({"repeats": repeats} if repeats > 1 else {})}, sort_keys=True)
@@ -98,14 +126,28 @@ def measure_speed(target_dir, drafts: Mapping[str, str], prompts_path, ks: Seque
         order.append(rotated(names, r))
         for position, name in enumerate(order[-1]):
             draft, k = engines[name]
+            kind_label, spec = spec_of.get(name, (None, None))
+            if kind_label in kinds_not_measured:
+                continue  # its engine failed in an earlier round: not started again
             key = f"{key_prefix}{name}"
             entry_stamp = f"{stamp(draft) if draft else target_dir}|{same}"
+            if kind_label:
+                entry_stamp += f"|{json.dumps(spec, sort_keys=True)}"
             if cache.get(key, {}).get("stamp") != entry_stamp:
                 cache[key] = {"stamp": entry_stamp, "rounds": {}}
             if str(r) in cache[key]["rounds"]:
                 continue
             log_path = str(log_dir / f"vllm-speed-{name}-r{r}.log") if log_dir else None
-            run = run_engine_isolated(target_dir, draft, k, prompts, warm, log_path, timed_repeats=repeats)
+            try:
+                run = run_engine_isolated(target_dir, draft, k, prompts, warm, log_path, timed_repeats=repeats,
+                                          **({"speculative_config": spec} if kind_label else {}))
+            except RuntimeError as exc:  # EngineFailed: a kind's engine is recorded, the others go on
+                if not kind_label:
+                    raise
+                reason = (str(exc).splitlines() or [type(exc).__name__])[0]
+                kinds_not_measured[kind_label] = f"engine failed: {reason}"
+                log(f"  speed round {r + 1}/{rounds} #{position + 1} {name}: engine failed, not measured: {reason}")
+                continue
             sd = run.get("spec_decode")
             cache[key]["rounds"][str(r)] = {
                 "round": r, "position": position, "tokens_per_s": run["tokens_per_s"], "generate_s": run["generate_s"],
@@ -124,14 +166,20 @@ def measure_speed(target_dir, drafts: Mapping[str, str], prompts_path, ks: Seque
     baseline = summarize(rounds_of(BASELINE))
     by_draft = {label: {str(k): summarize(rounds_of(f"{label}-k{k}"), baseline["median_tokens_per_s"]) for k in ks}
                 for label in drafts}
-    for label, by_k in by_draft.items():
+    by_kind = {label: {str(kind["k"]): summarize(rounds_of(f"{label}-k{kind['k']}"), baseline["median_tokens_per_s"])}
+               for label, kind in served_kinds.items() if label not in kinds_not_measured}
+    for label, by_k in {**by_draft, **by_kind}.items():
         for k, s in by_k.items():
             if not s["tau_equal_across_rounds"] or not s["outputs_equal_across_rounds"]:
                 log(f"  WARNING speed {label} k={k}: tau {s['tau']} or the outputs differ across rounds at temperature "
                     f"{settings.temperature} (the rounds did not generate the same tokens)")
-    return {"rounds": rounds, "repeats": repeats, "ks": list(ks), "prompts": str(prompts_path), "num_prompts": len(prompts),
-            "settings": dataclasses.asdict(warm), "drafts": dict(drafts), "order": order,
-            "baseline": baseline, "by_draft": by_draft}
+    block = {"rounds": rounds, "repeats": repeats, "ks": list(ks), "prompts": str(prompts_path), "num_prompts": len(prompts),
+             "settings": dataclasses.asdict(warm), "drafts": dict(drafts), "order": order,
+             "baseline": baseline, "by_draft": by_draft}
+    if kinds:  # the EAGLE-3-only block keeps its keys as before
+        block.update(kinds={label: kind for label, kind in served_kinds.items() if label not in kinds_not_measured},
+                     by_kind=by_kind, kinds_not_measured=kinds_not_measured)
+    return block
 
 
 def _se(summary: Mapping) -> str:
@@ -158,9 +206,13 @@ def format_speed(speed_by_size: Mapping[str, Mapping]) -> list[str]:
         lines.append(f"{BASELINE:<26} {'-':>2} {base['median_tokens_per_s']:>9.1f} {_se(base):>6} "
                      f"{base['min_tokens_per_s']:>7.1f}-{base['max_tokens_per_s']:<7.1f} {1.0:>7.2f} {'-':>7} "
                      f"{_same(base):>5}")
-        for label, by_k in block["by_draft"].items():
+        kinds = block.get("kinds", {})
+        for label, by_k in {**block["by_draft"], **block.get("by_kind", {})}.items():
             for k, s in sorted(by_k.items(), key=lambda kv: int(kv[0])):
                 lines.append(f"{label:<26} {k:>2} {s['median_tokens_per_s']:>9.1f} {_se(s):>6} "
                              f"{s['min_tokens_per_s']:>7.1f}-{s['max_tokens_per_s']:<7.1f} {s['speedup_median']:>7.2f} "
-                             f"{s['tau'][0]:>7.3f} {_same(s):>5}")
+                             f"{s['tau'][0]:>7.3f} {_same(s):>5}"
+                             + (f"  ({kinds[label]['method']}, its served k)" if label in kinds else ""))
+        for label, reason in block.get("kinds_not_measured", {}).items():
+            lines.append(f"{label:<26} not measured: {reason}")
     return lines

