@@ -196,26 +196,35 @@ def _to_target(model, ids):
     return ids if d2t is None else ids + d2t[ids]
 
 
-def make_step(kind: str, model, *, batch: int, k: int, context: int, new_tokens: int, device: str):
+def make_step(kind: str, model, *, batch: int, k: int, context: int, new_tokens: int, device: str,
+              inputs=None, context_kv: ContextKV | None = None):
     """A callable running one speculative step of `model` for `batch` sequences (the cache reset first, so every
-    call does the same work), and what it runs: {"forwards", "queries_per_forward", "k", "cache": ContextKV}."""
+    call does the same work), and what it runs: {"forwards", "queries_per_forward", "k", "cache": ContextKV}.
+    `inputs`: (aux states [batch, new_tokens, aux * hidden], token ids [batch, new_tokens]) of the new tokens, else
+    random; `context_kv`: a ContextKV holding the context (with room for the step), else one of random K/V."""
     import torch
 
     tl = model.config.transformer_layer_config
     hidden = int(tl.hidden_size)
     head_dim = int(getattr(tl, "head_dim", None) or hidden // tl.num_attention_heads)
     vocab = int(model.verifier_vocab_size)
+    dtype = model.fc.weight.dtype  # bf16 as built; a test may run the draft in float32
     gen = torch.Generator(device=device).manual_seed(0)
     num_aux = len(model.target_layer_ids)
-    aux = torch.randn(batch, new_tokens, num_aux * hidden, generator=gen, device=device, dtype=torch.bfloat16)
-    ids = torch.randint(0, vocab, (batch, new_tokens), generator=gen, device=device)
+    if inputs is None:
+        aux = torch.randn(batch, new_tokens, num_aux * hidden, generator=gen, device=device, dtype=dtype)
+        ids = torch.randint(0, vocab, (batch, new_tokens), generator=gen, device=device)
+    else:
+        aux, ids = inputs
     first = context - new_tokens  # the new tokens' positions: context - new_tokens .. context - 1
     layers = list(model.layers)
     info: dict = {"k": k}
 
     def cache_for(room: int) -> ContextKV:
+        if context_kv is not None:
+            return context_kv
         return ContextKV(attended_context(model, first), batch=batch, kv_heads=int(tl.num_key_value_heads),
-                         head_dim=head_dim, room=room, dtype=torch.bfloat16, device=device)
+                         head_dim=head_dim, room=room, dtype=dtype, device=device)
 
     if kind == "eagle3":
         cache = cache_for(new_tokens + k)
@@ -246,7 +255,7 @@ def make_step(kind: str, model, *, batch: int, k: int, context: int, new_tokens:
         cache = cache_for(new_tokens + k)
         pos = torch.arange(first, context + k - 1, device=device).unsqueeze(0)
         mask_ids = torch.full((batch, k - 1), int(model.mask_token_id), device=device)
-        mask_hidden = model.mask_hidden.to(torch.bfloat16).expand(batch, k - 1, -1)
+        mask_hidden = model.mask_hidden.expand(batch, k - 1, -1)
 
         def step():
             cache.reset()

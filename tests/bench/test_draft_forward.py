@@ -105,3 +105,44 @@ def test_the_context_cache_appends_in_place_and_refuses_past_its_room():
         cache.update(torch.ones(1, 2, 2, 8), torch.ones(1, 2, 2, 8), 0)
     cache.reset()
     assert cache.lengths == [4]
+
+
+def test_eagle3s_serving_step_computes_what_its_own_forward_computes(toy_verifier, tmp_path):
+    """Over a cache holding the context's real K/V, the step's first draft logits are the draft's own TTT step 0
+    logits at the last position of the same sequence (speculators' training forward, sdpa, causal), at several
+    context lengths; over a random context they are not (the context is attended, not decoration)."""
+    model, _ = build("eagle3", toy_verifier, tmp_path)
+    model = model.float()
+    tokens, hidden = 16, draft_forward.TOY_TEXT["hidden_size"]
+    gen = torch.Generator().manual_seed(1)
+    aux = torch.randn(1, tokens, 3 * hidden, generator=gen)
+    ids = torch.randint(0, draft_forward.TOY_TEXT["vocab_size"], (1, tokens), generator=gen)
+    logits = []
+    hook = model.lm_head.register_forward_hook(lambda module, args, out: logits.append(out.clone()))
+    with torch.inference_mode():
+        model(hidden_states=aux, input_ids=ids, document_ids=torch.zeros(1, tokens, dtype=torch.long), ttt_steps=1)
+        own = logits.pop()[0]  # [tokens, draft vocab]
+
+        def first_logits(context: int, real: bool) -> torch.Tensor:
+            cache = None
+            if real:
+                cache = draft_forward.ContextKV([0], batch=1, kv_heads=4, head_dim=16, room=context + 3,
+                                                dtype=torch.float32, device="cpu")
+                x = torch.cat([model.embed_tokens(ids[:, :context - 1]),
+                               draft_forward._eagle_fuse(model, aux[:, :context - 1])], dim=-1)
+                pos = torch.arange(context - 1).unsqueeze(0)
+                for layer in model.layers:  # the context's K/V, written as the earlier steps would have
+                    layer(x, attention_mask=None, position_ids=pos, past_key_values=cache,
+                          position_embeddings=model.rotary_emb(x, pos), is_causal=True)
+                cache.base = list(cache.lengths)
+            step, _ = draft_forward.make_step("eagle3", model, batch=1, k=3, context=context, new_tokens=1,
+                                              device="cpu", inputs=(aux[:, context - 1:context],
+                                                                    ids[:, context - 1:context]), context_kv=cache)
+            logits.clear()
+            assert step().shape == (1, 3) and len(logits) == 3  # k forwards, one lm_head each
+            return logits[0][0, -1]
+
+        for context in (6, 11, 16):
+            torch.testing.assert_close(first_logits(context, real=True), own[context - 1], rtol=1e-4, atol=1e-5)
+        assert not torch.allclose(first_logits(16, real=False), own[15], rtol=1e-4, atol=1e-5)
+    hook.remove()
