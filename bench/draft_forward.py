@@ -200,7 +200,8 @@ def make_step(kind: str, model, *, batch: int, k: int, context: int, new_tokens:
               inputs=None, context_kv: ContextKV | None = None):
     """A callable running one speculative step of `model` for `batch` sequences (the cache reset first, so every
     call does the same work), and what it runs: {"forwards", "queries_per_forward", "k", "cache": ContextKV}.
-    `inputs`: (aux states [batch, new_tokens, aux * hidden], token ids [batch, new_tokens]) of the new tokens, else
+    `inputs`: (aux states [batch, new_tokens, aux * hidden], token ids [batch, new_tokens]) of the new tokens, and
+    for a block draft its anchor [batch, 1] (the verify step's bonus token, whose target states are not known yet), else
     random; `context_kv`: a ContextKV holding the context (with room for the step), else one of random K/V."""
     import torch
 
@@ -214,8 +215,10 @@ def make_step(kind: str, model, *, batch: int, k: int, context: int, new_tokens:
     if inputs is None:
         aux = torch.randn(batch, new_tokens, num_aux * hidden, generator=gen, device=device, dtype=dtype)
         ids = torch.randint(0, vocab, (batch, new_tokens), generator=gen, device=device)
+        anchor = torch.randint(0, vocab, (batch, 1), generator=gen, device=device)
     else:
-        aux, ids = inputs
+        aux, ids, *rest = inputs
+        anchor = rest[0] if rest else ids[:, -1:]
     first = context - new_tokens  # the new tokens' positions: context - new_tokens .. context - 1
     layers = list(model.layers)
     info: dict = {"k": k}
@@ -274,7 +277,7 @@ def make_step(kind: str, model, *, batch: int, k: int, context: int, new_tokens:
         cache = cache_for(new_tokens + block)
         pos = torch.arange(first, context + block, device=device).unsqueeze(0)
         block_ids = torch.full((batch, block), int(model.mask_token_id), device=device)
-        block_ids[:, 0] = ids[:, -1]  # the anchor: the last accepted token
+        block_ids[:, :1] = anchor  # the bonus token; the block's first position
         from_anchor = bool(model.config.sample_from_anchor)
         markov = getattr(model, "markov_head", None)
         confidence = getattr(model, "confidence_head", None)

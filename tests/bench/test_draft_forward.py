@@ -146,3 +146,34 @@ def test_eagle3s_serving_step_computes_what_its_own_forward_computes(toy_verifie
             torch.testing.assert_close(first_logits(context, real=True), own[context - 1], rtol=1e-4, atol=1e-5)
         assert not torch.allclose(first_logits(16, real=False), own[15], rtol=1e-4, atol=1e-5)
     hook.remove()
+
+
+def test_dflashs_serving_step_computes_what_its_own_block_forward_computes(toy_verifier, tmp_path):
+    """The block step (the context's fc'd target states as keys, the anchor + mask tokens as queries) gives the
+    draft's own training logits for a block anchored at the same position (speculators' _backbone_forward, one
+    anchor). Full attention on every layer: speculators trains a sliding layer's block causally, a full one not, and
+    the step attends its block without a mask (its cost is the same either way)."""
+    model, _ = draft_forward.build_draft("dflash", toy_verifier, draft_vocab_size=draft_forward.TOY_DRAFT_VOCAB,
+                                         mask_token_id=draft_forward.TOY_TEXT["pad_token_id"], device="cpu",
+                                         save_path=tmp_path / "dflash",
+                                         extra_args=["--full-attention-indices", "0", "1", "2", "3", "4"])
+    model = model.float()
+    tokens, anchor, hidden = 40, 10, draft_forward.TOY_TEXT["hidden_size"]
+    gen = torch.Generator().manual_seed(2)
+    aux = torch.randn(1, tokens, 3 * hidden, generator=gen)
+    ids = torch.randint(0, 250, (1, tokens), generator=gen)
+    loss_mask = torch.zeros(1, tokens, dtype=torch.long)
+    loss_mask[0, anchor] = 1  # the one position select_anchors can take
+    logits = []
+    hook = model.lm_head.register_forward_hook(lambda module, args, out: logits.append(out.clone()))
+    with torch.inference_mode():
+        model._backbone_forward(aux, ids, loss_mask, torch.randn(1, tokens, hidden, generator=gen),
+                                torch.zeros(1, tokens, dtype=torch.long), max_anchors=1)
+        own = logits.pop()[0]  # [block, draft vocab]
+        step, info = draft_forward.make_step("dflash", model, batch=1, k=15, context=anchor, new_tokens=anchor,
+                                             device="cpu", inputs=(aux[:, :anchor], ids[:, :anchor],
+                                                                   ids[:, anchor:anchor + 1]))
+        assert step().shape == (1, 15)
+    hook.remove()
+    assert info["cache"].lengths == [anchor + 16] * 5
+    torch.testing.assert_close(logits[0][0], own[1:], rtol=1e-4, atol=1e-5)  # the anchor's slot is not drafted
