@@ -12,7 +12,8 @@ EAGLE-3 recipe's best k at the same target step. tau comes from the screen's rec
 epochs for every recipe, not equal training GPU time): weigh the ratio with each kind's training step cost
 (bench/train_throughput.py --kinds) before calling it "at equal training GPU time".
 
-    python bench/draft_forward.py project --screen SCREEN.json --forward FORWARD.json [--size 1] [--batch 1]
+    python bench/draft_forward.py project --screen SCREEN.json --forward FORWARD.json [--size 1] [--batch 1 8]
+        [--train TRAIN.json]   # + each kind's training cost per token at Kimi width over EAGLE-3's
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ TARGET_STEPS_MS = (20.0, 40.0, 80.0)
 EAGLE3_RECIPES = ("ours",)  # the screen's EAGLE-3 recipes projected by default (the landed default draft)
 BAR = 1.3  # issue 62: a kind's projected speed-up >= 1.3x EAGLE-3's
 LABEL = ("PROJECTION, not a measurement: speed-up = tau / (1 + draft ms per verify step / target ms per step); "
-         "tau from the screen (SmolLM2-sized testbed), draft ms at Kimi-K2.5's width, target step assumed")
+         "tau measured in vLLM on the screen's testbed, draft ms at Kimi-K2.5's width, target step assumed")
 
 
 def speedup(tau: float, draft_ms: float, target_ms: float) -> float:
@@ -89,13 +90,33 @@ def draft_ms_for(times: Mapping[tuple[str, int], float], kind: str, k: int | Non
     return block[0] if len(block) == 1 else None
 
 
+def train_costs(train: Mapping[str, Any], eagle3_run: str = "ours") -> dict[str, float]:
+    """{kind: training GPU time per token at Kimi-K2.5's width over EAGLE-3's} from a bench/train_throughput.py
+    results file with --kinds (runs `ours` and `ours-KIND`): ours' tokens/s over ours-KIND's; eagle3 1.0. A kind
+    whose run failed or is absent is left out."""
+    runs = train.get("runs") or {}
+    base = (runs.get(eagle3_run) or {}).get("tokens_per_s")
+    if not base:
+        raise ValueError(f"the training results hold no {eagle3_run!r} run with tokens/s")
+    out = {"eagle3": 1.0}
+    for name, run in runs.items():
+        if name.startswith(f"{eagle3_run}-") and run.get("tokens_per_s") and not run.get("failed"):
+            kind = name[len(eagle3_run) + 1:]
+            if kind.isidentifier():  # ours-KIND, not ours-vocab-N or ours-2gpu
+                out[kind] = float(base) / float(run["tokens_per_s"])
+    return out
+
+
 def project(entries: Iterable[Mapping[str, Any]], times: Mapping[tuple[str, int], float],
-            target_steps: Sequence[float] = TARGET_STEPS_MS) -> dict:
+            target_steps: Sequence[float] = TARGET_STEPS_MS, costs: Mapping[str, float] | None = None) -> dict:
     """Rows {"recipe", "kind", "k", "tau", "draft_ms", "speedup": {target ms: x}, "vs_eagle3": {target ms: ratio}}
-    and "eagle3_best" {target ms: {"recipe", "k", "speedup"}}: the best EAGLE-3 row at each target step."""
+    and "eagle3_best" {target ms: {"recipe", "k", "speedup"}}: the best EAGLE-3 row at each target step. `costs`
+    (train_costs): each row's `train_cost`, its kind's training GPU time per token over EAGLE-3's."""
     rows = []
     for e in entries:
         row = {key: e.get(key) for key in ("recipe", "kind", "k", "tau", "tau_stderr")}
+        if costs is not None:
+            row["train_cost"] = costs.get(e.get("kind"))
         if "not_measured" in e:
             rows.append({**row, "missing": f"tau: {e['not_measured']}"})
             continue
@@ -120,10 +141,14 @@ def project(entries: Iterable[Mapping[str, Any]], times: Mapping[tuple[str, int]
 
 def format_projection(result: Mapping[str, Any]) -> list[str]:
     steps = [str(t) for t in result["target_steps_ms"]]
-    lines = [result["label"], f"  {'recipe':<12} {'kind':<7} {'k':>3} {'tau':>6} {'draft ms':>9} "
+    costs = any("train_cost" in r for r in result["rows"])
+    lines = [result["label"], f"  {'recipe':<12} {'kind':<7} {'k':>3} " + (f"{'train x':>7} " if costs else "")
+             + f"{'tau':>6} {'draft ms':>9} "
              + " ".join(f"{'x @' + format(float(t), 'g') + 'ms':>10} {'/EAGLE-3':>8}" for t in steps)]
     for r in result["rows"]:
         head = f"  {r['recipe']:<12} {r['kind']:<7} {r['k'] if r['k'] is not None else '-':>3} "
+        if costs:
+            head += f"{'-' if r.get('train_cost') is None else format(r['train_cost'], '.2f'):>7} "
         if "missing" in r:
             lines.append(head + f"   -  {r['missing']}")
             continue
@@ -135,17 +160,22 @@ def format_projection(result: Mapping[str, Any]) -> list[str]:
         lines.append(head + f"{r['tau']:>6.3f} {r['draft_ms']:>9.3f} " + " ".join(cells))
     lines.append(f"  /EAGLE-3: over the best EAGLE-3 row at the same target step; * >= {result['bar']}x (issue 62's bar,"
                  " which asks for equal training GPU time: tau here is the screen's, at equal epochs)")
+    if costs:
+        lines.append("  train x: the kind's training GPU time per token at Kimi-K2.5's width over EAGLE-3's "
+                     "(train_throughput.py --kinds); above 1, equal GPU time buys it fewer epochs than the screen gave")
     return lines
 
 
 def project_files(screen: Path, forward: Path, *, size: str | None = None, batch: int = 1,
                   eagle3_recipes: Sequence[str] = EAGLE3_RECIPES,
-                  target_steps: Sequence[float] = TARGET_STEPS_MS) -> dict:
+                  target_steps: Sequence[float] = TARGET_STEPS_MS, train: Path | None = None) -> dict:
     screen_results = json.loads(Path(screen).read_text())
     forward_results = json.loads(Path(forward).read_text())
     size, entries = screen_taus(screen_results, size, eagle3_recipes)
-    result = project(entries, forward_times(forward_results, batch), target_steps)
-    result.update(size=size, batch=batch, screen=str(screen), forward=str(forward),
+    costs = train_costs(json.loads(Path(train).read_text())) if train else None
+    result = project(entries, forward_times(forward_results, batch), target_steps, costs)
+    result.update(size=size, batch=batch, screen=str(screen), screen_benchmark=screen_results.get("benchmark"),
+                  forward=str(forward), train=str(train) if train else None,
                   forward_label=forward_results.get("label"), forward_device=forward_results.get("device"),
                   forward_toy=bool(forward_results.get("toy")))
     if result["forward_toy"]:
@@ -163,13 +193,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eagle3-recipes", nargs="+", default=list(EAGLE3_RECIPES),
                         help="the screen's EAGLE-3 recipes to project (default: ours)")
     parser.add_argument("--target-ms", type=float, nargs="+", default=list(TARGET_STEPS_MS))
+    parser.add_argument("--train", type=Path, default=None,
+                        help="a bench/train_throughput.py --kinds results JSON: each kind's training cost per token "
+                             "over EAGLE-3's (ours-KIND against ours) beside its projection")
     parser.add_argument("--output", type=Path, default=None, help="also write the projection(s) as JSON here")
     args = parser.parse_args(argv)
     out = []
     for batch in args.batch:
         result = project_files(args.screen, args.forward, size=args.size, batch=batch,
-                               eagle3_recipes=args.eagle3_recipes, target_steps=args.target_ms)
-        print(f"{result['size']}x data, draft batch {batch}:")
+                               eagle3_recipes=args.eagle3_recipes, target_steps=args.target_ms, train=args.train)
+        print(f"{result.get('screen_benchmark') or 'screen'} at {result['size']}x data, draft batch {batch}:")
         print("\n".join(format_projection(result)))
         out.append(result)
     if args.output:

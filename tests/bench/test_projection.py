@@ -129,3 +129,30 @@ def test_project_cli_reads_both_files_and_writes_the_table(tmp_path, capsys):
     assert rows[("dflash", 15)]["speedup"]["40.0"] == pytest.approx(4.2 / (1 + 8 / 40))
     assert rows[("ours", 5)]["speedup"]["20.0"] == pytest.approx(2.9 / 1.25)
     assert result["size"] == "1" and result["batch"] == 1 and not result["forward_toy"]
+
+
+def test_train_costs_are_ours_tokens_per_second_over_each_kinds(tmp_path, capsys):
+    # runs as bench/train_throughput.py --kinds names them: ours, ours-KIND; ours-vocab-N and a failed run left out
+    train = {"runs": {"ours": {"tokens_per_s": 30000.0}, "ours-dflash": {"tokens_per_s": 12000.0},
+                      "ours-peagle": {"tokens_per_s": 24000.0}, "ours-vocab-64000": {"tokens_per_s": 20000.0},
+                      "ours-dspark": {"failed": True, "failure": "out of memory"}, "plain": {"tokens_per_s": 9000.0}}}
+    assert projection.train_costs(train) == {"eagle3": 1.0, "dflash": 2.5, "peagle": 1.25}
+    with pytest.raises(ValueError, match="'ours' run"):
+        projection.train_costs({"runs": {"plain": {"tokens_per_s": 1.0}}})
+    result = projection.project(ENTRIES, TIMES, costs=projection.train_costs(train))
+    assert [r["train_cost"] for r in result["rows"]] == [1.0, 1.0, 2.5]
+    text = "\n".join(projection.format_projection(result))
+    assert "train x" in text and "2.50" in text
+
+    import draft_forward
+
+    paths = {name: tmp_path / f"{name}.json" for name in ("screen", "forward", "train")}
+    paths["screen"].write_text(json.dumps(screen_results()))
+    paths["forward"].write_text(json.dumps({"kinds": {"eagle3": {"steps": [{"batch": 8, "k": 5, "forward_ms": 6.0}]},
+                                                      "dflash": {"steps": [{"batch": 8, "k": 15, "forward_ms": 9.0}]}}}))
+    paths["train"].write_text(json.dumps(train))
+    assert draft_forward.main(["project", "--screen", str(paths["screen"]), "--forward", str(paths["forward"]),
+                               "--train", str(paths["train"]), "--batch", "8", "--target-ms", "30"]) == 0
+    printed = capsys.readouterr().out
+    assert "draft batch 8" in printed and "train x" in printed
+    assert f"{4.2 / 1.3:.3f}" in printed  # dflash at 30 ms: 4.2 / (1 + 9/30)
