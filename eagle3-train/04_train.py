@@ -146,7 +146,7 @@ def train(cfg: TrainConfig, sources, here: nodes.Presence | None) -> int:
                        node_rank=cfg.node_rank)
 
     # 3. Work: speculators' trainer (it resumes from the newest checkpoint by itself).
-    log.info("training a %s draft with speculators (%s, hidden states %s); command in %s", draft.speculator_type,
+    log.info("training with speculators (%s draft, %s, hidden states %s); command in %s", draft.speculator_type,
              "in-process" if launch is None else launch[0],
              "from stage 02's files" if server is None else f"{cfg.hidden_states} from {server['endpoint']}",
              out_dir / "command.txt" if cfg.node_rank == 0 else "the line above (node 0 writes command.txt)")
