@@ -645,15 +645,17 @@ def test_disk_full_while_appending_training_metrics_is_one_line(capsys, work, ki
     """Issue 46, H: the disk filled (another job) after stage 04 wrote its manifest and command: its first metrics
     record ended in an ENOSPC traceback."""
     disk_fills_after_preflight(monkeypatch)
+    from eagle3_pipeline import train_run
+
     stage = stage_module("train")
     out = tmp_path / "ckpt"
-    settings = stage.export_compat_settings
+    settings = train_run.export_compat_settings
 
     def then_the_disk_fills(*a, **k):  # right before training: every later write meets a full disk
         settings(*a, **k)
         fill_disk(out / "filler")
 
-    monkeypatch.setattr(stage, "export_compat_settings", then_the_disk_fills)
+    monkeypatch.setattr(train_run, "export_compat_settings", then_the_disk_fills)
     with small_disk(out, 1024 * 1024):
         capsys.readouterr()
         code = stage.main([str(a) for a in args("train", {**work, "checkpoints": out}, kimi_target, "--epochs", "1")[1:]])
