@@ -40,13 +40,7 @@ DRAFT_VOCAB = 32000  # as bench/train_throughput.py's runs
 MASK_TOKEN_ID = throughput.KIMI_K25_TEXT_CONFIG["pad_token_id"]  # Kimi's [PAD], what 04 passes (draft_kinds)
 
 # --toy: a Kimi-shaped verifier small enough for the CPU (tests); its figures say nothing about speed.
-TOY_TEXT = {
-    "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 8,
-    "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 16,
-    "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16,
-    "moe_intermediate_size": 32, "n_routed_experts": 8, "num_experts_per_tok": 2,
-    "bos_token_id": 250, "eos_token_id": 251, "pad_token_id": 255,
-}
+TOY_TEXT = throughput.toy_kimi_text_overrides(8)
 TOY_DRAFT_VOCAB = 64
 
 METHOD = (

@@ -80,6 +80,16 @@ KIMI_K25_TEXT_CONFIG: dict[str, Any] = {
     "use_cache": True,
 }
 
+
+def toy_kimi_text_overrides(num_layers: int) -> dict[str, Any]:
+    """`text_overrides` for write_head_only_verifier: a Kimi-shaped config small enough for the CPU (tests, --toy
+    runs); its figures say nothing about speed."""
+    return {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": num_layers,
+            "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 16,
+            "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16, "moe_intermediate_size": 32,
+            "n_routed_experts": 8, "num_experts_per_tok": 2, "bos_token_id": 250, "eos_token_id": 251,
+            "pad_token_id": 255}
+
 # The three frozen verifier tensors the EAGLE-3 draft reads, under the wrapper's prefix.
 HEAD_ONLY_TENSORS = (
     "language_model.model.embed_tokens.weight",

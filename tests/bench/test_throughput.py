@@ -27,13 +27,7 @@ from benchlib.throughput import (
 
 pytestmark = pytest.mark.bench
 
-TINY_TEXT = {
-    "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
-    "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 16,
-    "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16,
-    "moe_intermediate_size": 32, "n_routed_experts": 8, "num_experts_per_tok": 2,
-    "bos_token_id": 250, "eos_token_id": 251, "pad_token_id": 255,
-}
+TINY_TEXT = throughput.toy_kimi_text_overrides(4)
 
 
 # ---------------------------------------------------------------- FLOP count
