@@ -23,35 +23,30 @@ from eagle3_pipeline.contract import (
     require_written_files,
     write_manifest,
 )
-from eagle3_pipeline.errors import ConfigError, StageError
-from eagle3_pipeline.extract.common import (
-    changed_files,
-    partition_indices,
-    redo_changed_files,
-    validate_all,
-    write_fingerprints,
-)
+from eagle3_pipeline.errors import ConfigError
+from eagle3_pipeline.extract.common import write_fingerprints
 from eagle3_pipeline.extract.run import (
     RANK_SHARED,
     all_rows_landed,
     every_ranks_rows_landed,
-    fail_rows,
     lock_extraction,
-    make_backend,
     plan_extraction,
     preflight,
     rank_counts,
-    run_extraction,
     staging_dir,
-    validate_sample_of_files,
 )
-from eagle3_pipeline.files import DiskFull, check_writable_dir, fingerprints_problem, remove_stale_temps
-from eagle3_pipeline.hidden_states import HS_DIRNAME, StateFormat, hs_file, row_of, rows_label
+from eagle3_pipeline.extract.upkeep import (
+    extract_rows,
+    tidy_before_extracting,
+    unchanged_since_written,
+    validate_existing,
+)
+from eagle3_pipeline.files import check_writable_dir
+from eagle3_pipeline.hidden_states import HS_DIRNAME
 from eagle3_pipeline.manifest import ExtractCounts, ExtractManifest
 from eagle3_pipeline.plan import check_plan_lines
 from eagle3_pipeline.prepared import load_rows, prepared_outputs
-from eagle3_pipeline.sizing import human_bytes
-from eagle3_pipeline.slices import files_past_rows, parse_rows, release
+from eagle3_pipeline.slices import parse_rows, release
 from eagle3_pipeline.stage import config_fingerprint, finished, log, read_own_manifest, stage_identity, stage_main
 from eagle3_pipeline.target import extraction_layer_ids, load_target_info
 
@@ -89,34 +84,18 @@ def main(argv: list[str] | None = None) -> int:
     # --rows: one slice of a sliced run (eagle3_pipeline/slices.py); the manifest records it as `selection`
     selection = parse_rows(cfg.rows, len(rows)) if cfg.rows else None
     wanted = selection if selection is not None else list(range(total_rows))
-    if cfg.validate_only:  # before planning: the plan would drop bad files without saying why
-        mine = {i: rows[i] for i in partition_indices(selection or list(range(len(rows))), cfg.world_size, cfg.rank)}
-        bad = validate_all(hs_dir, mine, len(layer_ids), target.hidden_size, dtype=StateFormat.from_config(cfg).torch_dtype)
-        if bad:
-            for index in bad:  # a rerun redoes exactly these
-                hs_file(hs_dir, index).unlink(missing_ok=True)
-            manifest_path(hs_dir).unlink(missing_ok=True)
-            raise fail_rows(bad, hs_dir, "validation", cfg.world_size, cfg.rank)
-        log.info("validated %d file(s): all good", len(mine))
+    if cfg.validate_only:
+        validate_existing(cfg, hs_dir, rows, selection, len(layer_ids), target.hidden_size)
         return 0
     remedy = f"move {hs_dir} away (or rerun 01 into a new --output) to extract again"
     same_selection = getattr(read_own_manifest(hs_dir), "selection", None) == cfg.rows
     if finished(hs_dir, "extract", identity, check=cfg.check, input_change_redoes=True, remedy=remedy,
                 extra_done=same_selection and all_rows_landed(hs_dir, wanted)) and not cfg.check:
-        # The manifest says finished; the files must still be what this stage wrote (size, fingerprint), by a record
-        # that is itself what this stage wrote (gone or damaged: every file is re-checked, and the record rewritten).
-        changed = changed_files(hs_dir, wanted)
-        if record_problem := fingerprints_problem(hs_dir, read_own_manifest(hs_dir).fingerprints):
-            changed = dict.fromkeys(wanted, record_problem)
-        if not changed:
+        # The manifest says finished; its files must still be what this stage wrote (else they are redone).
+        if unchanged_since_written(cfg, hs_dir, wanted, rows, len(layer_ids), target.hidden_size):
             # Nothing to redo, and the manifest is left as it is (stages 03/04 recorded its content).
             log.info("%s: already extracted with these settings; nothing to do (--validate re-checks every file)", hs_dir)
             return 0
-        first = next(iter(changed.items()))
-        log.warning("%d file(s) changed since stage 02 wrote them (first: %s: %s); changed ones are redone, copied "
-                    "ones re-checked", len(changed), hs_file(hs_dir, first[0]), first[1])
-        redo_changed_files(hs_dir, changed, rows, len(layer_ids), target.hidden_size,
-                           dtype=StateFormat.from_config(cfg).torch_dtype, recheck_all=bool(record_problem))
     if selection is not None and (own := read_own_manifest(hs_dir)) and own.complete and not own.selection:
         raise ConfigError(f"{manifest_path(hs_dir)}: a finished extraction of every row is there; --rows (a sliced run) "
                           f"would delete most of it: train on it unsliced, or move {hs_dir} away first")
@@ -136,16 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         for line in check_plan_lines(cfg.target, data_dir, sources.profile):
             log.info("%s", line)
         return 0
-    remove_stale_temps(hs_dir, owned=None if cfg.world_size == 1 else lambda name: row_of(name) in plan.rows)
-    past, unlisted = files_past_rows(hs_dir, total_rows)  # rows stage 01 no longer has (it was redone on other data)
-    for extra in past:  # those a record of this stage lists; a file by its name alone is never deleted
-        extra.unlink(missing_ok=True)
-    if unlisted:
-        log.warning("kept %d file(s) past stage 01's %d rows that no record of this stage lists (%s): not deleted by "
-                    "name; move them away if they are not yours", len(unlisted), total_rows, unlisted[0])
-    if past:
-        log.warning("deleted %d row file(s) past stage 01's %d rows (it was redone since): %s", len(past), total_rows,
-                    rows_label(sorted(row_of(path.name) for path in past)))
+    tidy_before_extracting(cfg, hs_dir, plan, total_rows)
     # An unfinished manifest records the identity from the first file on (a rerun with another dtype
     # or layer ids is then refused instead of mixing files).
     write_manifest(hs_dir, ExtractManifest(complete=False, identity=identity, layer_ids=layer_ids, dtype=cfg.dtype,
@@ -154,25 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     # 4. Work.
     log.info("extracting %d row(s) (%d already done) with the %s backend, layer ids %s",
              len(plan.todo), plan.counts["skipped_done"], cfg.backend, layer_ids)
-    if plan.todo:
-        backend = make_backend(cfg, target, layer_ids, hs_dir, max_model_len, plan.compute_dtype)
-        try:
-            failures = run_extraction(backend, plan, hs_dir, cfg.retries)
-        except DiskFull as exc:
-            left = [i for i in plan.todo if not hs_file(hs_dir, i).is_file()]
-            need = sum(len(plan.rows[i]) for i in left) * StateFormat.from_config(cfg).bytes_per_token(
-                target.hidden_size, len(layer_ids))
-            raise StageError(f"{exc}; the {len(left)} row(s) left need ~{human_bytes(need)} ({need:,} B); free space, "
-                             f"then rerun (finished files are kept)") from None
-        finally:
-            backend.close()
-        if failures:
-            raise fail_rows(failures, hs_dir, "extraction", cfg.world_size, cfg.rank)
-    bad = validate_sample_of_files(plan, hs_dir, cfg.validate_sample, seed=cfg.rank)
-    if bad:
-        for index in bad:
-            hs_file(hs_dir, index).unlink(missing_ok=True)
-        raise fail_rows(bad, hs_dir, "re-validation", cfg.world_size, cfg.rank)
+    extract_rows(cfg, target, layer_ids, hs_dir, max_model_len, plan)
 
     # 5. Contract last, once every rank's rows are in (with --world-size > 1 the last rank to finish writes it).
     if not every_ranks_rows_landed(hs_dir, plan.all_indices, cfg.world_size):
