@@ -674,7 +674,8 @@ def screen_checkpoints(work: Path, size: int | str, name: str) -> Path:
 
 def screen_curves(work: Path, sizes, names, ks, timing: dict, positions: dict, whole: bool = True) -> dict[str, dict]:
     """The offline curves of the screen's runs in `work`: each epoch with a validation, tau at `ks` (benchlib.screen);
-    `whole`: every run must have all its epochs (a finished screen), else the epochs there are (a cut hold's records).
+    `whole`: every run must have trained (a finished screen; an epoch without validation metrics is left out, said in one
+    line), else the runs and epochs there are (a cut hold's records).
     A run's step seconds are its class's solo timing at the same packing (sc.timing_for)."""
     curves: dict[str, dict] = {}
     for f in sizes:
@@ -691,8 +692,10 @@ def screen_curves(work: Path, sizes, names, ks, timing: dict, positions: dict, w
             step_s, why = sc.timing_for(timing, f"{f}x/{sc.cost_class(n)}", packing)
             if why:
                 log(f"  {f}x/{n}: no equal-GPU-time x: {why}")
-            points = [screen_point(n, e, costs[e], ckpts / str(e), positions[dataset], ks, step_s)
-                      for e in sorted(costs) if whole or (ckpts / str(e) / "val_metrics.json").is_file()]
+            validated = [e for e in sorted(costs) if (ckpts / str(e) / "val_metrics.json").is_file()]
+            if whole and (unvalidated := sorted(set(costs) - set(validated))):  # killed before its validation ended
+                log(f"  {f}x/{n}: epoch(s) {', '.join(map(str, unvalidated))} without validation metrics: left out")
+            points = [screen_point(n, e, costs[e], ckpts / str(e), positions[dataset], ks, step_s) for e in validated]
             if points:
                 curves.setdefault(str(f), {})[n] = {"recipe": sc.resolve_recipe(n), "cost_class": sc.cost_class(n),
                                                     "step_s": step_s, "val_positions": positions[dataset],

@@ -195,7 +195,7 @@ def test_the_exported_checkpoint_is_the_best_offline_tau_not_the_lowest_loss(tmp
     follows it; the choice and every epoch's figures are recorded (train_report.choose_checkpoint)."""
     import os
 
-    from eagle3_pipeline.train_report import choose_checkpoint
+    from eagle3_pipeline.train_report import choose_checkpoint, format_summary
 
     work = tmp_path / "ckpt"
     shutil.copytree(kimi_run["checkpoints"], work, symlinks=True)
@@ -209,6 +209,9 @@ def test_the_exported_checkpoint_is_the_best_offline_tau_not_the_lowest_loss(tmp
     assert best == work / "0" and os.readlink(work / "checkpoint_best") == "0"
     assert choice["chosen"] == "0" and choice["lowest_val_loss"] == "1" and choice["by_epoch"]["0"]["k"] == 3
     assert choice["by_epoch"]["0"]["tau"] == pytest.approx(1 + 3 * 0.9) and choice["by_epoch"]["1"]["val_loss"] == 1.0
+    text = format_summary({"best_checkpoint": str(best), "best_epoch": 0, "checkpoint_choice": choice})
+    assert "(epoch 0, highest offline tau at k=3)" in text, text  # its loss is the higher one: said by the rule used
+    assert "(epoch 1, lowest val loss)" in format_summary({"best_checkpoint": str(work / "1"), "best_epoch": 1})
     for epoch in ("0", "1"):  # a tie in tau: the lower loss
         val = json.loads((work / epoch / "val_metrics.json").read_text())
         val.update({key: 0.5 for key in val if key.startswith("full_acc_")})

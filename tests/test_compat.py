@@ -42,6 +42,7 @@ _APPLY_AND_LOOK = textwrap.dedent("""
         "interrupt_progress": bool(getattr(trainer.Trainer, "_eagle3_progress", False)),
         "resume_agreement": bool(getattr(ckpt.BaseCheckpointer._get_previous_epoch, "_eagle3_resume_agreement", False)),
         "samples_record": bool(getattr(trainer.Trainer, "_eagle3_samples_record", False)),
+        "epoch_val_metrics": bool(getattr(trainer.Trainer.maybe_update_best, "_eagle3_epoch_val_metrics", False)),
         "metrics_jsonl": hasattr(cli.setup_metric_logger, "wrapped"),
         "device_prefetch": bool(getattr(cli.create_train_val_loaders, "_device_prefetch", False)),
         "sample_check": bool(getattr(cli.create_train_val_loaders, "_sample_check", False)),
@@ -72,7 +73,7 @@ def test_apply_returns_the_name_of_every_change_it_made_and_no_other(tmp_path):
     # Gated by the machine: the CPU shim exactly without an accelerator, the GPU pieces only with CUDA.
     assert ("cpu_trainer" in report["applied"]) == (torch.accelerator.current_accelerator() is None)
     assert ("device_prefetch" in report["applied"]) == torch.cuda.is_available()
-    assert {"interrupt_progress", "resume_agreement", "samples_record", "metrics_jsonl", "sample_check", "finite_loss",
+    assert {"interrupt_progress", "resume_agreement", "samples_record", "epoch_val_metrics", "metrics_jsonl", "sample_check", "finite_loss",
             "val_depth", "feature_noise", "stall_watch"} <= set(report["applied"])
     assert "online_generation" not in report["applied"]  # files mode (no EAGLE3_HIDDEN_STATES): speculators untouched
 
@@ -513,3 +514,65 @@ def test_skipping_stops_above_max_bad_fraction_counting_each_sample_once_over_ra
     every = {**config, "samples": 3, "max_bad_fraction": 1.0}
     assert sample_check.left_out_problem(every) == "DATA: all 3 samples are bad, none is left to train on; first: hs/a: bad"
     assert sample_check.left_out_problem({**every, "samples": 4}) is None  # one sample left to train on
+
+
+_EPOCH_VAL_METRICS = textwrap.dedent("""
+    import json, sys
+    from pathlib import Path
+    from types import SimpleNamespace
+    from speculators.train.checkpointer import SingleGPUCheckpointer
+    from speculators.train.trainer import Trainer
+    from eagle3_pipeline.compat import epoch_val_metrics
+
+    save = Path(sys.argv[1])
+    for epoch in ("0", "1"):  # what maybe_save_checkpoint saved before each validation; epoch 2 was not saved
+        (save / epoch).mkdir(parents=True)
+    if sys.argv[2] == "fixed":
+        epoch_val_metrics.apply()
+    run = SimpleNamespace(best_val_loss=float("inf"), config=SimpleNamespace(save_best=False, checkpoint_freq=1),
+                          checkpointer=SingleGPUCheckpointer(save))
+    for epoch, loss, acc in ((0, 2.0, 0.25), (1, 2.5, 0.5), (2, 3.0, 0.6)):  # the loss rises after epoch 0
+        Trainer.maybe_update_best(run, epoch, {"loss_epoch": loss, "full_acc_0_epoch": acc})
+    print(json.dumps({"best": (save / "checkpoint_best").readlink().name, "best_val_loss": run.best_val_loss,
+                      "files": {e: json.loads(p.read_text()) for e in ("0", "1", "2")
+                                if (p := save / e / "val_metrics.json").exists()},
+                      "listing": sorted(p.name for p in (save / "1").iterdir())}))
+""")
+
+
+@pytest.mark.parametrize("mode", ["speculators", "fixed"])
+def test_every_saved_epoch_keeps_its_validation_metrics_though_its_loss_rose(tmp_path, mode):
+    """speculators 0.9.0's Trainer.maybe_update_best (real, on its real checkpointer) writes an epoch's
+    val_metrics.json only for a new lowest loss: epoch 1, whose loss rose but whose accuracy is the best, had none,
+    so 04's choice by offline tau could not see it. compat/epoch_val_metrics writes it, as speculators would; the best
+    by loss (checkpoint_best, best_val_loss) stays speculators'; an epoch with no saved folder gets nothing."""
+    from eagle3_pipeline.checkpoints import epoch_folders
+
+    result = subprocess.run([sys.executable, "-c", _EPOCH_VAL_METRICS, str(tmp_path / "ckpt"), mode],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.splitlines()[-1])
+    assert report["best"] == "0" and report["best_val_loss"] == 2.0
+    epoch0 = {"loss_epoch": 2.0, "full_acc_0_epoch": 0.25}
+    if mode == "speculators":
+        assert report["files"] == {"0": epoch0}
+    else:
+        assert report["files"] == {"0": epoch0, "1": {"loss_epoch": 2.5, "full_acc_0_epoch": 0.5}}
+        assert report["listing"] == ["val_metrics.json"]  # written through a temp and renamed: no temp left
+    assert not (tmp_path / "ckpt" / "2").exists()
+    assert [p.name for p in epoch_folders(tmp_path / "ckpt")] == ["0", "1"]
+
+
+def test_a_val_metrics_temp_left_by_a_killed_write_keeps_the_folder_a_checkpoint(tmp_path):
+    """A kill between epoch_val_metrics' temp write and its rename leaves `.val_metrics.json.tmp-*` in the epoch's
+    folder: the folder is still speculators' checkpoint (stage 04 tidies and resumes), not a folder a person made."""
+    from eagle3_pipeline.checkpoints import epoch_folders, foreign_epoch_folders
+    from eagle3_pipeline.files import temp_path_for
+
+    folder = tmp_path / "3"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    temp_path_for(folder / "val_metrics.json").write_text('{"loss_ep')
+    assert [p.name for p in epoch_folders(tmp_path)] == ["3"] and foreign_epoch_folders(tmp_path) == []
+    (folder / "notes.txt").write_text("mine")
+    assert foreign_epoch_folders(tmp_path) == [folder]

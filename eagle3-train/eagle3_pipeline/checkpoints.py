@@ -23,7 +23,7 @@ import json
 from pathlib import Path
 
 from .errors import ContractError
-from .files import remove_path, safetensors_problem, sha256_file
+from .files import TEMP_MARKER, remove_path, safetensors_problem, sha256_file
 from .manifest import MANIFEST_NAME
 from .stage import first_difference, read_own_manifest
 
@@ -46,8 +46,10 @@ RUN_FILES = (
 )
 
 
-# What transformers' save_pretrained may add for larger drafts (sharded weights, generation config).
-CHECKPOINT_PATTERNS = ("model-*-of-*.safetensors", "*.safetensors.index.json", "generation_config.json")
+# What transformers' save_pretrained may add for larger drafts (sharded weights, generation config), and the temp of
+# a val_metrics.json compat/epoch_val_metrics.py was writing when a run was killed (files.temp_path_for's name).
+CHECKPOINT_PATTERNS = ("model-*-of-*.safetensors", "*.safetensors.index.json", "generation_config.json",
+                       f".val_metrics.json{TEMP_MARKER}*")
 
 
 def _is_checkpoint_file(path: Path) -> bool:

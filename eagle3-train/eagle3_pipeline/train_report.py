@@ -259,9 +259,10 @@ def format_summary(summary: dict, out_dir: Path | None = None) -> str:
     kind = summary.get("speculator_type") or "eagle3"
     lines = [f"{'EAGLE-3' if kind == 'eagle3' else kind} draft training summary" + (f"  ({out_dir})" if out_dir else "")]
     epoch = summary.get("best_epoch")
-    lines.append(f"best checkpoint : {summary['best_checkpoint']}"
-                 + (f"  (epoch {epoch}, lowest val loss)" if epoch is not None else ""))
     choice = summary.get("checkpoint_choice") or {}
+    chosen = (choice.get("by_epoch") or {}).get(str(epoch))  # choose_checkpoint's rule, else speculators' (by loss)
+    why = f"highest offline tau at k={chosen['k']}" if chosen else "lowest val loss"
+    lines.append(f"best checkpoint : {summary['best_checkpoint']}" + (f"  (epoch {epoch}, {why})" if epoch is not None else ""))
     if choice.get("not_validated"):
         lines.append(f"not validated   : checkpoint(s) {', '.join(choice['not_validated'])} "
                      f"{choice.get('not_validated_why', '')}")

@@ -17,6 +17,8 @@ installed (stage 04 logs them and records them in its manifest, via metrics.json
   samples_record       Trainer.train_epoch also appends, per rank and step, the train rows that step
                        trained on and how many the loader left out to <save>/logs/samples/rank-<R>.jsonl
                        (stage 04's manifest `trained` counts them; gate: speculators 0.9.0)
+  epoch_val_metrics    every saved epoch keeps its validation metrics (speculators writes them only for a new
+                       lowest loss), so the choice by offline tau sees every epoch (gate: speculators 0.9.0)
   metrics_jsonl        speculators' metric logger setup also attaches stage 04's metrics.jsonl
                        (always; raises if speculators' setup function is gone)
   device_prefetch      the training loader copies the next batch to the GPU on a side stream
@@ -50,7 +52,7 @@ from pathlib import Path
 # version first; vLLM's workers import hidden_states_connector light); apply() imports the fixes.
 
 FIXES = ("cpu_trainer", "fused_loss", "flex_forward_config", "interrupt_progress", "resume_agreement", "samples_record",
-         "metrics_jsonl", "device_prefetch", "sample_check", "finite_loss", "val_depth", "feature_noise",
+         "epoch_val_metrics", "metrics_jsonl", "device_prefetch", "sample_check", "finite_loss", "val_depth", "feature_noise",
          "online_generation", "stall_watch")
 
 
@@ -63,6 +65,7 @@ def apply(metrics_path: str | Path) -> list[str]:
     from . import (
         cpu_trainer,
         device_prefetch,
+        epoch_val_metrics,
         feature_noise,
         finite_loss,
         flex_forward_config,
@@ -84,6 +87,7 @@ def apply(metrics_path: str | Path) -> list[str]:
         "interrupt_progress": interrupt_progress.apply,
         "resume_agreement": resume_agreement.apply,
         "samples_record": samples_record.apply,
+        "epoch_val_metrics": epoch_val_metrics.apply,
         "metrics_jsonl": lambda: metrics_jsonl.apply(metrics_path),
         "device_prefetch": device_prefetch.apply,
         "sample_check": sample_check.apply,
