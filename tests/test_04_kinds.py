@@ -133,3 +133,24 @@ def test_only_eagle3_gets_the_eagle3_flags():
     three = speculators_argv(cfg, DraftConfig(speculator_type="dspark", num_layers=3, block_size=8), "/t", [2, 30, 58],
                              32000, 0.9, 163839, gpu=True)
     assert three[three.index("--num-layers") + 1] == "3" and three[three.index("--block-size") + 1] == "8"
+
+
+def test_dflash2_over_a_draft_vocabulary_smaller_than_the_targets_is_refused_in_one_line(tmp_path, kimi_run, kimi_target):
+    """speculators 0.9.0's DFlash2 raises at model build unless its head is the target's whole vocabulary (seen on the
+    SmolLM2 testbed: a 32K mapping, 49,152 tokens); 04 --check says so first, naming the vocabulary folder and the 03
+    command that builds one (the cpu-mini run's 256-token mapping); a vocabulary of the target's size passes."""
+    target_vocab = json.loads((kimi_target / "config.json").read_text())["text_config"]["vocab_size"]
+    flags = ["--profile", "cpu-mini", "--target", kimi_target, "--data", kimi_run["data"], "--output", tmp_path / "out",
+             "--speculator-type", "dflash2", "--check"]
+    result = run_stage("train", *flags, "--vocab", kimi_run["vocab"], check=False)
+    assert result.returncode == 2 and _last_line(result) == result.stderr.strip(), result.stderr
+    assert _last_line(result) == (
+        f"error: {kimi_run['vocab']}: a dflash2 draft predicts over the target's whole vocabulary ({target_vocab:,} "
+        f"tokens; speculators 0.9.0 refuses another size), this one maps 256: build it with 03_build_vocab_mapping.py "
+        f"--draft-vocab-size {target_vocab} into another --output")
+    full = tmp_path / "vocab-full"
+    run_stage("vocab", "--profile", "cpu-mini", "--data", kimi_run["data"], "--output", full, "--draft-vocab-size",
+              str(target_vocab))
+    result = run_stage("train", *flags, "--vocab", full, check=False)
+    assert result.returncode == 0, result.stderr
+    assert not (tmp_path / "out").exists()  # --check writes nothing

@@ -73,6 +73,8 @@ SCREEN_RECIPES: dict[str, dict] = {
     # (draft_kinds.num_speculative_tokens: a block draft at its block - 1), where the vLLM in use serves them.
     **{kind: {"kind": kind, "train": ["--speculator-type", kind]} for kind in ("dflash", "peagle", "dspark", "dflash2")},
 }
+# DFlash2's head is the target's whole vocabulary (speculators 0.9.0 refuses another size; draft_kinds.full_vocabulary)
+SCREEN_RECIPES["dflash2"]["vocab"] = "full"
 KIND_RECIPES = ("dflash", "peagle", "dspark", "dflash2")
 # `--screen-recipes kinds`: the kind recipes the vLLM in use serves (kind_recipes)
 KINDS_ALIAS = "kinds"

@@ -80,6 +80,8 @@ class DraftKind:
     # draft_config.json's EAGLE-3 keys (EAGLE3_KEYS) reach speculators: eagle3 only; every other kind trains with
     # speculators' own defaults for them (schema.py _resolve_derived_defaults)
     eagle3_settings: bool = False
+    # The draft's head must be the target's whole vocabulary (models/dflash2/core.py __init__ raises otherwise)
+    full_vocabulary: bool = False
 
 
 _NOT_LOADED_026 = "vllm 0.26 algos.py registers no such speculators_model_type"
@@ -128,6 +130,7 @@ KINDS: dict[str, DraftKind] = {k.name: k for k in (
                  "0.32": Serving("dflash", model_file="qwen3_dflash2.py")},
         # 0.32 config/vllm.py _get_v1_model_runner_unsupported_features: the candidate selector is V2-runner only
         cpu="not served: 'Model Runner V1 does not support: DFlash candidate-head drafts'",
+        full_vocabulary=True,
     ),
     DraftKind(
         "dspark", "DSpark: DFlash backbone + Markov logit-bias head + confidence head; samples from the anchor",
@@ -240,6 +243,16 @@ def block_size_problem(kind_or_name, size: Optional[int]) -> Optional[str]:
     if size is not None and not k.block_draft:
         return (f"the {k.name} kind has no block (block drafts: {', '.join(n for n, x in KINDS.items() if x.block_draft)})"
                 f"; set block_size to null")
+    return None
+
+
+def vocabulary_problem(kind_or_name, draft_vocab_size: int, target_vocab_size: int) -> Optional[str]:
+    """Why a stage 03 vocabulary of `draft_vocab_size` tokens cannot train this kind (None: it can)."""
+    k = _as_kind(kind_or_name)
+    if k.full_vocabulary and draft_vocab_size != target_vocab_size:
+        return (f"a {k.name} draft predicts over the target's whole vocabulary ({target_vocab_size:,} tokens; speculators "
+                f"0.9.0 refuses another size), this one maps {draft_vocab_size:,}: build it with 03_build_vocab_mapping.py "
+                f"--draft-vocab-size {target_vocab_size} into another --output")
     return None
 
 

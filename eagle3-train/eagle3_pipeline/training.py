@@ -141,6 +141,9 @@ def read_upstream(cfg: TrainConfig, target, draft: DraftConfig) -> tuple[Prepare
     for key, value in (("hidden_size", target.hidden_size), ("target_vocab_size", target.vocab_size)):
         if (stated := getattr(draft, key)) not in (None, value):
             raise ConfigError(f"{cfg.draft_config}: {key} {stated} does not match the target's {value} ({cfg.target}/config.json)")
+    if vocab.draft_vocab_size is not None and (problem := draft_kinds.vocabulary_problem(
+            draft.speculator_type, vocab.draft_vocab_size, target.vocab_size)):
+        raise ConfigError(f"{cfg.vocab}: {problem}")
     return prepared, extracted, vocab
 
 
