@@ -231,6 +231,16 @@ def _wait(proc: subprocess.Popen, start: float, timeout: float, stop_when) -> in
     return code
 
 
+def free_cached_gpu_memory() -> None:
+    """Give back the blocks torch's caching allocator keeps after the bench wrote its verifier or data on the GPU: the
+    runs share the card with this process, and on one H100 80GB it held 13.8 GiB through a run that then ran out of
+    memory (2026-12-07, results/h100-hold-2026-12-07b/train-1-driver.log)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def visible_gpus(gpus: list[int]) -> list[str]:
     """The physical GPU ids of run indices `gpus`, through an inherited CUDA_VISIBLE_DEVICES."""
     inherited = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
@@ -426,6 +436,7 @@ def main() -> None:
     verifier, data = work / "verifier", work / "data"
     if not (verifier / "model.safetensors").is_file():
         throughput.write_head_only_verifier(verifier, device="cuda")
+        free_cached_gpu_memory()
     geometry = throughput.kimi_draft_geometry(verifier, draft_vocab_size=DRAFT_VOCAB)
     if args.cold_warm:  # its own datasets, one format at a time
         return cold_warm(args, work, verifier, geometry, report)
@@ -438,6 +449,7 @@ def main() -> None:
             data, num_rows=rows_needed, seq_len=ROW_TOKENS, hidden_size=geometry.hidden_size,
             vocab_size=throughput.KIMI_K25_TEXT_CONFIG["vocab_size"],
             distinct_files=args.distinct_files, device="cuda")
+        free_cached_gpu_memory()
         report["data"] = info
     bytes_per_token = StateFormat().bytes_per_token(geometry.hidden_size, throughput.HIDDEN_STATE_SLOTS)
     # The trainer shifts each row by one token: documents of ROW_TOKENS - 1.
