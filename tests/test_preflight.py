@@ -242,3 +242,32 @@ def test_every_stage_check_prints_its_estimate_and_writes_nothing(capsys, caplog
     assert "run plan: " in caplog.text and "profile cpu-mini" in caplog.text and "hidden states: bf16 " in caplog.text
     written = [p for p in tmp_path.rglob("*") if p.is_file() and p.parent.name in ("data", "vocab", "ckpt", "draft")]
     assert written == [] and not (tmp_path / "draft").exists()
+
+
+def test_fsdp_shards_the_drafts_training_state_over_the_ranks_in_the_memory_check():
+    """A 5-layer DFlash draft at Kimi-K2.5's width (04's estimate: 70.6 GB) is refused on one 80 GB card (seen on one
+    H100, bench/README.md "Draft kinds beside EAGLE-3"); with --fsdp over the box's 8 ranks its fp32 weights, grads and
+    AdamW state are sharded, and the check counts one rank's share (the frozen parts whole)."""
+    from types import SimpleNamespace
+
+    from eagle3_pipeline import preflight
+    from eagle3_pipeline.errors import PreflightError
+    from eagle3_pipeline.sizing import draft_parameters
+
+    saved, trainable = draft_parameters(7168, 163840, 32000, 5)
+    head = 32000 * 7168
+    one = SimpleNamespace(nproc=1, nnodes=1, fsdp=False, optimizer="adamw")
+    need, what = preflight.train_memory_need(one, saved, trainable, head)
+    assert what == "draft + frozen verifier head" and round(need / 1e9, 1) == 70.6
+    with pytest.raises(PreflightError, match=r"70\.6 GB; 42\.5 GB usable"):
+        preflight.check_memory(what, need, 42_500_000_000, 1, "gpu")
+    ddp = SimpleNamespace(nproc=8, nnodes=1, fsdp=False, optimizer="adamw")
+    assert preflight.train_memory_need(ddp, saved, trainable, head)[0] == need  # DDP: every rank holds it all
+    fsdp = SimpleNamespace(nproc=8, nnodes=1, fsdp=True, optimizer="adamw")
+    sharded, what = preflight.train_memory_need(fsdp, saved, trainable, head)
+    assert what == "draft + frozen verifier head (draft state sharded over 8 ranks)"
+    frozen = (saved - trainable) * 2 + head * 2
+    assert sharded == int(trainable * 16 / 8 + frozen) and sharded < 42_500_000_000
+    assert preflight.check_memory(what, sharded, 42_500_000_000, 1, "gpu").startswith("gpu memory")
+    two_nodes = SimpleNamespace(nproc=8, nnodes=2, fsdp=True, optimizer="adamw")
+    assert preflight.train_memory_need(two_nodes, saved, trainable, head)[0] == int(trainable * 16 / 16 + frozen)

@@ -226,6 +226,16 @@ def check_optimizer_steps(cfg, total_tokens: int, train_data_ratio: float) -> st
     return line
 
 
+def train_memory_need(cfg, saved: int, trainable: int, verifier_head: int) -> tuple[int, str]:
+    """(bytes one GPU holds before activations, what they are): the draft's fp32 master weights, grads and optimizer
+    state, its frozen part and the verifier's lm_head in bf16. With --fsdp (speculators --fsdp-shard, FSDP2) the
+    draft's fp32 state is sharded over every rank of the run, so a draft too large for one card (a 5-layer DFlash at
+    Kimi-K2.5's width) trains on the box; the frozen parts are counted whole."""
+    ranks = cfg.nproc * cfg.nnodes if cfg.fsdp else 1
+    need = int(trainable * 4 * (2 + OPTIMIZER_STATES[cfg.optimizer]) / ranks + (saved - trainable) * 2 + verifier_head * 2)
+    return need, "draft + frozen verifier head" + (f" (draft state sharded over {ranks} ranks)" if ranks > 1 else "")
+
+
 def preflight_train(cfg, draft, target, draft_vocab: int, out_dir: Path, total_tokens: int = 0,
                     epochs_done: int = 0, nproc_given: bool = True, nproc_source: str = "flag",
                     train_data_ratio: float = 1.0) -> list[str]:
@@ -245,16 +255,15 @@ def preflight_train(cfg, draft, target, draft_vocab: int, out_dir: Path, total_t
         raise refuse(f"gpus: none visible, --nproc {cfg.nproc} ({nproc_source}) needs {cfg.nproc}",
                      "a GPU profile on a machine without a visible GPU: check nvidia-smi and CUDA_VISIBLE_DEVICES, "
                      "or pass --nproc 1 to train on the CPU")
-    # fp32 master weights + grads + optimizer state for the draft; the frozen head in bf16.
-    need = int(trainable * 4 * (2 + OPTIMIZER_STATES[cfg.optimizer]) + (saved - trainable) * 2 + draft_vocab * target.hidden_size * 2)
+    need, what = train_memory_need(cfg, saved, trainable, draft_vocab * target.hidden_size)
     if gpus:
         lines.append(check_gpu_count(len(gpus), cfg.nproc, "--nproc"))
-        lines.append(check_memory("draft + frozen verifier head", need, int(min(gpus) * TRAIN_MEMORY_HEADROOM), 1, "gpu"))
+        lines.append(check_memory(what, need, int(min(gpus) * TRAIN_MEMORY_HEADROOM), 1, "gpu"))
         if total_tokens and cfg.hidden_states == "files":  # online: no files to read
             lines.append(check_hidden_state_reads(Path(cfg.data) / HS_DIRNAME, total_tokens, cfg.nproc))
     else:
         lines.append("gpus: none visible; training runs on the CPU (miniature/testing only)")
-        lines.append(check_memory("draft + frozen verifier head", need, host_memory(), 1, "host"))
+        lines.append(check_memory(what, need, host_memory(), 1, "host"))
     if total_tokens:
         lines.append(check_optimizer_steps(cfg, total_tokens, train_data_ratio))
     lines.append(check_training_versions(target.model_type))
