@@ -365,6 +365,9 @@ def main() -> None:
                              "KIND with its own speculators defaults, the mask token Kimi's [PAD]), each with tokens/s, "
                              "step ms and peak memory; FLOP count and MFU only for eagle3 (the FLOP model counts "
                              "EAGLE-3's draft; none for the others). Issue 62: dflash peagle dspark dflash2")
+    parser.add_argument("--kinds-fsdp", type=int, default=0, metavar="N",
+                        help="run each --kinds run on N GPUs sharded with 04 --fsdp (ours-KIND-fsdpN): the 5-layer block "
+                             "drafts at Kimi-K2.5's width do not fit one 80 GB card unsharded")
     parser.add_argument("--ddp", type=int, default=0, help="also run ours on N GPUs (torchrun)")
     parser.add_argument("--distinct-files", type=int, default=48,
                         help="distinct hidden-state files (rows beyond share them by hard link)")
@@ -698,9 +701,11 @@ def _plan_runs(args: argparse.Namespace) -> dict[str, dict]:
         specs[f"ours-vocab-{size}"] = {"via_04": True, "flags": [], "prefetch": True, "gpus": 1, "draft_vocab": size}
     if args.ddp > 1:
         specs[f"ours-{args.ddp}gpu"] = {**ours, "gpus": args.ddp}
+    shards = getattr(args, "kinds_fsdp", 0)  # the kinds sharded with FSDP over N GPUs (a 5-layer DFlash at Kimi width)
     for kind in kind_names(getattr(args, "kinds", [])):  # after the EAGLE-3 runs: 04 with each kind's own defaults
-        specs[f"ours-{kind}"] = {"via_04": True, "prefetch": True, "gpus": 1, "kind": kind,
-                                 "flags": ["--speculator-type", kind, "--mask-token-id", str(MASK_TOKEN_ID)]}
+        specs[f"ours-{kind}" + (f"-fsdp{shards}" if shards > 1 else "")] = {
+            "via_04": True, "prefetch": True, "gpus": max(shards, 1), "kind": kind,
+            "flags": ["--speculator-type", kind, "--mask-token-id", str(MASK_TOKEN_ID), *(["--fsdp"] if shards > 1 else [])]}
     checks = getattr(args, "loader_check", "on")
     for name in [n for n, spec in specs.items() if spec.get("via_04")]:
         if checks == "off":

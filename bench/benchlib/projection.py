@@ -93,18 +93,22 @@ def draft_ms_for(times: Mapping[tuple[str, int], float], kind: str, k: int | Non
 def train_costs(train: Mapping[str, Any], eagle3_run: str = "ours") -> dict[str, float]:
     """{kind: training GPU time per token at Kimi-K2.5's width over EAGLE-3's} from a bench/train_throughput.py
     results file with --kinds (runs `ours` and `ours-KIND`): ours' tokens/s over ours-KIND's; eagle3 1.0. A kind
-    whose run failed or is absent is left out."""
+    whose run failed or is absent is left out. A kind run sharded over N GPUs (`--kinds-fsdp N`: ours-KIND-fsdpN) is
+    priced per GPU (GPU time per token), and only where the kind has no one-GPU run."""
     runs = train.get("runs") or {}
     base = (runs.get(eagle3_run) or {}).get("tokens_per_s")
     if not base:
         raise ValueError(f"the training results hold no {eagle3_run!r} run with tokens/s")
-    out = {"eagle3": 1.0}
+    out, sharded = {"eagle3": 1.0}, {}
     for name, run in runs.items():
         if name.startswith(f"{eagle3_run}-") and run.get("tokens_per_s") and not run.get("failed"):
-            kind = name[len(eagle3_run) + 1:]
-            if kind.isidentifier():  # ours-KIND, not ours-vocab-N or ours-2gpu
+            kind, _, fsdp = name[len(eagle3_run) + 1:].partition("-fsdp")
+            if kind.isidentifier() and not fsdp:  # ours-KIND, not ours-vocab-N or ours-2gpu
                 out[kind] = float(base) / float(run["tokens_per_s"])
-    return out
+            elif kind.isidentifier() and fsdp.isdigit():
+                per_gpu = run.get("tokens_per_s_per_gpu") or float(run["tokens_per_s"]) / int(fsdp)
+                sharded[kind] = float(base) / float(per_gpu)
+    return {**sharded, **out}
 
 
 def project(entries: Iterable[Mapping[str, Any]], times: Mapping[tuple[str, int], float],

@@ -137,6 +137,10 @@ def test_train_costs_are_ours_tokens_per_second_over_each_kinds(tmp_path, capsys
                       "ours-peagle": {"tokens_per_s": 24000.0}, "ours-vocab-64000": {"tokens_per_s": 20000.0},
                       "ours-dspark": {"failed": True, "failure": "out of memory"}, "plain": {"tokens_per_s": 9000.0}}}
     assert projection.train_costs(train) == {"eagle3": 1.0, "dflash": 2.5, "peagle": 1.25}
+    # --kinds-fsdp 2: dspark sharded over 2 GPUs, priced per GPU; a kind's one-GPU run wins over its sharded one
+    sharded = {**train["runs"], "ours-dspark-fsdp2": {"tokens_per_s": 20000.0, "tokens_per_s_per_gpu": 10000.0},
+               "ours-dflash-fsdp2": {"tokens_per_s": 4000.0}}
+    assert projection.train_costs({"runs": sharded}) == {"eagle3": 1.0, "dflash": 2.5, "peagle": 1.25, "dspark": 3.0}
     with pytest.raises(ValueError, match="'ours' run"):
         projection.train_costs({"runs": {"plain": {"tokens_per_s": 1.0}}})
     result = projection.project(ENTRIES, TIMES, costs=projection.train_costs(train))

@@ -409,6 +409,23 @@ def test_bench_plans_an_ours_run_per_draft_vocabulary(monkeypatch):
     assert plan["ours-vocab-64000"]["flags"] == plan["ours"]["flags"] == ["--total-seq-len", "32768"]
 
 
+def test_bench_plans_each_kind_sharded_over_n_gpus_with_kinds_fsdp(monkeypatch):
+    """Issue 62: a 5-layer DFlash at Kimi-K2.5's width is refused on one 80 GB card (04's memory check, one H100):
+    --kinds-fsdp N runs each kind on N GPUs with 04 --fsdp; without it, one GPU, unsharded."""
+    import argparse
+
+    bench = _bench_module()
+    monkeypatch.setattr(bench, "_resolved_04_config", lambda args: {"log_freq": "10", "total_seq_len": "32768"})
+    args = argparse.Namespace(runs=["ours"], variant=[], ddp=0, ours_via="04_train", ours_profile="h200-8x",
+                              ours_variant=[], warmup_steps=2, steps=8, kinds=["dflash", "peagle"], kinds_fsdp=2)
+    plan = bench._plan_runs(args)
+    assert list(plan) == ["ours", "ours-dflash-fsdp2", "ours-peagle-fsdp2"]
+    assert plan["ours-dflash-fsdp2"]["gpus"] == 2 and plan["ours-dflash-fsdp2"]["kind"] == "dflash"
+    assert plan["ours-dflash-fsdp2"]["flags"][:5] == ["--speculator-type", "dflash", "--mask-token-id", "163839", "--fsdp"]
+    plain = bench._plan_runs(argparse.Namespace(**{**vars(args), "kinds_fsdp": 0}))
+    assert plain["ours-dflash"]["gpus"] == 1 and "--fsdp" not in plain["ours-dflash"]["flags"]
+
+
 def test_a_04_runs_recorded_draft_is_what_04_resolves_with_its_norm_flags(tmp_path):
     """bench/train_throughput.py records each 04 run's draft (the projection prices screen classes by it): the draft
     config 04 resolves (--print-config, real) with the norm flags among its --extra-args as speculators reads them."""
