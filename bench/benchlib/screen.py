@@ -16,6 +16,8 @@ import math
 import statistics
 from typing import Iterable, Mapping, Sequence
 
+from eagle3_pipeline import draft_kinds
+
 from . import curves as lc
 
 # One change each from the landed defaults ("ours": stage 04 as a user runs it), plus plain speculators.
@@ -71,10 +73,11 @@ SCREEN_RECIPES: dict[str, dict] = {
     # step). Their validation reports no full_acc_i chain, so they have no offline tau (their `kind_offline`: the
     # trainer's eal and per-position accuracy): they always go to vLLM, each at its kind's served k
     # (draft_kinds.num_speculative_tokens: a block draft at its block - 1), where the vLLM in use serves them.
-    **{kind: {"kind": kind, "train": ["--speculator-type", kind]} for kind in ("dflash", "peagle", "dspark", "dflash2")},
+    # A kind whose head must be the target's whole vocabulary (dflash2: draft_kinds.full_vocabulary) trains over it.
+    **{kind: {"kind": kind, "train": ["--speculator-type", kind],
+              **({"vocab": "full"} if draft_kinds.kind(kind).full_vocabulary else {})}
+       for kind in ("dflash", "peagle", "dspark", "dflash2")},
 }
-# DFlash2's head is the target's whole vocabulary (speculators 0.9.0 refuses another size; draft_kinds.full_vocabulary)
-SCREEN_RECIPES["dflash2"]["vocab"] = "full"
 KIND_RECIPES = ("dflash", "peagle", "dspark", "dflash2")
 # `--screen-recipes kinds`: the kind recipes the vLLM in use serves (kind_recipes)
 KINDS_ALIAS = "kinds"
@@ -139,8 +142,6 @@ def kind_recipes(vllm_version: str) -> list[str]:
     """The kind recipes whose kind `vllm_version` serves (draft_kinds.serving: dflash2 from vLLM 0.32 on), for
     `--screen-recipes kinds`. A kind recipe named on its own is trained whatever the vLLM; where it cannot be served
     its vLLM figure is recorded as not measured, with the reason."""
-    from eagle3_pipeline import draft_kinds
-
     return [name for name in KIND_RECIPES if draft_kinds.serving(name, vllm_version).method]
 
 
