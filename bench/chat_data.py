@@ -281,8 +281,9 @@ def regenerate(target: str, prompts_path: Path, out: Path, train_limit: int | No
             conv["messages"].append({"role": "user", "content": conv["record"]["turns"][turn]})
             prompts.append(ids_of(conv["messages"]))
         fits = [i for i, p in enumerate(prompts) if len(p) + max_tokens <= max_model_len]
+        print(f"turn {turn + 1}/{max_turns}: {len(fits):,} conversations answer", flush=True)
         outputs = llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in fits],
-                               [sampling(active[i], turn) for i in fits], use_tqdm=False)
+                               [sampling(active[i], turn) for i in fits], use_tqdm=True)  # hours on a CPU
         done = set()
         for i, output in zip(fits, outputs):
             conv, generated = active[i], list(output.outputs[0].token_ids)
