@@ -65,3 +65,37 @@ def test_two_sampled_answers_per_prompt_are_two_conversations_of_one_prompt(llam
     # the held-out prompts are not multiplied (they are measured greedy)
     evals = [json.loads(line) for line in (chat / "eval_prompts.jsonl").read_text().splitlines()]
     assert len({e["id"] for e in evals}) == len(evals) and all("_a" not in e["id"] for e in evals)
+
+
+def _carried_archives() -> list[Path]:
+    return sorted((REPO / "bench" / "data").glob("chat-*.tar.xz"))
+
+
+@pytest.mark.parametrize("archive", _carried_archives(), ids=lambda p: p.name)
+def test_a_carried_chat_is_what_its_summary_says_for_a_registered_testbed(archive):
+    """A hold trusts bench/data's chats without regenerating them (bench/data/README.md): each must be one folder of
+    the three files the bench reads, made by a testbed the registry knows, its rows the counts its summary records,
+    each row a prompt then the target's answer (mask 0s then 1s over the same length)."""
+    import tarfile
+
+    from test_testbed import testbed
+
+    with tarfile.open(archive) as tar:
+        members = {m.name: m for m in tar.getmembers() if m.isfile()}
+        folders = {name.split("/", 1)[0] for name in members}
+        assert len(folders) == 1, f"{archive.name}: one chat folder, not {sorted(folders)}"
+        folder = folders.pop()
+        assert set(members) == {f"{folder}/{f}" for f in ("train_tokens.jsonl", "eval_prompts.jsonl", "summary.json")}
+        summary = json.loads(tar.extractfile(members[f"{folder}/summary.json"]).read())
+        rows = [json.loads(line) for line in tar.extractfile(members[f"{folder}/train_tokens.jsonl"]) if line.strip()]
+        evals = [line for line in tar.extractfile(members[f"{folder}/eval_prompts.jsonl"]) if line.strip()]
+    made_by = Path(summary["target"]).name
+    assert made_by in {spec.target_dirname for spec in testbed.TESTBEDS.values()}, f"{archive.name}: {made_by}"
+    assert len(rows) == summary["train_rows"] and len(evals) == summary["eval_prompts"]
+    assert sum(len(r["input_ids"]) for r in rows) == summary["train_tokens"]
+    assert sum(sum(r["loss_mask"]) for r in rows) == summary["train_generated_tokens"]
+    for n, row in enumerate(rows):
+        ids, mask = row["input_ids"], row["loss_mask"]
+        prompt = mask.index(1)  # a row without an answer would raise here
+        assert len(ids) == len(mask) and all(isinstance(t, int) and t >= 0 for t in ids), f"{archive.name} row {n}"
+        assert set(mask[:prompt]) == {0} and set(mask[prompt:]) == {1}, f"{archive.name} row {n}: mask not prompt+answer"
